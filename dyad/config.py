@@ -1,0 +1,222 @@
+"""A run's config, composed of each component's own small config.
+
+Loaded from YAML (a file, a string or dotted `--set key=value` overrides). Unknown keys and bad
+values raise ValueError naming the dotted field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dyad.data import DataConfig
+from dyad.encoder_service.model import EncoderConfig
+from dyad.layout import EncoderLayout, LLMLayout
+from dyad.llm_service.model import LLMConfig
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "digits.yaml"
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 800
+    global_batch: int = 32
+    microbatches: int = 2
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.microbatches > self.global_batch:
+            raise ValueError(
+                f"train.microbatches ({self.microbatches}) must be <= train.global_batch "
+                f"({self.global_batch})"
+            )
+        if not self.lr > 0:
+            raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not self.grad_clip > 0:
+            raise ValueError(f"train.grad_clip must be > 0, got {self.grad_clip}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"train.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"train.device must be 'cpu' or 'cuda', got {self.device!r}")
+
+
+@dataclass(kw_only=True)
+class BoundaryConfig:
+    prefetch_depth: int = 2  # encoder microbatches in flight ahead of the LLM
+
+    def __post_init__(self) -> None:
+        if self.prefetch_depth < 1:
+            raise ValueError(f"boundary.prefetch_depth must be >= 1, got {self.prefetch_depth}")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    encoder: EncoderLayout = field(default_factory=EncoderLayout)
+    llm: LLMLayout = field(default_factory=LLMLayout)
+
+
+@dataclass(kw_only=True)
+class RouterConfig:
+    heartbeat_interval_s: float = 1.0
+    worker_timeout_s: float = 60.0  # a worker silent this long fails the step
+    start_timeout_s: float = 120.0  # all workers must register within this
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "worker_timeout_s", "start_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"router.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    seed: int = 0
+    out_dir: str = ""
+    data: DataConfig = field(default_factory=DataConfig)
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    llm: LLMConfig = field(default_factory=LLMConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    boundary: BoundaryConfig = field(default_factory=BoundaryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def _field_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, annotation: Any, name: str) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, options[0], name)
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} must be a mapping, got {value!r}")
+        return build(annotation, value, prefix=name)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{name} must be a list, got {value!r}")
+        return tuple(_coerce(v, typing.get_args(annotation)[0], name) for v in value)
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (int, float, str, bool) and not (
+        isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
+    ):
+        raise ValueError(f"{name} must be {annotation.__name__}, got {value!r}")
+    return value
+
+
+def build(cls, values: dict[str, Any], prefix: str = ""):
+    """Build dataclass `cls` from a nested dict; unknown keys are errors."""
+    types_by_name = _field_types(cls)
+    kwargs = {}
+    for key, value in values.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if key not in types_by_name:
+            raise ValueError(f"unknown config field {name!r}")
+        kwargs[key] = _coerce(value, types_by_name[key], name)
+    try:
+        return cls(**kwargs)
+    except TypeError as error:  # e.g. a missing required field
+        raise ValueError(f"{prefix or 'config'}: {error}") from None
+
+
+def to_dict(config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def to_yaml(config: RunConfig) -> str:
+    return yaml.safe_dump(_plain(to_dict(config)), sort_keys=False)
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def merge(base: dict, override: dict) -> dict:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def parse_override(assignment: str) -> dict[str, Any]:
+    """`train.lr=1e-3` -> {"train": {"lr": 0.001}} (values parsed as YAML)."""
+    if "=" not in assignment:
+        raise ValueError(f"--set expects key=value, got {assignment!r}")
+    key, raw = assignment.split("=", 1)
+    value = yaml.safe_load(raw) if raw else ""
+    nested: dict[str, Any] = {}
+    cursor = nested
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        cursor = cursor.setdefault(part, {})
+    cursor[parts[-1]] = value
+    return nested
+
+
+def load_yaml_text(text: str) -> dict[str, Any]:
+    try:
+        values = yaml.safe_load(text) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(f"config is not valid YAML: {error}") from None
+    if not isinstance(values, dict):
+        raise ValueError("config must be a YAML mapping")
+    return values
+
+
+def load(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    values = load_yaml_text(Path(path or DEFAULT_CONFIG).read_text())
+    for assignment in overrides:
+        values = merge(values, parse_override(assignment))
+    return build(RunConfig, values)
+
+
+def from_yaml(text: str) -> RunConfig:
+    return build(RunConfig, load_yaml_text(text))
+
+
+def resolve(config: RunConfig, *, vocab_size: int) -> RunConfig:
+    """Fill the fields one component derives from another (documented in configs/)."""
+    encoder = dataclasses.replace(
+        config.encoder,
+        out_dim=config.llm.dim,
+        image_size=config.data.image_size,
+        channels=config.data.channels,
+    )
+    llm = dataclasses.replace(config.llm, vocab_size=vocab_size)
+    return dataclasses.replace(config, encoder=encoder, llm=llm)

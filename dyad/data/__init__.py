@@ -1,0 +1,51 @@
+"""Multimodal data: datasets of image-caption samples, the tokenizer, and the sequence/batch
+layout shared by the router (plans with `SampleShape`) and the services (consume `Batch`)."""
+
+from collections.abc import Callable
+
+from dyad.data.digits import DigitsDataset
+from dyad.data.jsonl import DatasetError, JsonlDataset
+from dyad.data.samples import (
+    DATASET_NAMES,
+    IGNORE_INDEX,
+    Batch,
+    DataConfig,
+    MultimodalDataset,
+    Sample,
+    SampleShape,
+    build_prompt,
+    build_sequence,
+    collate,
+)
+from dyad.data.tokenizer import TextTokenizer, build_word_tokenizer, load_tokenizer
+
+DATASETS: dict[str, Callable[[DataConfig], MultimodalDataset]] = {
+    "digits": DigitsDataset,
+    "jsonl": JsonlDataset,
+}
+assert set(DATASETS) == set(DATASET_NAMES), "DataConfig validates names against DATASET_NAMES"
+
+
+def make_dataset(cfg: DataConfig) -> MultimodalDataset:
+    return DATASETS[cfg.name](cfg)
+
+
+__all__ = [
+    "DATASETS",
+    "IGNORE_INDEX",
+    "Batch",
+    "DataConfig",
+    "DatasetError",
+    "DigitsDataset",
+    "JsonlDataset",
+    "MultimodalDataset",
+    "Sample",
+    "SampleShape",
+    "TextTokenizer",
+    "build_prompt",
+    "build_sequence",
+    "build_word_tokenizer",
+    "collate",
+    "load_tokenizer",
+    "make_dataset",
+]

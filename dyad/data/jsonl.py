@@ -1,0 +1,145 @@
+"""Image-caption data from a JSONL file.
+
+Format: one JSON object per line; blank lines are skipped.
+
+    {"images": ["cats/1.png", "/data/dog.jpg"], "caption": "<image> a cat <image> a dog"}
+    {"images": ["cats/2.png"], "caption": "a sleeping cat", "split": "heldout"}
+    {"images": ["cats/3.png"], "caption": "<image> the animal is a cat", "answer": "cat"}
+    {"images": [], "caption": "text-only samples have no images"}
+
+- "images" (required): a list of image paths, relative to the JSONL file's directory or absolute;
+  any format Pillow reads. Images are converted to L (channels=1) or RGB (channels=3), resized to
+  image_size x image_size (bilinear, aspect ratio not kept) and scaled to [0, 1].
+- "caption" (required, non-empty): the text. If it holds no `<image>` placeholder, one per image is
+  prepended ("<image> <image> caption"); otherwise it must hold exactly one per image, and
+  placeholder k stands for images[k].
+- "split" (optional): "train" (default) or "heldout". If no record says "heldout", a deterministic
+  data.heldout_fraction of the records (seed 0, independent of the run seed) is held out.
+- "answer" (optional): the caption's last word(s), predicted in caption-accuracy eval.
+
+Every record is validated when the dataset loads (every image is decoded once); all bad records are
+reported together in one `DatasetError`, one "<file>:<line>: <problem>" per problem.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from dyad.data.samples import DataConfig, MultimodalDataset, Sample, answer_ends_text
+from dyad.data.tokenizer import IMAGE, build_word_tokenizer, load_tokenizer
+
+SEED = 0
+SPLITS = ("train", "heldout")
+
+
+class DatasetError(ValueError):
+    """Bad records in a dataset file; the message lists each one as "<file>:<line>: <problem>"."""
+
+
+def _check_image(path: Path, name: str) -> str | None:
+    if not path.is_file():
+        return f"image {name!r} not found"
+    try:
+        with Image.open(path) as image:
+            image.load()
+    except Exception as e:  # Pillow raises many types for corrupt files
+        return f"image {name!r} cannot be read: {e}"
+    return None
+
+
+def _parse_record(
+    line: str, root: Path, max_images: int
+) -> tuple[tuple[list[Path], str, str, str | None] | None, list[str]]:
+    """Returns (record, problems); record is (image_paths, text, split, answer)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        return None, [f"invalid JSON: {e}"]
+    if not isinstance(record, dict):
+        return None, [f"a record must be a JSON object, got {type(record).__name__}"]
+    problems = [f"missing field {f!r}" for f in ("images", "caption") if f not in record]
+    if problems:
+        return None, problems
+    images, caption = record["images"], record["caption"]
+    split, answer = record.get("split", "train"), record.get("answer")
+    if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+        problems.append("'images' must be a list of strings")
+        images = []
+    if not isinstance(caption, str) or not caption.replace(IMAGE, "").strip():
+        return None, problems + ["empty caption"]
+    if split not in SPLITS:
+        problems.append(f"'split' must be one of {SPLITS}, got {split!r}")
+    if len(images) > max_images:
+        problems.append(
+            f"{len(images)} images, more than data.max_images_per_sample={max_images}"
+        )
+    n_placeholders = caption.count(IMAGE)
+    if n_placeholders == 0:
+        caption = " ".join([IMAGE] * len(images) + [caption.strip()])
+    elif n_placeholders != len(images):
+        problems.append(
+            f"caption has {n_placeholders} {IMAGE} placeholders but {len(images)} images"
+        )
+    caption = caption.rstrip()
+    if answer is not None and not (isinstance(answer, str) and answer_ends_text(caption, answer)):
+        problems.append(f"'answer' {answer!r} must be the caption's last word(s)")
+    paths = [root / name for name in images]
+    problems += [p for name, path in zip(images, paths) if (p := _check_image(path, name))]
+    return (paths, caption, split, answer), problems
+
+
+class JsonlDataset(MultimodalDataset):
+    def __init__(self, cfg: DataConfig):
+        path = Path(cfg.path)
+        if not path.is_file():
+            raise ValueError(f"data.path: file not found: '{cfg.path}'")
+        records, errors = [], []
+        for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            record, problems = _parse_record(line, path.parent, cfg.max_images_per_sample)
+            errors += [f"{cfg.path}:{line_no}: {p}" for p in problems]
+            records.append(record)
+        if errors:
+            raise DatasetError(f"{len(errors)} problem(s) in {cfg.path}:\n" + "\n".join(errors))
+        if not records:
+            raise ValueError(f"data.path: no records in '{cfg.path}'")
+
+        image_index: dict[Path, int] = {}
+        samples = []
+        for i, (paths, text, _, answer) in enumerate(records):
+            image_ids = tuple(image_index.setdefault(p.resolve(), len(image_index)) for p in paths)
+            samples.append(Sample(sample_id=i, image_ids=image_ids, text=text, answer=answer))
+        self._image_paths: list[Path] = list(image_index)
+        heldout = [i for i, (_, _, split, _) in enumerate(records) if split == "heldout"]
+        if not heldout and len(records) > 1:
+            n_heldout = min(max(round(cfg.heldout_fraction * len(records)), 1), len(records) - 1)
+            heldout = np.random.default_rng(SEED).permutation(len(records))[:n_heldout].tolist()
+        tokenizer = (
+            load_tokenizer(cfg.tokenizer)
+            if cfg.tokenizer
+            else build_word_tokenizer(s.text for s in samples)
+        )
+        super().__init__(
+            tokenizer=tokenizer,
+            samples=samples,
+            heldout_ids=heldout,
+            image_size=cfg.image_size,
+            channels=cfg.channels,
+        )
+
+    def images(self, image_ids: Sequence[int]) -> torch.Tensor:
+        size, mode = self.image_size, "L" if self.channels == 1 else "RGB"
+        images_NCHW = torch.empty(len(image_ids), self.channels, size, size)
+        for n, image_id in enumerate(image_ids):
+            with Image.open(self._image_paths[image_id]) as image:
+                resized = image.convert(mode).resize((size, size), Image.Resampling.BILINEAR)
+            pixels_HWC = np.asarray(resized, dtype=np.float32).reshape(size, size, self.channels)
+            images_NCHW[n] = torch.from_numpy(pixels_HWC).permute(2, 0, 1) / 255.0
+        return images_NCHW

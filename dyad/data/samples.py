@@ -1,0 +1,257 @@
+"""Data config, samples, sequences and batches: what the router plans with and what the two
+services consume.
+
+A sample is text with `<image>` placeholders plus the ids of its images in the dataset's image
+table. `build_sequence` expands each placeholder into `tokens_per_image` image tokens (LLaVA-style)
+and marks caption tokens as the only loss targets.
+
+Shape legend: B batch rows, S padded sequence length, N image-token rows (n_images *
+tokens_per_image, flattened over the batch), C channels, H = W = image_size.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dyad.data.tokenizer import IMAGE, TextTokenizer
+
+IGNORE_INDEX = -100
+DATASET_NAMES = ("digits", "jsonl")
+_DIGITS_ONLY_FIELDS = ("multi_image_fraction", "text_only_fraction")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    name: str = "digits"
+    path: str | None = None  # the JSONL file when name == "jsonl"
+    tokenizer: str | None = None  # a tokenizer.json; None = word-level over the captions
+    image_size: int = 16
+    channels: int = 1
+    heldout_fraction: float = 0.2
+    multi_image_fraction: float = 0.0  # digits only
+    text_only_fraction: float = 0.0  # digits only
+    max_images_per_sample: int = 2
+
+    def __post_init__(self):
+        if self.name not in DATASET_NAMES:
+            raise ValueError(f"data.name must be one of {DATASET_NAMES}, got {self.name!r}")
+        if self.name == "jsonl" and not self.path:
+            raise ValueError("data.path is required when data.name is 'jsonl'")
+        if self.name != "jsonl" and self.path is not None:
+            raise ValueError(f"data.path is only used when data.name is 'jsonl', got {self.path!r}")
+        if self.image_size < 1:
+            raise ValueError(f"data.image_size must be >= 1, got {self.image_size}")
+        if self.channels not in (1, 3):
+            raise ValueError(f"data.channels must be 1 or 3, got {self.channels}")
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(
+                f"data.heldout_fraction must be in (0, 1), got {self.heldout_fraction}"
+            )
+        for field in _DIGITS_ONLY_FIELDS:
+            value = getattr(self, field)
+            if not 0 <= value < 1:
+                raise ValueError(f"data.{field} must be in [0, 1), got {value}")
+            if value and self.name != "digits":
+                raise ValueError(f"data.{field} applies only to data.name 'digits', got {value}")
+        if self.multi_image_fraction + self.text_only_fraction >= 1:
+            raise ValueError(
+                "data.multi_image_fraction + data.text_only_fraction must be < 1, got "
+                f"{self.multi_image_fraction} + {self.text_only_fraction}"
+            )
+        if self.max_images_per_sample < 1:
+            raise ValueError(
+                f"data.max_images_per_sample must be >= 1, got {self.max_images_per_sample}"
+            )
+        if self.multi_image_fraction > 0 and self.max_images_per_sample < 2:
+            raise ValueError(
+                "data.max_images_per_sample must be >= 2 when data.multi_image_fraction > 0, "
+                f"got {self.max_images_per_sample}"
+            )
+
+
+def answer_ends_text(text: str, answer: str) -> bool:
+    """Whether `answer` is the last whole word(s) of `text`."""
+    start = len(text) - len(answer)
+    at_word_start = start == 0 or text[start - 1].isspace()
+    return bool(answer.strip()) and text.endswith(answer) and at_word_start
+
+
+@dataclass(frozen=True)
+class Sample:
+    sample_id: int
+    image_ids: tuple[int, ...]  # image table ids, in the order of the <image> placeholders
+    text: str  # holds exactly len(image_ids) <image> placeholders
+    answer: str | None = None  # the caption's final word(s) that caption-accuracy eval predicts
+
+    def __post_init__(self):
+        if self.text.count(IMAGE) != len(self.image_ids):
+            raise ValueError(
+                f"sample {self.sample_id}: text has {self.text.count(IMAGE)} {IMAGE} "
+                f"placeholders but {len(self.image_ids)} images"
+            )
+        if self.answer is not None and not answer_ends_text(self.text, self.answer):
+            raise ValueError(
+                f"sample {self.sample_id}: answer {self.answer!r} must be the last word(s) of the "
+                f"text {self.text!r}"
+            )
+
+    @property
+    def prompt_text(self) -> str | None:
+        """The text before `answer`: what eval feeds the model before it predicts the answer."""
+        if self.answer is None:
+            return None
+        return self.text[: len(self.text) - len(self.answer)].rstrip()
+
+
+@dataclass(frozen=True)
+class SampleShape:
+    sample_id: int
+    n_images: int
+    seq_len: int  # after image expansion, including bos and eos
+    n_targets: int  # positions with a loss target: every text token after bos, and eos
+
+
+def _expand_images(
+    tokenizer: TextTokenizer, text_ids: list[int], tokens_per_image: int
+) -> list[int]:
+    assert tokens_per_image >= 1, tokens_per_image
+    ids = [tokenizer.bos_id]
+    for token in text_ids:
+        ids.extend([token] * (tokens_per_image if token == tokenizer.image_id else 1))
+    return ids
+
+
+def build_sequence(
+    tokenizer: TextTokenizer, sample: Sample, tokens_per_image: int
+) -> tuple[list[int], list[int], list[int]]:
+    """Returns (input_ids, targets, image_positions) for one sample.
+
+    input_ids = [bos] + text ids with each <image> expanded to tokens_per_image image ids + [eos];
+    targets[i] = input_ids[i + 1] when that is a text token (eos included), else IGNORE_INDEX;
+    image_positions = the indices of image tokens in input_ids.
+    """
+    text_ids = tokenizer.encode(sample.text)
+    assert text_ids.count(tokenizer.image_id) == len(sample.image_ids), sample
+    ids = _expand_images(tokenizer, text_ids, tokens_per_image) + [tokenizer.eos_id]
+    image_id = tokenizer.image_id
+    targets = [nxt if nxt != image_id else IGNORE_INDEX for nxt in ids[1:]] + [IGNORE_INDEX]
+    image_positions = [i for i, token in enumerate(ids) if token == image_id]
+    return ids, targets, image_positions
+
+
+def build_prompt(
+    tokenizer: TextTokenizer, sample: Sample, tokens_per_image: int
+) -> tuple[list[int], list[int], list[int]]:
+    """For caption-accuracy eval: (input_ids, image_positions, answer_ids), where input_ids is
+    [bos] + the expanded prompt_text and answer_ids are the answer's tokens as they appear in the
+    full caption (greedy decoding from input_ids should produce them, then eos)."""
+    if sample.answer is None:
+        raise ValueError(f"sample {sample.sample_id} has no answer to evaluate")
+    full_ids = tokenizer.encode(sample.text)
+    prompt_ids = tokenizer.encode(sample.prompt_text)
+    if full_ids[: len(prompt_ids)] != prompt_ids:
+        raise ValueError(
+            f"sample {sample.sample_id}: the tokenizer merges the answer {sample.answer!r} "
+            "into the prompt, so the prompt is not a token prefix of the caption"
+        )
+    ids = _expand_images(tokenizer, prompt_ids, tokens_per_image)
+    image_positions = [i for i, token in enumerate(ids) if token == tokenizer.image_id]
+    return ids, image_positions, full_ids[len(prompt_ids) :]
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, S] int64, right-padded with pad_id
+    targets: torch.Tensor  # [B, S] int64, IGNORE_INDEX at pads, image tokens and the last token
+    image_positions: torch.Tensor  # [N] int64, flat indices into B*S, in image_ids row order
+    image_ids: tuple[int, ...]  # image table ids: sample order, then placeholder order
+    lengths: torch.Tensor  # [B] int64, unpadded sequence lengths
+    n_targets: int
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Batch:
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        return Batch(
+            input_ids=move(self.input_ids),
+            targets=move(self.targets),
+            image_positions=move(self.image_positions),
+            image_ids=self.image_ids,
+            lengths=move(self.lengths),
+            n_targets=self.n_targets,
+        )
+
+
+def collate(tokenizer: TextTokenizer, samples: Sequence[Sample], tokens_per_image: int) -> Batch:
+    """Right-pads the samples' sequences into one batch. Row k of the encoder output for
+    `image_ids` (flattened to [n_images * tokens_per_image, D]) belongs at `image_positions[k]`."""
+    assert samples, "collate needs at least one sample"
+    sequences = [build_sequence(tokenizer, s, tokens_per_image) for s in samples]
+    S = max(len(ids) for ids, _, _ in sequences)
+    input_ids_BS = torch.full((len(samples), S), tokenizer.pad_id, dtype=torch.long)
+    targets_BS = torch.full((len(samples), S), IGNORE_INDEX, dtype=torch.long)
+    image_positions: list[int] = []
+    for b, (ids, targets, positions) in enumerate(sequences):
+        input_ids_BS[b, : len(ids)] = torch.tensor(ids)
+        targets_BS[b, : len(ids)] = torch.tensor(targets)
+        image_positions.extend(b * S + p for p in positions)
+    return Batch(
+        input_ids=input_ids_BS,
+        targets=targets_BS,
+        image_positions=torch.tensor(image_positions, dtype=torch.long),
+        image_ids=tuple(i for s in samples for i in s.image_ids),
+        lengths=torch.tensor([len(ids) for ids, _, _ in sequences], dtype=torch.long),
+        n_targets=int((targets_BS != IGNORE_INDEX).sum()),
+    )
+
+
+class MultimodalDataset(ABC):
+    """Samples, their image table and a fixed train/held-out split (independent of the run seed).
+    Subclasses fill the samples and split in __init__ and implement `images`."""
+
+    def __init__(
+        self,
+        *,
+        tokenizer: TextTokenizer,
+        samples: list[Sample],
+        heldout_ids: Sequence[int],
+        image_size: int,
+        channels: int,
+    ):
+        assert all(s.sample_id == i for i, s in enumerate(samples)), "sample_id must be the index"
+        self.tokenizer = tokenizer
+        self.image_size = image_size
+        self.channels = channels
+        self._samples = samples
+        heldout = set(heldout_ids)
+        self.heldout_ids: list[int] = sorted(heldout)
+        self.train_ids: list[int] = [i for i in range(len(samples)) if i not in heldout]
+        self._n_text_tokens: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def sample(self, i: int) -> Sample:
+        return self._samples[i]
+
+    def shape(self, i: int, tokens_per_image: int) -> SampleShape:
+        sample = self._samples[i]
+        if i not in self._n_text_tokens:
+            text_ids = self.tokenizer.encode(sample.text)
+            self._n_text_tokens[i] = len(text_ids) - text_ids.count(self.tokenizer.image_id)
+        n_text = self._n_text_tokens[i]
+        n_images = len(sample.image_ids)
+        return SampleShape(
+            sample_id=i,
+            n_images=n_images,
+            seq_len=2 + n_text + n_images * tokens_per_image,
+            n_targets=n_text + 1,
+        )
+
+    @abstractmethod
+    def images(self, image_ids: Sequence[int]) -> torch.Tensor:
+        """The images as float32 in [0, 1], shape [len(image_ids), C, H, W] (n may be 0)."""

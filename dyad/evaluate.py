@@ -1,0 +1,77 @@
+"""Caption accuracy on the held-out split: given the image(s) and the caption's prompt, does
+greedy decoding produce the answer (e.g. the digit word) exactly?
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dyad.config import RunConfig
+from dyad.data import build_prompt
+from dyad.encoder_service.step import encode_rows
+from dyad.llm_service.model import greedy_next_token
+from dyad.service import build_model
+
+_EVAL_BATCH = 128
+
+
+@torch.no_grad()
+def caption_accuracy(config: RunConfig, dataset, encoder, llm) -> tuple[float, int]:
+    """(fraction of held-out samples whose answer is decoded exactly, samples evaluated)."""
+    encoder.eval()
+    llm.eval()
+    samples = [dataset.sample(i) for i in dataset.heldout_ids]
+    samples = [s for s in samples if s.answer is not None]
+    if not samples:
+        return float("nan"), 0
+    correct = 0
+    for start in range(0, len(samples), _EVAL_BATCH):
+        chunk = samples[start : start + _EVAL_BATCH]
+        correct += int(_decode_matches(config, dataset, encoder, llm, chunk).sum())
+    return correct / len(samples), len(samples)
+
+
+def _decode_matches(config, dataset, encoder, llm, samples) -> torch.Tensor:
+    device = config.train.device
+    tokens_per_image = config.encoder.tokens_per_image
+    prompts = [build_prompt(dataset.tokenizer, s, tokens_per_image) for s in samples]
+    answer_len = max(len(answer) for _, _, answer in prompts)
+    S = max(len(ids) for ids, _, _ in prompts) + answer_len
+    input_ids_BS = torch.full((len(samples), S), dataset.tokenizer.pad_id, dtype=torch.long)
+    answers_BA = torch.full((len(samples), answer_len), -1, dtype=torch.long)
+    positions = []
+    for b, (ids, image_positions, answer) in enumerate(prompts):
+        input_ids_BS[b, : len(ids)] = torch.tensor(ids)
+        answers_BA[b, : len(answer)] = torch.tensor(answer)
+        positions.extend(b * S + p for p in image_positions)
+    lengths_B = torch.tensor([len(ids) for ids, _, _ in prompts])
+    image_ids = [i for s in samples for i in s.image_ids]
+    rows_RD = encode_rows(encoder, dataset, image_ids, device) if image_ids else None
+    positions_N = torch.tensor(positions, dtype=torch.long, device=device)
+    input_ids_BS, answers_BA, lengths_B = (t.to(device) for t in (input_ids_BS, answers_BA, lengths_B))
+
+    matches_B = torch.ones(len(samples), dtype=torch.bool, device=device)
+    rows_B = torch.arange(len(samples), device=device)
+    for k in range(answer_len):
+        predicted_B = greedy_next_token(llm, input_ids_BS, rows_RD, positions_N, lengths_B)
+        expected_B = answers_BA[:, k]
+        active_B = expected_B >= 0
+        matches_B &= ~active_B | (predicted_B == expected_B)
+        input_ids_BS[rows_B, lengths_B] = predicted_B  # feed the model's own token back
+        lengths_B = lengths_B + 1
+    return matches_B
+
+
+def load_trained(config: RunConfig, checkpoint_dir: Path):
+    """The encoder and LLM of a committed checkpoint, as single-device models."""
+    if not (checkpoint_dir / "manifest.json").exists():
+        raise FileNotFoundError(f"{checkpoint_dir} has no manifest.json: not a committed checkpoint")
+    models = []
+    for pool in ("encoder", "llm"):
+        model = build_model(config, pool)
+        state = torch.load(checkpoint_dir / f"{pool}-rank000.pt", map_location=config.train.device)
+        model.load_state_dict(state["model"])
+        models.append(model)
+    return models

@@ -1,0 +1,62 @@
+"""Deterministic parameter initialisation, keyed by parameter name.
+
+Each parameter's values depend only on (seed, its name, its full shape): a generator seeded from
+(seed, crc32(name)) fills the full tensor on CPU in float32, which is then copied in. So the
+order in which modules were built, the device, the dtype and any sharding of the parameter do
+not change the values. A sharded parameter (DTensor, e.g. after FSDP2 or tensor parallelism)
+receives its own slice of the same full tensor.
+
+Rules by name: norm weights (names ending in `norm.weight`, or weights of LayerNorm/RMSNorm/
+GroupNorm/BatchNorm modules) are 1, biases are 0, everything else is normal(0, 0.02).
+"""
+
+import zlib
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+INIT_STD = 0.02
+_NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
+
+
+def param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+
+
+def _norm_weight_names(module: nn.Module) -> set[str]:
+    names = set()
+    for module_name, sub in module.named_modules():
+        if isinstance(sub, _NORM_TYPES) and getattr(sub, "weight", None) is not None:
+            names.add(f"{module_name}.weight" if module_name else "weight")
+    return names
+
+
+def initial_value(name: str, shape: torch.Size, seed: int, is_norm_weight: bool) -> torch.Tensor:
+    """The full float32 CPU tensor that parameter `name` starts from."""
+    if is_norm_weight:
+        return torch.ones(shape)
+    if name == "bias" or name.endswith(".bias"):
+        return torch.zeros(shape)
+    generator = torch.Generator().manual_seed(param_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, INIT_STD, generator=generator)
+
+
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    if isinstance(param, DTensor):
+        # src_data_rank=None: each rank cuts its own shard from its identical copy, no collectives.
+        mesh = param.device_mesh
+        shard = distribute_tensor(full.to(mesh.device_type), mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full)
+
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, seed: int) -> None:
+    """Fill every parameter of `module` from (seed, name), independent of build order and sharding."""
+    norm_weights = _norm_weight_names(module)
+    for name, param in module.named_parameters():
+        is_norm_weight = name in norm_weights or name.endswith("norm.weight")
+        full = initial_value(name, param.shape, seed, is_norm_weight)
+        _copy_full_into(param, full)

@@ -1,0 +1,92 @@
+"""Running a job end to end from the client's side: start a local router (or use a given one),
+submit the config, follow the run's metrics with a progress bar, and report the outcome.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dyad import config as config_lib
+from dyad.client import RouterClient, local_router
+from dyad.config import RunConfig
+from dyad.wire import pb
+
+
+@dataclass
+class JobResult:
+    info: pb.RunInfo
+    metrics: list[dict]
+
+    @property
+    def succeeded(self) -> bool:
+        return self.info.state == pb.RUN_STATE_SUCCEEDED
+
+    def final_checkpoint(self) -> Path:
+        return Path(self.info.out_dir) / "checkpoints" / f"step_{self.info.total_steps:08d}"
+
+
+def run_job(config: RunConfig, *, router: str | None = None, progress: bool = True) -> JobResult:
+    out_dir = Path(config.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(config_lib.to_yaml(config))
+    if router:
+        client = RouterClient(router)
+        try:
+            return _follow(client, config, progress)
+        finally:
+            client.close()
+    with local_router(out_dir / "logs" / "router.log") as client:
+        return _follow(client, config, progress)
+
+
+def _follow(client: RouterClient, config: RunConfig, progress: bool) -> JobResult:
+    info = client.start_run(config_lib.to_yaml(config))
+    bar = tqdm(total=info.total_steps, desc="train", unit="step", disable=not progress)
+    metrics = []
+    try:
+        for event in client.watch(info.run_id):
+            if event.HasField("step"):
+                record = _as_dict(event.step)
+                metrics.append(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.update(1)
+            else:
+                info = event.finished
+    except KeyboardInterrupt:
+        client.stop_run(info.run_id)
+        raise
+    finally:
+        bar.close()
+    return JobResult(info=client.get_run(info.run_id), metrics=metrics)
+
+
+def _as_dict(step: pb.StepMetrics) -> dict:
+    return {field.name: getattr(step, field.name) for field in step.DESCRIPTOR.fields}
+
+
+def append_record(out_dir: Path, record: dict) -> None:
+    with open(Path(out_dir) / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def plot_losses(metrics: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    steps = [m["step"] for m in metrics]
+    ax.plot(steps, [m["loss"] for m in metrics], label="loss")
+    ax.plot(steps, [m["lm_loss"] for m in metrics], label="lm_loss", alpha=0.7)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,54 @@
+"""Single-process training of the same model on the same batches: the ground truth that every
+parallel layout must reproduce (`dyad verify`, the parity tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+from dyad.config import RunConfig
+from dyad.data import collate
+from dyad.encoder_service.step import encode_rows
+from dyad.llm_service.step import microbatch_loss
+from dyad.optim import apply_update, build_optimizer, clip_scale, grad_sq_norm
+from dyad.router.steps import StepPlanner
+from dyad.service import build_model, compute_context
+
+
+class ReferenceTrainer:
+    def __init__(self, config: RunConfig, dataset):
+        self.config = config
+        self.dataset = dataset
+        self.encoder = build_model(config, "encoder")
+        self.llm = build_model(config, "llm")
+        self.optimizers = [build_optimizer(m, config.train) for m in (self.encoder, self.llm)]
+        self.planner = StepPlanner(config, dataset)
+
+    def step(self, step: int) -> dict[str, float]:
+        spec = self.planner.next(step)
+        lm = aux = 0.0
+        for sample_ids in spec.microbatches:
+            samples = [self.dataset.sample(s) for s in sample_ids]
+            batch = collate(self.dataset.tokenizer, samples, self.config.encoder.tokens_per_image)
+            batch = batch.to(self.config.train.device)
+            with compute_context(self.config):
+                rows_RD = None
+                if batch.image_ids:
+                    rows_RD = encode_rows(
+                        self.encoder, self.dataset, batch.image_ids, self.config.train.device
+                    )
+                loss = microbatch_loss(
+                    self.llm,
+                    batch,
+                    rows_RD,
+                    global_target_tokens=spec.target_tokens,
+                    global_microbatches=len(spec.microbatches),
+                )
+            loss.total.backward()
+            lm += loss.lm
+            aux += loss.aux
+        total_sq = grad_sq_norm(self.encoder.parameters()) + grad_sq_norm(self.llm.parameters())
+        scale = clip_scale(total_sq, self.config.train.grad_clip)
+        for optimizer in self.optimizers:
+            apply_update(optimizer, lr=spec.lr, grad_scale=scale)
+        return {"loss": lm + aux, "lm_loss": lm, "aux_loss": aux, "grad_norm": math.sqrt(total_sq)}

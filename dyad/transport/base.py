@@ -1,0 +1,116 @@
+"""The data plane's contract: tagged, size-checked tensor messages between workers.
+
+A transport moves the bytes of one contiguous tensor from a sender to a receiver that has
+already allocated the destination (its shape and dtype come from the control plane). Calls
+return `concurrent.futures.Future`s so synchronous training loops can start several transfers
+and wait later.
+
+Semantics every transport keeps (the loopback twin enforces them strictly):
+- Matching is by tag only, per receiver: the receiver does not filter by sender, so a tag must
+  be unique among everything in flight to one receiver. `MessageTag.peer` is what tells two
+  senders apart.
+- A send completes when the receiver may have the bytes; until then the sender must not
+  modify the tensor (no copy is made on the way out).
+- The receiver's buffer size is authoritative: a message of any other size fails the recv with
+  `MessageSizeError` (never silent truncation or a half-filled buffer).
+- Empty tensors complete at once on both sides without touching the wire.
+"""
+
+from __future__ import annotations
+
+import zlib
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+# 64-bit tag layout, most significant first. Bit 63 is left to the transport (it marks the
+# size header that travels beside each payload), so `pack()` never sets it.
+_RUN_BITS, _STEP_BITS, _MICROBATCH_BITS, _DIRECTION_BITS, _PEER_BITS = 15, 24, 12, 1, 11
+TRANSPORT_BIT = 1 << 63
+
+
+class Direction(IntEnum):
+    FORWARD = 0  # encoder activations, encoder -> LLM
+    BACKWARD = 1  # their gradients, LLM -> encoder
+
+
+@dataclass(frozen=True)
+class MessageTag:
+    run: str
+    step: int
+    microbatch: int
+    direction: Direction
+    peer: int  # index of the sending/receiving pair, e.g. the source rank
+
+    def pack(self) -> int:
+        """The 64-bit UCX tag: run hash | step | microbatch | direction | peer."""
+        tag = zlib.crc32(self.run.encode()) & ((1 << _RUN_BITS) - 1)
+        for name, bits in (
+            ("step", _STEP_BITS),
+            ("microbatch", _MICROBATCH_BITS),
+            ("direction", _DIRECTION_BITS),
+            ("peer", _PEER_BITS),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value < (1 << bits):
+                raise ValueError(f"MessageTag.{name} ({value!r}) does not fit in {bits} bits")
+            tag = (tag << bits) | value
+        return tag
+
+
+class TransportError(RuntimeError):
+    """The data plane broke a promise: transport closed, message from the wrong peer."""
+
+
+class MessageSizeError(TransportError):
+    """A message's size differs from the receiver's buffer: the two sides disagree on a plan."""
+
+
+def size_mismatch(tag: MessageTag, peer: str, expected: int, sent: int) -> MessageSizeError:
+    return MessageSizeError(
+        f"recv of {tag} from {peer}: buffer holds {expected} bytes, sender sent {sent}"
+    )
+
+
+def check_tensor(what: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what} tensor must be contiguous (call .contiguous() first)")
+
+
+def completed(value=None) -> Future:
+    future = Future()
+    future.set_result(value)
+    return future
+
+
+class Transport(ABC):
+    """Point-to-point tensor messages between workers addressed by "host:port"."""
+
+    address: str  # what peers pass as `peer` to reach this transport
+
+    @abstractmethod
+    def send(self, peer: str, tag: MessageTag, tensor: torch.Tensor) -> Future[None]:
+        """Send the bytes of contiguous `tensor` to `peer`; completes when they left it."""
+
+    @abstractmethod
+    def recv(
+        self, peer: str, tag: MessageTag, out: torch.Tensor, timeout: float | None = None
+    ) -> Future[torch.Tensor]:
+        """Receive the message tagged `tag` into contiguous `out` and return `out`.
+
+        The future fails with `TimeoutError` after `timeout` seconds without a message, and
+        with `MessageSizeError` when the message is not exactly `out.nbytes` long.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections; pending operations fail instead of hanging. Idempotent."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

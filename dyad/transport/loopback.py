@@ -1,0 +1,148 @@
+"""In-process twin of the UCX transport for tests: same matching rules, no sockets.
+
+Instances find each other through a process-wide registry keyed by address. A send waits in
+the receiver's mailbox until a recv with the same tag is posted (and vice versa); the bytes are
+copied from the sender's tensor into the receiver's buffer at that moment and only then does
+the send complete, as a rendezvous UCX send would. This is stricter than UCX for small eager
+messages on purpose: code that waits for its own send before posting the matching recv on the
+other side deadlocks here, as it would on UCX once messages are large.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import defaultdict, deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from dyad.transport.base import (
+    MessageTag,
+    Transport,
+    TransportError,
+    check_tensor,
+    completed,
+    size_mismatch,
+)
+
+_lock = threading.Lock()  # guards the registry and every mailbox
+_registry: dict[str, LoopbackTransport] = {}
+_next_id = itertools.count()
+
+
+@dataclass
+class _Send:
+    source: str
+    tag: MessageTag
+    tensor: torch.Tensor
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Recv:
+    peer: str
+    tag: MessageTag
+    out: torch.Tensor
+    future: Future = field(default_factory=Future)
+    timer: threading.Timer | None = None
+
+
+def _deliver(send: _Send, recv: _Recv) -> None:
+    if recv.timer is not None:
+        recv.timer.cancel()
+    if send.source != recv.peer:
+        recv.future.set_exception(
+            TransportError(f"{recv.tag} came from {send.source}, recv expected {recv.peer}")
+        )
+    elif send.tensor.nbytes != recv.out.nbytes:
+        recv.future.set_exception(
+            size_mismatch(recv.tag, recv.peer, recv.out.nbytes, send.tensor.nbytes)
+        )
+    else:
+        recv.out.detach().view(-1).view(torch.uint8).copy_(send.tensor.view(-1).view(torch.uint8))
+        recv.future.set_result(recv.out)
+    send.future.set_result(None)  # UCX completes a send even when the receiver rejects it
+
+
+class LoopbackTransport(Transport):
+    def __init__(self):
+        self.address = f"loopback:{next(_next_id)}"
+        self._sends: dict[int, deque[_Send]] = defaultdict(deque)  # unmatched, by packed tag
+        self._recvs: dict[int, deque[_Recv]] = defaultdict(deque)
+        self._closed = False
+        with _lock:
+            _registry[self.address] = self
+
+    def send(self, peer: str, tag: MessageTag, tensor: torch.Tensor) -> Future[None]:
+        check_tensor("sent", tensor)
+        key = tag.pack()
+        self._check_open()
+        if tensor.numel() == 0:
+            return completed()
+        send = _Send(self.address, tag, tensor.detach())
+        with _lock:
+            receiver = _registry.get(peer)
+            if receiver is None:
+                send.future.set_exception(ConnectionError(f"no loopback transport at {peer}"))
+                return send.future
+            recv = receiver._recvs[key].popleft() if receiver._recvs[key] else None
+            if recv is None:
+                receiver._sends[key].append(send)
+        if recv is not None:
+            _deliver(send, recv)
+        return send.future
+
+    def recv(
+        self, peer: str, tag: MessageTag, out: torch.Tensor, timeout: float | None = None
+    ) -> Future[torch.Tensor]:
+        check_tensor("receive", out)
+        key = tag.pack()
+        self._check_open()
+        if out.numel() == 0:
+            return completed(out)
+        recv = _Recv(peer, tag, out)
+        with _lock:
+            send = self._sends[key].popleft() if self._sends[key] else None
+            if send is None:
+                self._recvs[key].append(recv)
+                if timeout is not None:
+                    recv.timer = threading.Timer(timeout, self._expire, (key, recv, timeout))
+                    recv.timer.daemon = True
+                    recv.timer.start()
+        if send is not None:
+            _deliver(send, recv)
+        return recv.future
+
+    def close(self) -> None:
+        with _lock:
+            if self._closed:
+                return
+            self._closed = True
+            del _registry[self.address]
+            sends = [s for queue in self._sends.values() for s in queue]
+            recvs = [r for queue in self._recvs.values() for r in queue]
+            self._sends.clear()
+            self._recvs.clear()
+        for send in sends:
+            send.future.set_exception(ConnectionError(f"{self.address} closed before receiving"))
+        for recv in recvs:
+            if recv.timer is not None:
+                recv.timer.cancel()
+            recv.future.set_exception(TransportError(f"{self.address} closed, {recv.tag} pending"))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"transport {self.address} is closed")
+
+    def _expire(self, key: int, recv: _Recv, timeout: float) -> None:
+        with _lock:
+            try:
+                self._recvs[key].remove(recv)
+            except ValueError:
+                return  # matched (or closed) in the meantime
+        recv.future.set_exception(
+            TimeoutError(f"recv of {recv.tag} from {recv.peer} timed out after {timeout}s")
+        )
+

@@ -1,0 +1,343 @@
+"""UCX transport over `ucxx`: one listener per worker, one outgoing endpoint per peer.
+
+Threading: every ucxx call runs on one private asyncio loop in a background thread; the public
+methods only validate, post a coroutine there and hand back its `concurrent.futures.Future`.
+ucxx's own progress thread drives UCX, and its notifier thread completes requests as asyncio
+futures (`enable_python_future=True`): the default mode instead busy-polls `asyncio.sleep(0)`
+while any request is pending and would burn a core beside the training loop.
+
+Connections: each transport uses only the endpoint it opened itself, for sends and receives
+alike (created on first use of a peer, shared by concurrent operations, forgotten when it
+dies so a restarted peer can be reached again). UCX matches tags per worker, whichever
+endpoint a message arrives on, so A's sends on A->B meet B's receives posted on B->A: two
+workers connecting to each other at the same time never wait on each other and never need to
+agree which connection is "the" one. Receives still go through our endpoint to the sender,
+not the bare worker, because closing an endpoint (ours at `close()`, or the peer dying) cancels
+the receives posted on it, while a worker-level receive can never be cancelled and would hang.
+Each new endpoint starts with a handshake carrying its owner's listening address, so the
+accepting side keeps incoming endpoints by peer address (one per peer) until `close()`.
+
+Wire format per message: an 8-byte size header under the tag with `TRANSPORT_BIT` set, and the
+payload under `MessageTag.pack()`, both with `force_tag=True` so the exact 64-bit tag goes on
+the wire. The header is there because UCX reports only the too-long case (truncation); a
+too-short message would otherwise complete "successfully" into a half-written buffer.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import threading
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+from ucxx._lib_async import ApplicationContext, Endpoint
+from ucxx.exceptions import UCXError
+
+from dyad.transport.base import (
+    TRANSPORT_BIT,
+    MessageTag,
+    Transport,
+    TransportError,
+    check_tensor,
+    completed,
+    size_mismatch,
+)
+
+logger = logging.getLogger(__name__)
+
+_CLOSE_TIMEOUT_S = 10.0
+
+
+class UcxTransport(Transport):
+    """Listens on all interfaces at `port` (0: any free one); `host` is what peers are told.
+
+    On a cluster pass the worker's routable IP as `host`. A recv that times out stays posted
+    (ucxx cannot cancel one request): its tag is burnt and `out` may still be written until
+    the transport is closed, so treat a timeout as a failed step and close the transport.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, connect_timeout: float = 10.0):
+        self._engine = _Engine(connect_timeout)
+        self._close = weakref.finalize(self, self._engine.shutdown)
+        try:
+            self.address = f"{host}:{self._engine.call(self._engine.start(port))}"
+        except BaseException:
+            self._close()
+            raise
+        self._engine.address = self.address
+
+    def send(self, peer: str, tag: MessageTag, tensor: torch.Tensor) -> Future[None]:
+        message = self._message(peer, tag, tensor, "sent")
+        if message is None:
+            return completed()
+        return self._engine.submit(self._engine.send(message))
+
+    def recv(
+        self, peer: str, tag: MessageTag, out: torch.Tensor, timeout: float | None = None
+    ) -> Future[torch.Tensor]:
+        message = self._message(peer, tag, out, "receive")
+        if message is None:
+            return completed(out)
+        return self._engine.submit(self._engine.recv(message, out, timeout))
+
+    def close(self) -> None:
+        self._close()
+
+    def _message(self, peer: str, tag: MessageTag, tensor: torch.Tensor, what: str):
+        """Validate in the caller's thread (errors raise here, not in the future)."""
+        check_tensor(what, tensor)
+        key = tag.pack()
+        host, _, port = peer.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"peer address must be 'host:port', got {peer!r}")
+        if not self._close.alive:
+            raise TransportError(f"transport {self.address} is closed")
+        if tensor.numel() == 0:
+            return None  # both sides know the size: nothing goes on the wire
+        return _Message(peer, host, int(port), tag, key, _wire(tensor), _pending_writes(tensor))
+
+
+@dataclass(frozen=True)
+class _Message:
+    peer: str
+    host: str
+    port: int
+    tag: MessageTag
+    key: int  # tag.pack()
+    buffer: object  # the tensor's bytes, see _wire
+    pending_writes: torch.cuda.Event | None
+
+
+def _wire(tensor: torch.Tensor):
+    """The tensor's bytes as something ucxx takes: bfloat16 has no numpy dtype, bytes do."""
+    flat = tensor.detach().view(-1).view(torch.uint8)
+    return flat if flat.is_cuda else flat.numpy()  # CUDA: via __cuda_array_interface__
+
+
+def _pending_writes(tensor: torch.Tensor) -> torch.cuda.Event | None:
+    """UCX does not follow CUDA streams: mark the kernels queued so far on the caller's stream
+    (recorded in the caller's thread, since the current stream is per thread)."""
+    if not tensor.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
+
+
+async def _send_message(endpoint: Endpoint, message: _Message) -> None:
+    header = array.array("Q", [message.buffer.nbytes])
+    errors = await asyncio.gather(
+        endpoint.send(header, tag=TRANSPORT_BIT | message.key, force_tag=True),
+        endpoint.send(message.buffer, tag=message.key, force_tag=True),
+        return_exceptions=True,
+    )
+    for error in errors:
+        if error is not None:
+            raise error
+
+
+async def _recv_message(endpoint: Endpoint, message: _Message) -> None:
+    header = array.array("Q", [0])
+    header_error, payload_error = await asyncio.gather(
+        endpoint.recv(header, tag=TRANSPORT_BIT | message.key, force_tag=True),
+        endpoint.recv(message.buffer, tag=message.key, force_tag=True),
+        return_exceptions=True,
+    )
+    if header_error is not None:
+        raise header_error
+    expected = message.buffer.nbytes
+    if header[0] != expected:  # too long arrives as UCX truncation, too short silently
+        raise size_mismatch(message.tag, message.peer, expected, header[0])
+    if payload_error is not None:
+        raise payload_error
+
+
+class _Engine:
+    """Owns the loop thread and every ucxx object; its coroutines run on that loop only."""
+
+    def __init__(self, connect_timeout: float):
+        self.connect_timeout = connect_timeout
+        self.address = "<starting>"
+        self.closed = False
+        self.ctx: ApplicationContext | None = None
+        self.listener = None
+        self.outgoing: dict[str, asyncio.Task[Endpoint]] = {}
+        self.incoming: dict[str, Endpoint] = {}
+        self.operations: set[asyncio.Future] = set()  # UCX work in flight, with its buffers
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="dyad-ucx", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro) -> Future:
+        return asyncio.run_coroutine_threadsafe(self._failing_on_close(coro), self.loop)
+
+    async def _failing_on_close(self, coro):
+        """Work cut short by `close()` fails with TransportError rather than "cancelled"."""
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if self.closed:
+                raise TransportError(f"transport {self.address} closed") from None
+            raise
+
+    def call(self, coro, timeout: float | None = None):
+        return self.submit(coro).result(timeout)
+
+    async def start(self, port: int) -> int:
+        # Created on the running loop: ucxx binds its progress and notifier to it.
+        self.ctx = ApplicationContext(enable_python_future=True)
+        self.listener = self.ctx.create_listener(
+            self._accept, port=port, connect_timeout=self.connect_timeout
+        )
+        return self.listener.port
+
+    async def send(self, message: _Message) -> None:
+        endpoint = await self._endpoint(message)
+        if message.pending_writes is not None:
+            await asyncio.to_thread(message.pending_writes.synchronize)
+        what = f"send of {message.tag} to {message.peer}"
+        await self._transfer(_send_message(endpoint, message), what, message.peer, endpoint)
+
+    async def recv(self, message: _Message, out: torch.Tensor, timeout: float | None):
+        endpoint = await self._endpoint(message)
+        if message.pending_writes is not None:
+            await asyncio.to_thread(message.pending_writes.synchronize)
+        what = f"recv of {message.tag} from {message.peer}"
+        try:
+            work = _recv_message(endpoint, message)
+            await self._transfer(work, what, message.peer, endpoint, timeout)
+        except TimeoutError:
+            raise TimeoutError(f"{what} timed out after {timeout}s") from None
+        return out
+
+    async def _transfer(self, work, what: str, peer: str, endpoint: Endpoint, timeout=None):
+        """Await UCX work that keeps running if the wait is cancelled or times out.
+
+        ucxx hands UCX raw pointers (it does not keep our buffers alive) and cannot cancel one
+        request, so the buffers must live until UCX is done or their endpoint is closed.
+        """
+        try:
+            await asyncio.wait_for(asyncio.shield(self._track(work)), timeout)
+        except UCXError as e:  # cancellation included
+            if self.closed:
+                raise TransportError(f"transport {self.address} closed during {what}") from e
+            if endpoint.closed:
+                self._forget(peer, endpoint)
+            raise ConnectionError(f"{what} failed: {e!r}") from e
+
+    def _track(self, work) -> asyncio.Future:
+        operation = asyncio.ensure_future(work)
+        self.operations.add(operation)
+        operation.add_done_callback(self._retire)
+        return operation
+
+    def _retire(self, operation: asyncio.Future) -> None:
+        self.operations.discard(operation)
+        if not operation.cancelled():
+            operation.exception()  # retrieved here; callers that still wait re-raise it
+
+    async def _endpoint(self, message: _Message) -> Endpoint:
+        connecting = self.outgoing.get(message.peer)
+        if connecting is None or _failed(connecting):
+            connecting = asyncio.ensure_future(self._connect(message.host, message.port))
+            self.outgoing[message.peer] = connecting
+        return await asyncio.shield(connecting)  # one waiter giving up must not cancel the rest
+
+    def _forget(self, peer: str, endpoint: Endpoint) -> None:
+        """Drop a dead outgoing endpoint so the next operation reconnects (peer restarted)."""
+        connecting = self.outgoing.get(peer)
+        if connecting is not None and not _failed(connecting) and connecting.result() is endpoint:
+            del self.outgoing[peer]
+
+    async def _connect(self, host: str, port: int) -> Endpoint:
+        peer = f"{host}:{port}"
+        try:
+            endpoint = await self.ctx.create_endpoint(
+                host, port, connect_timeout=self.connect_timeout
+            )
+            await endpoint.send_obj(self.address.encode())
+        except (UCXError, OSError) as e:  # OSError: TimeoutError of ucxx's peer-info exchange
+            raise ConnectionError(
+                f"cannot reach UCX peer {peer} within {self.connect_timeout}s: {e!r}"
+            ) from e
+        return endpoint
+
+    async def _accept(self, endpoint: Endpoint) -> None:
+        try:
+            handshake = self._track(endpoint.recv_obj())
+            peer = (await asyncio.wait_for(asyncio.shield(handshake), self.connect_timeout)).decode()
+        except Exception as e:  # a peer that died mid-handshake must not take us down
+            if not self.closed:
+                logger.warning("%s: dropped an incoming UCX connection: %r", self.address, e)
+            await endpoint.close()
+            return
+        if self.closed:  # finished its handshake after close() collected the endpoints
+            await endpoint.close()
+            return
+        previous = self.incoming.pop(peer, None)
+        self.incoming[peer] = endpoint
+        if previous is not None:  # the peer restarted at the same address
+            await previous.close()
+
+    def shutdown(self) -> None:
+        """Close endpoints and listener, fail pending work, stop the threads. Runs once."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.ctx is not None:
+                self.call(self._close_all(), timeout=_CLOSE_TIMEOUT_S)
+        except Exception as e:
+            logger.warning("%s: unclean UCX shutdown: %r", self.address, e)
+        finally:
+            if self.ctx is not None:
+                # Wake the notifier thread from its 1 s wait, join it (the loop must still
+                # run), then stop again: consuming the first stop re-arms the C++ notifier's
+                # "running" state, which the worker's destructor would warn about.
+                self.ctx.worker.stop_request_notifier_thread()
+                self.ctx.stop_notifier_thread()
+                self.ctx.worker.stop_request_notifier_thread()
+                self.ctx.worker.stop_progress_thread()
+            self.call(self._cancel_leftovers(), timeout=_CLOSE_TIMEOUT_S)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(_CLOSE_TIMEOUT_S)
+            if not self.thread.is_alive():
+                self.loop.close()
+            self.ctx = self.listener = None
+
+    async def _close_all(self) -> None:
+        listener, self.listener = self.listener, None
+        listener.close()  # no new connections; let handshakes in progress finish first
+        deadline = self.loop.time() + min(self.connect_timeout, _CLOSE_TIMEOUT_S / 2)
+        while listener.active_clients and self.loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        connecting = [task for task in self.outgoing.values() if not task.done()]
+        if connecting:  # cut short, the peer's listener would log an error for each
+            await asyncio.wait(connecting, timeout=self.connect_timeout)
+        endpoints = list(self.incoming.values())
+        for connecting in self.outgoing.values():
+            if not connecting.done():
+                connecting.cancel()
+            elif not _failed(connecting):
+                endpoints.append(connecting.result())
+        self.outgoing.clear()
+        self.incoming.clear()
+        while endpoints:  # dropped one by one: their finalizers must run while UCX progresses
+            await endpoints.pop().close()
+        if self.operations:  # closing the endpoints cancelled them; let them settle
+            await asyncio.wait(set(self.operations), timeout=_CLOSE_TIMEOUT_S)
+
+    async def _cancel_leftovers(self) -> None:
+        """Whatever still waits is cancelled so that no caller's future hangs."""
+        leftovers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in leftovers:
+            task.cancel()
+        await asyncio.gather(*leftovers, return_exceptions=True)
+
+
+def _failed(task: asyncio.Future) -> bool:
+    return task.done() and (task.cancelled() or task.exception() is not None)

@@ -1,0 +1,108 @@
+"""Vision encoder: a small pre-norm ViT plus an MLP projector into the LLM's hidden size.
+
+Legend: N images, C channels, H height, W width, P patches per image (tokens_per_image),
+X flattened patch (C * patch_size**2), D encoder dim, O out_dim (LLM hidden size),
+A attention heads, Dh head dim, M mlp hidden dim.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(kw_only=True)
+class EncoderConfig:
+    image_size: int = 16
+    patch_size: int = 4
+    channels: int = 1
+    dim: int = 64
+    depth: int = 2
+    heads: int = 4
+    mlp_ratio: float = 4.0
+    out_dim: int = 64  # the LLM hidden size; the composer sets it
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        for name in ("image_size", "patch_size", "channels", "dim", "depth", "heads", "out_dim"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"encoder.{name} ({value}) must be >= 1")
+        if self.mlp_dim < 1:
+            raise ValueError(f"encoder.mlp_ratio ({self.mlp_ratio}) must give an MLP dim >= 1 (dim * mlp_ratio)")
+        if self.norm_eps <= 0:
+            raise ValueError(f"encoder.norm_eps ({self.norm_eps}) must be > 0")
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"encoder.patch_size ({self.patch_size}) must divide encoder.image_size ({self.image_size})"
+            )
+        if self.dim % self.heads:
+            raise ValueError(f"encoder.heads ({self.heads}) must divide encoder.dim ({self.dim})")
+
+    @property
+    def tokens_per_image(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.dim * self.mlp_ratio)
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.attn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.mlp_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.fc1 = nn.Linear(cfg.dim, cfg.mlp_dim)
+        self.fc2 = nn.Linear(cfg.mlp_dim, cfg.dim)
+
+    def attention(self, x_NPD: torch.Tensor) -> torch.Tensor:
+        N, P, D = x_NPD.shape
+        qkv_NP3ADh = self.qkv(x_NPD).view(N, P, 3, self.heads, D // self.heads)
+        q_NAPDh, k_NAPDh, v_NAPDh = qkv_NP3ADh.permute(2, 0, 3, 1, 4).unbind(0)
+        if q_NAPDh.numel() == 0:  # cuDNN attention returns None for an empty batch (torch 2.11)
+            out_NAPDh = v_NAPDh
+        else:
+            out_NAPDh = F.scaled_dot_product_attention(q_NAPDh, k_NAPDh, v_NAPDh)
+        return self.proj(out_NAPDh.transpose(1, 2).reshape(N, P, D))
+
+    def forward(self, x_NPD: torch.Tensor) -> torch.Tensor:
+        x_NPD = x_NPD + self.attention(self.attn_norm(x_NPD))
+        return x_NPD + self.fc2(F.gelu(self.fc1(self.mlp_norm(x_NPD))))
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        patch_numel = cfg.channels * cfg.patch_size**2
+        self.patch_embed = nn.Linear(patch_numel, cfg.dim)
+        self.pos_embed_PD = nn.Parameter(torch.zeros(cfg.tokens_per_image, cfg.dim))
+        self.blocks = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.depth))
+        self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.proj_in = nn.Linear(cfg.dim, cfg.out_dim)
+        self.proj_out = nn.Linear(cfg.out_dim, cfg.out_dim)
+
+    def patchify(self, images_NCHW: torch.Tensor) -> torch.Tensor:
+        """Non-overlapping patches in row-major order, each flattened as (C, ph, pw)."""
+        cfg = self.cfg
+        expected = (cfg.channels, cfg.image_size, cfg.image_size)
+        if images_NCHW.dim() != 4 or tuple(images_NCHW.shape[1:]) != expected:
+            raise ValueError(f"images must have shape [N, {', '.join(map(str, expected))}], got {list(images_NCHW.shape)}")
+        N, C = images_NCHW.shape[:2]
+        p, g = cfg.patch_size, cfg.image_size // cfg.patch_size
+        grid = images_NCHW.reshape(N, C, g, p, g, p)  # [N, C, rows, ph, cols, pw]
+        return grid.permute(0, 2, 4, 1, 3, 5).reshape(N, g * g, C * p * p)
+
+    def forward(self, images_NCHW: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] -> [N, tokens_per_image, out_dim]; N may be 0."""
+        patches_NPX = self.patchify(images_NCHW).to(self.patch_embed.weight.dtype)
+        x_NPD = self.patch_embed(patches_NPX) + self.pos_embed_PD
+        for block in self.blocks:
+            x_NPD = block(x_NPD)
+        x_NPD = self.norm(x_NPD)
+        return self.proj_out(F.gelu(self.proj_in(x_NPD)))

@@ -1,0 +1,15 @@
+"""The encoder's part of a microbatch, shared by the worker and the single-process reference."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+
+def encode_rows(model: nn.Module, dataset, image_ids: Sequence[int], device) -> torch.Tensor:
+    """Encoder output for `image_ids` as boundary rows [n_images * tokens_per_image, D],
+    in the order the LLM splices them."""
+    images_NCHW = dataset.images(list(image_ids)).to(device)
+    return model(images_NCHW).flatten(0, 1)

@@ -1,0 +1,80 @@
+"""Grouped matmul for dropless MoE experts: row block e of x is multiplied by w[e].
+
+Legend: N rows (token-expert assignments, expert-major), D input dim, F output dim, E experts.
+
+`grouped_mm` uses `torch.nn.functional.grouped_mm` when a cheap predicate on dtype, device and
+memory layout says the kernel accepts the inputs, otherwise `grouped_mm_reference`, a loop of
+plain matmuls over the row blocks. Both are differentiable and compute the same function.
+Under autocast, float32 operands are cast to the autocast dtype first, as a matmul's would be
+(the fused kernel is not on autocast's list, so without this it would stay in float32).
+"""
+
+import torch
+import torch.nn.functional as F
+
+_FAST_KERNEL = getattr(F, "grouped_mm", None)
+_ALIGN_BYTES = 16  # the kernel needs 16-byte-aligned base pointers and non-unit strides
+
+
+def grouped_mm_reference(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """Rows offs[e-1]:offs[e] of x times w[e], one matmul per expert (offs[-1] == N)."""
+    ends = offs_E.tolist()
+    starts = [0] + ends[:-1]
+    blocks = [x_ND[start:end] @ w_EDF[e] for e, (start, end) in enumerate(zip(starts, ends))]
+    return torch.cat(blocks, dim=0)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Unit stride in one of the last two dims and 16-byte-aligned pointer and other strides."""
+    item = t.element_size()
+    if t.data_ptr() % _ALIGN_BYTES:
+        return False
+    row_stride, col_stride = t.stride(-2), t.stride(-1)
+    if col_stride == 1:
+        outer = [row_stride] + list(t.stride()[:-2])
+    elif row_stride == 1:
+        outer = [col_stride] + list(t.stride()[:-2])
+    else:
+        return False
+    return all((s * item) % _ALIGN_BYTES == 0 for s in outer)
+
+
+def supports_fast_path(x_ND: torch.Tensor, w_EDF: torch.Tensor) -> bool:
+    """Whether F.grouped_mm accepts these operands (checked without calling it)."""
+    if _FAST_KERNEL is None or x_ND.dtype != w_EDF.dtype or x_ND.device != w_EDF.device:
+        return False
+    if x_ND.device.type == "cuda":
+        if x_ND.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x_ND.device) < (9, 0):
+            return False
+    elif x_ND.device.type == "cpu":
+        if x_ND.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False
+    else:
+        return False
+    out_row_bytes = w_EDF.shape[-1] * w_EDF.element_size()
+    return x_ND.stride(-1) == 1 and _aligned(x_ND) and _aligned(w_EDF) and out_row_bytes % _ALIGN_BYTES == 0
+
+
+def _standard_strides(grad_NF: torch.Tensor) -> torch.Tensor:
+    # The kernel's backward rejects the stride-0 gradients that e.g. `y.sum()` produces.
+    if grad_NF.stride() == (grad_NF.shape[1], 1):
+        return grad_NF
+    return grad_NF.clone(memory_format=torch.contiguous_format)
+
+
+def _autocast(t: torch.Tensor) -> torch.Tensor:
+    device_type = t.device.type
+    if t.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+        return t.to(torch.get_autocast_dtype(device_type))
+    return t
+
+
+def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """y[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ w[e]; offs_E are int32 cumulative row ends."""
+    x_ND, w_EDF = _autocast(x_ND), _autocast(w_EDF)
+    if not supports_fast_path(x_ND, w_EDF):
+        return grouped_mm_reference(x_ND, w_EDF, offs_E)
+    y_NF = _FAST_KERNEL(x_ND, w_EDF, offs=offs_E.to(torch.int32))
+    if y_NF.requires_grad:
+        y_NF.register_hook(_standard_strides)
+    return y_NF

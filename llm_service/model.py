@@ -1,0 +1,194 @@
+"""Decoder-only MoE language model that accepts image embeddings spliced into its input.
+
+Legend: B batch, S sequence length, D model dim, V vocab size, H query heads, G kv heads,
+Dh head dim, N spliced image tokens, T = B*S flattened tokens.
+
+Image tokens follow LLaVA: the caller reserves placeholder tokens in input_ids and passes the flat
+indices (into B*S) of those placeholders; their token embeddings are replaced by the image
+embeddings. Sequences are right-padded, so a plain causal mask is enough.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dyad.llm_service.moe import MoEConfig, MoELayer, SwiGLU
+
+
+@dataclass(kw_only=True)
+class LLMConfig:
+    vocab_size: int = 0  # set from the tokenizer by the composer
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dense_ffn_dim: int = 128
+    dense_layers: tuple[int, ...] = (0,)  # layers with a dense SwiGLU instead of MoE
+    max_seq_len: int = 256
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def __post_init__(self):
+        self.dense_layers = tuple(self.dense_layers)
+        if self.vocab_size < 0:
+            raise ValueError(f"llm.vocab_size ({self.vocab_size}) must be >= 0 (0: set from the tokenizer)")
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "dense_ffn_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"llm.{name} ({value}) must be >= 1")
+        if self.rope_theta <= 0:
+            raise ValueError(f"llm.rope_theta ({self.rope_theta}) must be > 0")
+        if self.norm_eps <= 0:
+            raise ValueError(f"llm.norm_eps ({self.norm_eps}) must be > 0")
+        if self.dim % self.n_heads:
+            raise ValueError(f"llm.n_heads ({self.n_heads}) must divide llm.dim ({self.dim})")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"llm.dim // llm.n_heads ({self.dim // self.n_heads}) must be even for rotary embeddings")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"llm.n_kv_heads ({self.n_kv_heads}) must divide llm.n_heads ({self.n_heads})")
+        for i in self.dense_layers:
+            if not 0 <= i < self.n_layers:
+                raise ValueError(f"llm.dense_layers entry ({i}) must be in [0, llm.n_layers ({self.n_layers}))")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_SDh, sin_SDh in float32 for the rotate-half convention."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles_SDh = torch.cat([angles, angles], dim=-1)
+    return angles_SDh.cos(), angles_SDh.sin()
+
+
+def apply_rotary(x_BSHDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
+    x = x_BSHDh.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos_SDh[:, None, :], sin_SDh[:, None, :]
+    return (x * cos + rotated * sin).to(x_BSHDh.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q_BSHDh = apply_rotary(self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim), cos_SDh, sin_SDh)
+        k_BSGDh = apply_rotary(self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim), cos_SDh, sin_SDh)
+        v_BSGDh = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
+        if q_BSHDh.numel() == 0:  # cuDNN attention returns None for an empty batch (torch 2.11)
+            return self.wo(q_BSHDh.reshape(B, S, self.n_heads * self.head_dim))
+        out_BHSDh = F.scaled_dot_product_attention(
+            q_BSHDh.transpose(1, 2),
+            k_BSGDh.transpose(1, 2),
+            v_BSGDh.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=self.n_heads != self.n_kv_heads,
+        )
+        return self.wo(out_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, cfg: LLMConfig, is_moe: bool):
+        super().__init__()
+        self.is_moe = is_moe
+        self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = MoELayer(cfg.dim, cfg.moe) if is_moe else SwiGLU(cfg.dim, cfg.dense_ffn_dim)
+
+    def forward(self, h_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor):
+        """Returns (h_BSD, unscaled MoE aux loss or None for a dense layer)."""
+        B, S, D = h_BSD.shape
+        h_BSD = h_BSD + self.attention(self.attn_norm(h_BSD), cos_SDh, sin_SDh)
+        x_TD = self.ffn_norm(h_BSD).reshape(B * S, D)
+        if not self.is_moe:
+            return h_BSD + self.feed_forward(x_TD).view(B, S, D), None
+        y_TD, aux_loss = self.feed_forward(x_TD)
+        return h_BSD + y_TD.view(B, S, D), aux_loss
+
+
+def splice_image_embeds(h_BSD: torch.Tensor, image_embeds_ND: torch.Tensor, image_positions_N: torch.Tensor) -> torch.Tensor:
+    """Replace the rows at flat positions (into B*S) by the image embeddings, out of place."""
+    B, S, D = h_BSD.shape
+    if image_embeds_ND.dim() != 2 or image_embeds_ND.shape[1] != D:
+        raise ValueError(f"image_embeds must have shape [N, {D}], got {list(image_embeds_ND.shape)}")
+    if image_positions_N.shape != (image_embeds_ND.shape[0],):
+        raise ValueError(
+            f"image_positions shape {list(image_positions_N.shape)} does not match "
+            f"{image_embeds_ND.shape[0]} image embeddings"
+        )
+    h_TD = h_BSD.reshape(B * S, D).index_put((image_positions_N,), image_embeds_ND.to(h_BSD.dtype))
+    return h_TD.view(B, S, D)
+
+
+class MoELM(nn.Module):
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        if cfg.vocab_size < 1:
+            raise ValueError(
+                f"llm.vocab_size ({cfg.vocab_size}) must be > 0 to build the model; set it from the tokenizer"
+            )
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(DecoderBlock(cfg, is_moe=i not in cfg.dense_layers) for i in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids_BS: torch.Tensor,
+        image_embeds_ND: torch.Tensor | None = None,
+        image_positions_N: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (logits_BSV, aux_loss): aux_loss = aux_loss_coef * sum of MoE layer aux losses."""
+        B, S = input_ids_BS.shape
+        if S > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length ({S}) exceeds llm.max_seq_len ({self.cfg.max_seq_len})")
+        if (image_embeds_ND is None) != (image_positions_N is None):
+            raise ValueError("image_embeds and image_positions must be given together")
+        h_BSD = self.tok_embeddings(input_ids_BS)
+        if image_embeds_ND is not None:
+            h_BSD = splice_image_embeds(h_BSD, image_embeds_ND, image_positions_N)
+        cos_SDh, sin_SDh = rotary_cos_sin(S, self.cfg.head_dim, self.cfg.rope_theta, h_BSD.device)
+        aux_loss = torch.zeros((), device=h_BSD.device, dtype=torch.float32)
+        for layer in self.layers:
+            h_BSD, layer_aux = layer(h_BSD, cos_SDh, sin_SDh)
+            if layer_aux is not None:
+                aux_loss = aux_loss + layer_aux
+        logits_BSV = self.output(self.norm(h_BSD))
+        return logits_BSV, self.cfg.moe.aux_loss_coef * aux_loss
+
+
+def caption_loss_sum(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Sum of float32 cross-entropy over non-ignored targets (targets[b, s] is predicted at s)."""
+    V = logits_BSV.shape[-1]
+    return F.cross_entropy(
+        logits_BSV.reshape(-1, V).float(), targets_BS.reshape(-1), ignore_index=ignore_index, reduction="sum"
+    )
+
+
+@torch.no_grad()
+def greedy_next_token(
+    model: MoELM,
+    input_ids_BS: torch.Tensor,
+    image_embeds: torch.Tensor | None,
+    image_positions: torch.Tensor | None,
+    lengths_B: torch.Tensor,
+) -> torch.Tensor:
+    """Argmax of the logits at position lengths_B - 1 of each row: the next token, [B] long."""
+    logits_BSV, _ = model(input_ids_BS, image_embeds, image_positions)
+    rows_B = torch.arange(input_ids_BS.shape[0], device=logits_BSV.device)
+    return logits_BSV[rows_B, lengths_B.to(logits_BSV.device) - 1].argmax(dim=-1)

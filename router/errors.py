@@ -1,0 +1,71 @@
+"""Errors the router answers with, and the one place they become gRPC status codes."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class NotFound(LookupError):
+    pass
+
+
+class FailedPrecondition(RuntimeError):
+    pass
+
+
+_STATUS = (
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+
+def _status_of(error: Exception) -> grpc.StatusCode | None:
+    for kind, code in _STATUS:
+        if isinstance(error, kind):
+            return code
+    return None
+
+
+def _abort(context: grpc.ServicerContext, error: Exception, method: str):
+    code = _status_of(error)
+    if code is None:
+        log.exception("internal error in %s", method)
+        context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+    context.abort(code, str(error))
+
+
+def _wrap(method):
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def stream(self, request, context):
+            try:
+                yield from method(self, request, context)
+            except Exception as error:  # noqa: BLE001 - mapped to a status, never crashes
+                _abort(context, error, method.__name__)
+
+        return stream
+
+    @functools.wraps(method)
+    def unary(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as error:  # noqa: BLE001
+            _abort(context, error, method.__name__)
+
+    return unary
+
+
+def map_errors(servicer_class):
+    """Class decorator: every RPC method answers user errors with a status, never a crash."""
+    for name, method in list(vars(servicer_class).items()):
+        if name[0].isupper() and callable(method):
+            setattr(servicer_class, name, _wrap(method))
+    return servicer_class

@@ -1,0 +1,146 @@
+"""The router's gRPC server: the client-facing `Router` service, the worker-facing `Coordinator`
+service, and grpc.health.v1.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from dyad import config as config_lib
+from dyad.data import make_dataset
+from dyad.layout import check_executable
+from dyad.router.driver import RunDriver
+from dyad.router.errors import FailedPrecondition, NotFound, map_errors
+from dyad.router.launcher import LocalLauncher
+from dyad.router.run import Run
+from dyad.wire import MAX_MESSAGE_BYTES, pb, rpc
+
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class RouterState:
+    """Runs known to this router; at most one active at a time."""
+
+    def __init__(self, launcher_factory=LocalLauncher):
+        self.address = ""
+        self._launcher_factory = launcher_factory
+        self._runs: dict[str, Run] = {}
+        self._drivers: dict[str, threading.Thread] = {}
+        self._lock = threading.Lock()
+
+    def get(self, run_id: str) -> Run:
+        if not run_id:
+            raise ValueError("run_id must be set")
+        with self._lock:
+            if run_id not in self._runs:
+                raise NotFound(f"run_id {run_id!r} not found")
+            return self._runs[run_id]
+
+    def start(self, config_yaml: str) -> Run:
+        config = config_lib.from_yaml(config_yaml)
+        check_executable(config.parallel.encoder, config.parallel.llm)
+        dataset = make_dataset(config.data)
+        config = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
+        run_id = uuid.uuid4().hex[:12]
+        if not config.out_dir:
+            config.out_dir = str(Path("runs") / run_id)
+        config.out_dir = str(Path(config.out_dir).resolve())
+        with self._lock:
+            active = [r for r in self._runs.values() if not r.finished]
+            if active:
+                raise FailedPrecondition(
+                    f"run {active[0].run_id} is still active; stop it before starting another"
+                )
+            sizes = {
+                "encoder": config.parallel.encoder.world_size,
+                "llm": config.parallel.llm.world_size,
+            }
+            run = Run(run_id, config, sizes)
+            self._runs[run_id] = run
+        driver = RunDriver(run, self._launcher_factory(), self.address, dataset)
+        thread = threading.Thread(target=driver, name=f"run-{run_id}", daemon=True)
+        self._drivers[run_id] = thread
+        thread.start()
+        return run
+
+    def active_run_ids(self) -> list[str]:
+        with self._lock:
+            return [run_id for run_id, run in self._runs.items() if not run.finished]
+
+    def wait_idle(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for thread in list(self._drivers.values()):
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+@map_errors
+class RouterService(rpc.RouterServicer):
+    def __init__(self, state: RouterState):
+        self.state = state
+
+    def StartRun(self, request, context):
+        return self.state.start(request.config_yaml).info()
+
+    def GetRun(self, request, context):
+        return self.state.get(request.run_id).info()
+
+    def WatchRun(self, request, context):
+        if request.from_step < 0:
+            raise ValueError(f"from_step must be >= 0, got {request.from_step}")
+        yield from self.state.get(request.run_id).watch(request.from_step, context.is_active)
+
+    def StopRun(self, request, context):
+        run = self.state.get(request.run_id)
+        if run.finished:
+            raise FailedPrecondition(f"run {run.run_id} has already finished")
+        run.stop_requested.set()
+        return run.info()
+
+
+@map_errors
+class CoordinatorService(rpc.CoordinatorServicer):
+    def __init__(self, state: RouterState):
+        self.state = state
+
+    def Register(self, request, context):
+        run = self.state.get(request.run_id)
+        run.register(request.worker, request.data_address)
+        return pb.RegisterReply(config_yaml=run.config_yaml, out_dir=run.config.out_dir)
+
+    def Heartbeat(self, request, context):
+        return pb.HeartbeatReply(stop=self.state.get(request.run_id).heartbeat(request.worker))
+
+    def Commands(self, request, context):
+        yield from self.state.get(request.run_id).commands_for(request.worker, context.is_active)
+
+    def ReportResult(self, request, context):
+        self.state.get(request.run_id).report(request)
+        return pb.Ack()
+
+
+def serve(host: str = "127.0.0.1", port: int = 0, launcher_factory=LocalLauncher):
+    """Start the router; returns (server, state) with `state.address` set to "host:port"."""
+    state = RouterState(launcher_factory)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=GRPC_OPTIONS)
+    rpc.add_RouterServicer_to_server(RouterService(state), server)
+    rpc.add_CoordinatorServicer_to_server(CoordinatorService(state), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"router could not bind {host}:{port}")
+    server.start()
+    state.address = f"{host}:{bound}"
+    for service in ("", "dyad.v1.Router", "dyad.v1.Coordinator"):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return server, state

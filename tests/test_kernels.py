@@ -1,0 +1,163 @@
+"""Fast kernels agree with their plain-PyTorch references (CPU, float32)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dyad.kernels.grouped_mm import grouped_mm, grouped_mm_reference, supports_fast_path
+from dyad.kernels.moe_permute import permute, permute_reference, unpermute, unpermute_reference
+
+
+def _offsets(counts):
+    return torch.tensor(counts).cumsum(0).to(torch.int32)
+
+
+def _fast_and_reference(x_ND, w_EDF, offs_E):
+    """Forward outputs and (dx, dw) of both paths for the same upstream gradient."""
+    results = []
+    for fn in (grouped_mm, grouped_mm_reference):
+        x = x_ND.clone().requires_grad_()
+        w = w_EDF.clone().requires_grad_()
+        y = fn(x, w, offs_E)
+        g = torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape).sin()
+        (y * g).sum().backward()
+        results.append((y.detach(), x.grad, w.grad))
+    return results
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 2], [0, 0, 10, 0], [1, 1, 1, 1], [0, 0, 0, 0], [7, 0, 0, 0]])
+@pytest.mark.parametrize("D,F", [(8, 12), (4, 16)])
+def test_grouped_mm_fast_matches_reference(counts, D, F):
+    torch.manual_seed(0)
+    x_ND = torch.randn(sum(counts), D)
+    w_EDF = torch.randn(len(counts), D, F)
+    assert supports_fast_path(x_ND, w_EDF)
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = _fast_and_reference(x_ND, w_EDF, _offsets(counts))
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(dx, dx_ref)
+    torch.testing.assert_close(dw, dw_ref)
+
+
+def test_grouped_mm_fast_path_backward_from_sum():
+    # y.sum() hands the kernel a stride-0 gradient, which it rejects unless made dense.
+    x = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(2, 8, 4, requires_grad=True)
+    grouped_mm(x, w, _offsets([2, 4])).sum().backward()
+    torch.testing.assert_close(x.grad[:2], w.detach()[0].sum(1).expand(2, 8))
+
+
+def test_grouped_mm_transposed_weight_uses_fast_path():
+    w_EDF = torch.randn(3, 12, 8).transpose(1, 2)  # column-major per expert
+    x_ND = torch.randn(9, 8)
+    assert supports_fast_path(x_ND, w_EDF)
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = _fast_and_reference(x_ND, w_EDF, _offsets([4, 0, 5]))
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(dx, dx_ref)
+    torch.testing.assert_close(dw, dw_ref)
+
+
+@pytest.mark.parametrize(
+    "x_shape,w_shape,dtype",
+    [((5, 6), (2, 6, 8), torch.float32), ((5, 8), (2, 8, 5), torch.float32), ((5, 8), (2, 8, 8), torch.float64)],
+)
+def test_grouped_mm_unsupported_inputs_fall_back(x_shape, w_shape, dtype):
+    x_ND = torch.randn(x_shape, dtype=dtype)
+    w_EDF = torch.randn(w_shape, dtype=dtype)
+    assert not supports_fast_path(x_ND, w_EDF)
+    offs_E = _offsets([2, 3])
+    torch.testing.assert_close(grouped_mm(x_ND, w_EDF, offs_E), grouped_mm_reference(x_ND, w_EDF, offs_E))
+
+
+def test_grouped_mm_reference_is_per_expert_matmul():
+    x_ND = torch.randn(5, 3, dtype=torch.float64)
+    w_EDF = torch.randn(3, 3, 2, dtype=torch.float64)
+    y_NF = grouped_mm_reference(x_ND, w_EDF, _offsets([2, 0, 3]))
+    torch.testing.assert_close(y_NF[:2], x_ND[:2] @ w_EDF[0])
+    torch.testing.assert_close(y_NF[2:], x_ND[2:] @ w_EDF[2])
+
+
+def _check_permute_matches_reference(x_TD, expert_idx_TK, num_experts):
+    x_sorted, order, counts = permute(x_TD, expert_idx_TK, num_experts)
+    x_sorted_ref, order_ref, counts_ref = permute_reference(x_TD, expert_idx_TK, num_experts)
+    torch.testing.assert_close(x_sorted, x_sorted_ref)
+    assert order.tolist() == order_ref.tolist()
+    assert counts.tolist() == counts_ref.tolist()
+    gates_TK = torch.rand(expert_idx_TK.shape)
+    y_sorted = torch.randn_like(x_sorted)
+    torch.testing.assert_close(unpermute(y_sorted, order, gates_TK), unpermute_reference(y_sorted, order, gates_TK))
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(0, 9), E=st.integers(1, 5), data=st.data())
+def test_permute_unpermute_match_reference(T, E, data):
+    K = data.draw(st.integers(1, E))
+    # top-k ids are distinct per token: a random permutation prefix per row
+    rows = [data.draw(st.permutations(range(E)))[:K] for _ in range(T)]
+    expert_idx_TK = torch.tensor(rows, dtype=torch.long).reshape(T, K)
+    _check_permute_matches_reference(torch.randn(T, 3), expert_idx_TK, E)
+
+
+def test_permute_is_expert_major_and_stable():
+    expert_idx_TK = torch.tensor([[2, 0], [0, 1], [2, 1]])
+    x_TD = torch.arange(3.0).unsqueeze(1)
+    x_sorted, order, counts = permute(x_TD, expert_idx_TK, num_experts=4)
+    assert order.tolist() == [1, 2, 3, 5, 0, 4]  # flat t*K+k; expert 0, 1, 2, 3(empty)
+    assert counts.tolist() == [2, 2, 2, 0]
+    assert x_sorted.squeeze(1).tolist() == [0.0, 1.0, 1.0, 2.0, 0.0, 2.0]
+
+
+@pytest.mark.parametrize("E", [1, 3])
+def test_unpermute_inverts_permute_with_unit_gates(E):
+    T = 7
+    x_TD = torch.randn(T, 5)
+    expert_idx_TK = torch.randint(E, (T, 1))
+    x_sorted, order, _ = permute(x_TD, expert_idx_TK, E)
+    torch.testing.assert_close(unpermute(x_sorted, order, torch.ones(T, 1)), x_TD)
+
+
+def test_all_tokens_to_one_expert_and_empty_experts():
+    T, E = 6, 4
+    expert_idx_TK = torch.full((T, 1), 2)
+    x_TD = torch.randn(T, 3)
+    x_sorted, order, counts = permute(x_TD, expert_idx_TK, E)
+    assert counts.tolist() == [0, 0, T, 0]
+    assert order.tolist() == list(range(T))
+    torch.testing.assert_close(x_sorted, x_TD)
+    _check_permute_matches_reference(x_TD, expert_idx_TK, E)
+
+
+def test_k_equals_num_experts_sums_all_gated_copies():
+    T, E = 5, 3
+    expert_idx_TK = torch.stack([torch.randperm(E) for _ in range(T)])
+    x_TD = torch.randn(T, 4)
+    x_sorted, order, counts = permute(x_TD, expert_idx_TK, E)
+    assert counts.tolist() == [T] * E
+    gates_TK = torch.rand(T, E)
+    y_TD = unpermute(x_sorted, order, gates_TK)
+    torch.testing.assert_close(y_TD, gates_TK.sum(1, keepdim=True) * x_TD)
+    _check_permute_matches_reference(x_TD, expert_idx_TK, E)
+
+
+def test_permute_gradients_flow_back_to_tokens():
+    T, K, E = 4, 2, 3
+    x_TD = torch.randn(T, 3, requires_grad=True)
+    expert_idx_TK = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2]])
+    gates_TK = torch.rand(T, K, requires_grad=True)
+    x_sorted, order, _ = permute(x_TD, expert_idx_TK, E)
+    y_TD = unpermute(2.0 * x_sorted, order, gates_TK)
+    y_TD.sum().backward()
+    torch.testing.assert_close(x_TD.grad, 2.0 * gates_TK.detach().sum(1, keepdim=True).expand(T, 3))
+    torch.testing.assert_close(gates_TK.grad, 2.0 * x_TD.detach().sum(1, keepdim=True).expand(T, K))
+
+
+def test_grouped_mm_under_autocast_computes_in_autocast_dtype():
+    x_ND = torch.randn(10, 16)
+    w_EDF = torch.randn(3, 16, 8)
+    offs_E = _offsets([4, 0, 6])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_NF = grouped_mm(x_ND, w_EDF, offs_E)
+        y_ref = grouped_mm_reference(x_ND, w_EDF, offs_E)  # plain matmuls autocast by themselves
+    assert y_NF.dtype == y_ref.dtype == torch.bfloat16
+    assert supports_fast_path(x_ND.bfloat16(), w_EDF.bfloat16())
+    torch.testing.assert_close(y_NF, y_ref)

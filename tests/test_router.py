@@ -1,0 +1,172 @@
+"""The router refuses bad requests with the right status and a message naming the field, and
+keeps serving afterwards."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dyad.client import RouterClient
+from dyad.router.launcher import Launcher
+from dyad.router.server import serve
+from dyad.wire import pb, rpc
+
+
+class NoWorkers(Launcher):
+    """Starts nothing: runs stay in STARTING until stopped."""
+
+    def start(self, run_id, router_address, workers, log_dir):
+        pass
+
+    def dead(self):
+        return []
+
+    def stop(self, timeout_s=10.0):
+        pass
+
+
+@pytest.fixture
+def router(tmp_path):
+    server, state = serve(launcher_factory=NoWorkers)
+    client = RouterClient(state.address)
+    yield client, state, tmp_path
+    for run_id in state.active_run_ids():
+        state.get(run_id).stop_requested.set()
+    state.wait_idle(10)
+    client.close()
+    server.stop(grace=None)
+
+
+def _error(call, *args):
+    with pytest.raises(grpc.RpcError) as raised:
+        call(*args)
+    return raised.value
+
+
+def _config(tmp_path, extra: str = "") -> str:
+    return f"out_dir: {tmp_path / 'run'}\ntrain: {{steps: 2}}\n{extra}"
+
+
+@pytest.mark.parametrize(
+    "config_yaml, field",
+    [
+        ("train: {lr: -1}", "train.lr"),
+        ("train: {microbatches: 0}", "train.microbatches"),
+        ("train: {lrr: 0.1}", "train.lrr"),
+        ("encoder: {patch_size: 5}", "encoder.patch_size"),
+        ("llm: {n_kv_heads: 3}", "llm.n_kv_heads"),
+        ("llm: {moe: {top_k: 9}}", "top_k"),
+        ("data: {heldout_fraction: 1.5}", "data.heldout_fraction"),
+        ("data: {name: jsonl}", "data.path"),
+        ("parallel: {llm: {dp: 0}}", "parallel.llm.dp"),
+        ("parallel: {encoder: {dp: 2}}", "parallel.encoder"),
+        ("train: [1, 2]", "train"),
+        ("train: {steps: [", "YAML"),
+    ],
+)
+def test_start_run_rejects_invalid_config(router, config_yaml, field):
+    client, _, _ = router
+    error = _error(client.start_run, config_yaml)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in error.details()
+
+
+def test_unknown_run_id_is_not_found(router):
+    client, _, _ = router
+    for call in (client.get_run, client.stop_run):
+        error = _error(call, "no-such-run")
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+        assert "no-such-run" in error.details()
+    error = _error(lambda: list(client.watch("no-such-run")))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_empty_run_id_is_invalid(router):
+    client, _, _ = router
+    error = _error(client.get_run, "")
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "run_id" in error.details()
+
+
+def test_second_run_while_one_is_active_is_refused(router):
+    client, _, tmp_path = router
+    first = client.start_run(_config(tmp_path))
+    error = _error(client.start_run, _config(tmp_path))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert first.run_id in error.details()
+    client.stop_run(first.run_id)
+
+
+def test_watch_from_negative_step_is_invalid(router):
+    client, _, tmp_path = router
+    run = client.start_run(_config(tmp_path))
+    error = _error(lambda: list(client.watch(run.run_id, from_step=-1)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "from_step" in error.details()
+    client.stop_run(run.run_id)
+
+
+def test_stopped_run_ends_its_watch_and_cannot_be_stopped_twice(router):
+    client, state, tmp_path = router
+    run = client.start_run(_config(tmp_path))
+    client.stop_run(run.run_id)
+    events = list(client.watch(run.run_id))
+    assert events[-1].finished.state == pb.RUN_STATE_STOPPED
+    error = _error(client.stop_run, run.run_id)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_worker_requests_are_validated(router):
+    client, _, tmp_path = router
+    run = client.start_run(_config(tmp_path))
+    coordinator = rpc.CoordinatorStub(client.channel)
+
+    def register(worker, address="127.0.0.1:1", run_id=run.run_id):
+        return coordinator.Register(
+            pb.RegisterRequest(run_id=run_id, worker=worker, data_address=address)
+        )
+
+    cases = [
+        (dict(worker=pb.WorkerId(pool=pb.POOL_ENCODER), run_id="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
+        (dict(worker=pb.WorkerId(pool=pb.POOL_UNSPECIFIED)), grpc.StatusCode.INVALID_ARGUMENT, "worker.pool"),
+        (dict(worker=pb.WorkerId(pool=pb.POOL_LLM, rank=3)), grpc.StatusCode.INVALID_ARGUMENT, "worker.rank"),
+        (dict(worker=pb.WorkerId(pool=pb.POOL_LLM), address=""), grpc.StatusCode.INVALID_ARGUMENT, "data_address"),
+    ]
+    for kwargs, code, text in cases:
+        error = _error(lambda: register(**kwargs))
+        assert error.code() == code, kwargs
+        assert text in error.details()
+    error = _error(
+        coordinator.ReportResult,
+        pb.WorkerResult(run_id=run.run_id, worker=pb.WorkerId(pool=pb.POOL_LLM)),
+    )
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION  # not registered yet
+    register(pb.WorkerId(pool=pb.POOL_LLM))
+    error = _error(
+        coordinator.ReportResult,
+        pb.WorkerResult(run_id=run.run_id, worker=pb.WorkerId(pool=pb.POOL_LLM)),
+    )
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "result" in error.details()
+    client.stop_run(run.run_id)
+
+
+def test_a_tensor_sized_message_fails_loudly(router):
+    client, _, tmp_path = router
+    payload = "# " + "x" * (8 * 1024 * 1024) + "\n" + _config(tmp_path)
+    error = _error(client.start_run, payload)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_router_keeps_serving_and_reports_health(router):
+    client, _, tmp_path = router
+    for bad in ("train: {lr: -1}", "llm: {n_heads: 0}"):
+        _error(client.start_run, bad)
+    health = health_pb2_grpc.HealthStub(client.channel)
+    for service in ("", "dyad.v1.Router", "dyad.v1.Coordinator"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    run = client.start_run(_config(tmp_path))
+    assert client.get_run(run.run_id).state == pb.RUN_STATE_STARTING
+    client.stop_run(run.run_id)

@@ -1,0 +1,297 @@
+"""Transports: every behaviour on the loopback twin and on UCX, UCX also across two processes.
+
+ucxx allows several contexts per process (one `ApplicationContext` per `UcxTransport`, each on
+its own loop thread), so the UCX pair below runs in this process; `test_ucx_two_processes`
+and `test_ucx_peer_death` run the far end in a spawned process, as the services do.
+"""
+
+import multiprocessing
+import os
+import socket
+
+import pytest
+import torch
+
+from dyad.transport import (
+    Direction,
+    LoopbackTransport,
+    MessageSizeError,
+    MessageTag,
+    TransportError,
+    UcxTransport,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+WAIT_S = 10.0  # the longest any future may take; nothing here should wait on a hang
+SHAPES = [(0,), (0, 64), (3,), (17, 64), (2, 3, 5), (1024, 256)]
+DTYPES = [torch.float32, torch.bfloat16]
+TRANSPORTS = {"loopback": LoopbackTransport, "ucx": UcxTransport}
+
+
+def _tag(microbatch=0, direction=Direction.FORWARD, peer=0, step=3):
+    return MessageTag("run-a", step, microbatch, direction, peer)
+
+
+def _random_bits(shape, dtype, seed=0):
+    """Arbitrary bit patterns (NaN payloads, infinities, denormals) to prove bit-exactness."""
+    generator = torch.Generator().manual_seed(seed)
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[dtype]
+    info = torch.iinfo(ints)
+    return torch.randint(info.min, info.max, shape, dtype=ints, generator=generator).view(dtype)
+
+
+def _same_bytes(x, y):
+    return x.shape == y.shape and x.dtype == y.dtype and torch.equal(
+        x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)
+    )
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(params=list(TRANSPORTS))
+def kind(request):
+    return TRANSPORTS[request.param]
+
+
+@pytest.fixture
+def pair(kind):
+    with kind() as a, kind() as b:
+        yield a, b
+
+
+# --- MessageTag -----------------------------------------------------------------------------
+
+
+def test_pack_is_stable_and_fits_63_bits():
+    tag = MessageTag("run-a", step=5, microbatch=7, direction=Direction.BACKWARD, peer=9)
+    # Golden value: encoder and LLM builds must agree on the layout bit for bit.
+    assert tag.pack() == 0x7917_0000_0500_7809
+    top = MessageTag("r", 2**24 - 1, 2**12 - 1, Direction.BACKWARD, 2**11 - 1).pack()
+    assert top < 2**63  # bit 63 belongs to the transport
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("step", 1), ("microbatch", 1), ("direction", Direction.BACKWARD), ("peer", 1), ("run", "b")],
+)
+def test_pack_separates_every_field(field, value):
+    base = dict(run="run-a", step=0, microbatch=0, direction=Direction.FORWARD, peer=0)
+    assert MessageTag(**base).pack() != MessageTag(**{**base, field: value}).pack()
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("step", 2**24, "MessageTag.step (16777216) does not fit in 24 bits"),
+        ("microbatch", 5000, "MessageTag.microbatch (5000) does not fit in 12 bits"),
+        ("peer", 2048, "MessageTag.peer (2048) does not fit in 11 bits"),
+        ("peer", -1, "MessageTag.peer (-1) does not fit in 11 bits"),
+        ("direction", 2, "MessageTag.direction (2) does not fit in 1 bits"),
+    ],
+)
+def test_pack_rejects_values_that_do_not_fit(field, value, message):
+    fields = dict(run="run-a", step=0, microbatch=0, direction=Direction.FORWARD, peer=0)
+    tag = MessageTag(**{**fields, field: value})
+    with pytest.raises(ValueError) as error:
+        tag.pack()
+    assert str(error.value) == message
+
+
+# --- both transports, in one process --------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_round_trip_is_bit_exact(pair, shape, dtype):
+    a, b = pair
+    sent = _random_bits(shape, dtype)
+    expected = sent.clone()
+    out = torch.full(shape, 7, dtype=dtype)
+    sending = a.send(b.address, _tag(), sent)
+    receiving = b.recv(a.address, _tag(), out)
+    assert receiving.result(WAIT_S) is out
+    assert sending.result(WAIT_S) is None
+    assert _same_bytes(out, expected) and _same_bytes(sent, expected)
+    if sent.numel() == 0:  # nothing went on the wire
+        assert sending.done() and receiving.done()
+    else:
+        assert out.data_ptr() != sent.data_ptr()
+
+
+def test_both_directions_at_first_contact(pair):
+    """Encoder -> LLM activations and LLM -> encoder gradients, both connecting at once."""
+    encoder, llm = pair
+    activations = _random_bits((17, 64), torch.bfloat16, seed=1).requires_grad_()
+    gradients = _random_bits((17, 64), torch.bfloat16, seed=2)
+    got_activations = torch.empty(17, 64, dtype=torch.bfloat16)
+    got_gradients = torch.empty(17, 64, dtype=torch.bfloat16)
+    futures = [
+        encoder.send(llm.address, _tag(direction=Direction.FORWARD), activations),
+        llm.send(encoder.address, _tag(direction=Direction.BACKWARD), gradients),
+        llm.recv(encoder.address, _tag(direction=Direction.FORWARD), got_activations),
+        encoder.recv(llm.address, _tag(direction=Direction.BACKWARD), got_gradients),
+    ]
+    for future in futures:
+        future.result(WAIT_S)
+    assert _same_bytes(got_activations, activations.detach())
+    assert _same_bytes(got_gradients, gradients)
+
+
+def test_tags_match_regardless_of_order(pair):
+    a, b = pair
+    count = 8
+    sent = [torch.full((256, 64), float(i)) for i in range(count)]  # 64 KiB: rendezvous on UCX
+    outs = [torch.empty(256, 64) for _ in range(count)]
+    early = [b.recv(a.address, _tag(i), outs[i]) for i in (5, 2)]  # posted before their sends
+    sends = [a.send(b.address, _tag(i), sent[i]) for i in range(count)]
+    late = [b.recv(a.address, _tag(i), outs[i]) for i in reversed(range(count)) if i not in (5, 2)]
+    for future in early + late + sends:
+        future.result(WAIT_S)
+    for i in range(count):
+        assert torch.equal(outs[i], sent[i]), f"microbatch {i} got another message"
+
+
+def test_peer_field_tells_senders_apart(kind):
+    """Matching is by tag per receiver: two sources need distinct `peer` fields."""
+    with kind() as llm, kind() as encoder0, kind() as encoder1:
+        outs = [torch.empty(5), torch.empty(5)]
+        receiving = [llm.recv(e.address, _tag(peer=i), outs[i]) for i, e in enumerate((encoder0, encoder1))]
+        encoder1.send(llm.address, _tag(peer=1), torch.ones(5)).result(WAIT_S)
+        encoder0.send(llm.address, _tag(peer=0), torch.zeros(5)).result(WAIT_S)
+        for future in receiving:
+            future.result(WAIT_S)
+        assert outs[0].eq(0).all() and outs[1].eq(1).all()
+
+
+@pytest.mark.parametrize("sent_numel,out_numel", [(20, 10), (10, 20)], ids=["long", "short"])
+def test_size_mismatch_fails_the_recv(pair, sent_numel, out_numel):
+    a, b = pair
+    receiving = b.recv(a.address, _tag(), torch.empty(out_numel))
+    a.send(b.address, _tag(), torch.ones(sent_numel)).result(WAIT_S)
+    expected = f"buffer holds {4 * out_numel} bytes, sender sent {4 * sent_numel}"
+    with pytest.raises(MessageSizeError, match=expected):
+        receiving.result(WAIT_S)
+
+
+def test_recv_times_out(pair):
+    a, b = pair
+    with pytest.raises(TimeoutError, match=r"timed out after 0.2s"):
+        b.recv(a.address, _tag(), torch.empty(3), timeout=0.2).result(WAIT_S)
+
+
+def test_close_fails_pending_recv_and_later_calls(pair):
+    a, b = pair
+    b.send(a.address, _tag(microbatch=1), torch.ones(3))  # connects, in case UCX needs it
+    pending = b.recv(a.address, _tag(), torch.empty(3))
+    b.close()
+    b.close()  # idempotent
+    with pytest.raises((TransportError, ConnectionError)):
+        pending.result(WAIT_S)
+    with pytest.raises(TransportError, match="closed"):
+        b.send(a.address, _tag(), torch.ones(3))
+
+
+def test_rejects_non_contiguous_tensors(pair):
+    a, b = pair
+    with pytest.raises(ValueError, match="contiguous"):
+        a.send(b.address, _tag(), torch.ones(4, 4).t())
+    with pytest.raises(ValueError, match="contiguous"):
+        b.recv(a.address, _tag(), torch.ones(4, 4)[:, :2])
+
+
+def test_unreachable_peer_is_a_connection_error(kind):
+    address = f"127.0.0.1:{_free_port()}"
+    options = {"connect_timeout": 1.0} if kind is UcxTransport else {}
+    with kind(**options) as transport:
+        with pytest.raises(ConnectionError, match=address):
+            transport.send(address, _tag(), torch.ones(3)).result(WAIT_S)
+
+
+def test_loopback_checks_the_sender():
+    with LoopbackTransport() as a, LoopbackTransport() as b, LoopbackTransport() as c:
+        receiving = b.recv(a.address, _tag(), torch.empty(3))
+        c.send(b.address, _tag(), torch.ones(3)).result(WAIT_S)
+        with pytest.raises(TransportError, match=f"came from {c.address}"):
+            receiving.result(WAIT_S)
+
+
+# --- UCX across processes -------------------------------------------------------------------
+
+
+def _echo_peer(conn):
+    """Child process: receive each forward message, return it as the backward message."""
+    with UcxTransport() as transport:
+        conn.send(transport.address)
+        peer, specs = conn.recv()
+        for i, (shape, dtype) in enumerate(specs):
+            buffer = torch.empty(shape, dtype=dtype)
+            transport.recv(peer, _tag(i, Direction.FORWARD), buffer).result(WAIT_S)
+            transport.send(peer, _tag(i, Direction.BACKWARD), buffer).result(WAIT_S)
+        conn.send("done")
+
+
+def _die_after_connecting(conn):
+    """Child process: connect to the parent, then vanish without closing anything."""
+    transport = UcxTransport()
+    peer = conn.recv()
+    transport.send(peer, _tag(microbatch=1), torch.ones(3)).result(WAIT_S)
+    conn.send("connected")
+    conn.recv()
+    os._exit(0)
+
+
+def _spawn(target):
+    context = multiprocessing.get_context("spawn")
+    parent_conn, child_conn = context.Pipe()
+    process = context.Process(target=target, args=(child_conn,), daemon=True)
+    process.start()
+    return process, parent_conn
+
+
+def _finish(process):
+    process.join(WAIT_S)
+    if process.is_alive():
+        process.kill()
+    return process.exitcode
+
+
+def test_ucx_two_processes():
+    specs = [(shape, dtype) for dtype in DTYPES for shape in SHAPES]
+    process, conn = _spawn(_echo_peer)
+    try:
+        with UcxTransport() as transport:
+            assert conn.poll(30), "child did not start"
+            child = conn.recv()
+            conn.send((transport.address, specs))
+            sent = [_random_bits(shape, dtype, seed=i) for i, (shape, dtype) in enumerate(specs)]
+            outs = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+            futures = [transport.recv(child, _tag(i, Direction.BACKWARD), outs[i]) for i in range(len(specs))]
+            futures += [transport.send(child, _tag(i, Direction.FORWARD), sent[i]) for i in range(len(specs))]
+            for future in futures:
+                future.result(WAIT_S)
+            assert conn.poll(WAIT_S) and conn.recv() == "done"
+        for i, (shape, dtype) in enumerate(specs):
+            assert _same_bytes(outs[i], sent[i]), f"{shape} {dtype}"
+    finally:
+        assert _finish(process) == 0
+
+
+def test_ucx_peer_death_fails_pending_recv():
+    process, conn = _spawn(_die_after_connecting)
+    try:
+        with UcxTransport() as transport:
+            conn.send(transport.address)
+            assert conn.poll(30) and conn.recv() == "connected"
+            (child,) = transport._engine.incoming  # the handshake named the child's address
+            transport.recv(child, _tag(microbatch=1), torch.empty(3)).result(WAIT_S)
+            pending = transport.recv(child, _tag(microbatch=2), torch.empty(3))
+            conn.send("die")
+            with pytest.raises(ConnectionError, match=child):
+                pending.result(WAIT_S)
+    finally:
+        _finish(process)
