@@ -190,6 +190,7 @@ class _Engine:
     async def start(self, port: int) -> int:
         # Created on the running loop: ucxx binds its progress and notifier to it.
         self.ctx = ApplicationContext(enable_python_future=True)
+        self.ctx.worker.populate_python_futures_pool()  # see _track
         self.listener = self.ctx.create_listener(
             self._accept, port=port, connect_timeout=self.connect_timeout
         )
@@ -222,14 +223,24 @@ class _Engine:
         """
         try:
             await asyncio.wait_for(asyncio.shield(self._track(work)), timeout)
-        except UCXError as e:  # cancellation included
+        except (TimeoutError, TransportError):
+            raise
+        except Exception as e:
+            # Ours closing cancels requests, or races a task about to post one on an endpoint
+            # it just closed (ucxx then fails on `None._ep`, endpoint.py:447): one error.
             if self.closed:
                 raise TransportError(f"transport {self.address} closed during {what}") from e
+            if not isinstance(e, UCXError):
+                raise
             if endpoint.closed:
                 self._forget(peer, endpoint)
             raise ConnectionError(f"{what} failed: {e!r}") from e
 
     def _track(self, work) -> asyncio.Future:
+        # Each UCX request takes a pre-made Python future from a pool that ucxx's notifier
+        # thread refills only when it wakes; top it up (no-op above half full) so that a burst
+        # of requests, or the first ones after start, never finds it empty.
+        self.ctx.worker.populate_python_futures_pool()
         operation = asyncio.ensure_future(work)
         self.operations.add(operation)
         operation.add_done_callback(self._retire)
@@ -254,16 +265,26 @@ class _Engine:
             del self.outgoing[peer]
 
     async def _connect(self, host: str, port: int) -> Endpoint:
+        """Connect, send our address, wait for the peer's ack: after that neither side's
+        setup is in progress, so closing the endpoint can never cut the peer's listener short
+        (ucxx logs a traceback for a handler interrupted in its own peer-info exchange)."""
         peer = f"{host}:{port}"
+        self.ctx.worker.populate_python_futures_pool()  # see _track
         try:
             endpoint = await self.ctx.create_endpoint(
                 host, port, connect_timeout=self.connect_timeout
             )
-            await endpoint.send_obj(self.address.encode())
         except (UCXError, OSError) as e:  # OSError: TimeoutError of ucxx's peer-info exchange
             raise ConnectionError(
                 f"cannot reach UCX peer {peer} within {self.connect_timeout}s: {e!r}"
             ) from e
+        try:
+            await endpoint.send_obj(self.address.encode())
+            ack = self._track(endpoint.recv(array.array("B", [0])))
+            await asyncio.wait_for(asyncio.shield(ack), self.connect_timeout)
+        except (UCXError, OSError) as e:
+            await endpoint.close()
+            raise ConnectionError(f"UCX peer {peer} did not complete the handshake: {e!r}") from e
         return endpoint
 
     async def _accept(self, endpoint: Endpoint) -> None:
@@ -279,9 +300,13 @@ class _Engine:
             await endpoint.close()
             return
         previous = self.incoming.pop(peer, None)
-        self.incoming[peer] = endpoint
+        self.incoming[peer] = endpoint  # known before the peer hears the ack
         if previous is not None:  # the peer restarted at the same address
             await previous.close()
+        try:
+            await endpoint.send(array.array("B", [1]))
+        except UCXError as e:  # the peer is gone again; its recvs will fail on its side
+            logger.warning("%s: could not ack %s: %r", self.address, peer, e)
 
     def shutdown(self) -> None:
         """Close endpoints and listener, fail pending work, stop the threads. Runs once."""

@@ -1,0 +1,49 @@
+"""The main job: `dyad train` with no config trains on digits and learns to read the image."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+REQUIRED = {"step", "loss", "lm_loss", "aux_loss", "tokens", "step_time_s", "tokens_per_s"}
+
+
+def _dyad(*args, cwd):
+    return subprocess.run(
+        [sys.executable, "-c", "from dyad.cli import main; main()", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=900, env=dict(os.environ),
+    )
+
+
+def test_dyad_train_default_learns_digits(tmp_path):
+    out = tmp_path / "run"
+    result = _dyad("train", "--out", str(out), "--quiet", "--device", "cpu", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps, final = records[:-1], records[-1]
+    assert len(steps) == 800
+    assert all(REQUIRED <= set(r) for r in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"] / 10
+    assert final["caption_accuracy"] >= 0.9, final
+    assert (out / "loss.png").stat().st_size > 0
+    checkpoint = out / "checkpoints" / "step_00000800"
+    assert json.loads((checkpoint / "manifest.json").read_text())["files"] == [
+        "encoder-rank000.pt", "llm-rank000.pt"]
+
+
+def test_dyad_verify_prints_both_losses_and_passes(tmp_path):
+    result = _dyad("verify", "--steps", "3", "--quiet", "--device", "cpu",
+                   "--set", "train.global_batch=6", "--out", str(tmp_path / "v"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert "reference loss" in lines[0]
+    assert len([l for l in lines if l.split() and l.split()[0].isdigit()]) == 3
+    assert "largest parameter difference" in result.stdout and "PASS" in result.stdout
+
+
+def test_bad_override_is_reported_with_its_field(tmp_path):
+    result = _dyad("train", "--set", "train.lr=-1", "--out", str(tmp_path / "x"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "train.lr" in result.stderr
