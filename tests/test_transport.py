@@ -2,7 +2,8 @@
 
 ucxx allows several contexts per process (one `ApplicationContext` per `UcxTransport`, each on
 its own loop thread), so the UCX pair below runs in this process; `test_ucx_two_processes`
-and `test_ucx_peer_death` run the far end in a spawned process, as the services do.
+and `test_ucx_peer_death_fails_pending_recv` run the far end in a spawned process, as the
+services do.
 """
 
 import multiprocessing
@@ -160,7 +161,10 @@ def test_peer_field_tells_senders_apart(kind):
     """Matching is by tag per receiver: two sources need distinct `peer` fields."""
     with kind() as llm, kind() as encoder0, kind() as encoder1:
         outs = [torch.empty(5), torch.empty(5)]
-        receiving = [llm.recv(e.address, _tag(peer=i), outs[i]) for i, e in enumerate((encoder0, encoder1))]
+        receiving = [
+            llm.recv(encoder.address, _tag(peer=i), outs[i])
+            for i, encoder in enumerate((encoder0, encoder1))
+        ]
         encoder1.send(llm.address, _tag(peer=1), torch.ones(5)).result(WAIT_S)
         encoder0.send(llm.address, _tag(peer=0), torch.zeros(5)).result(WAIT_S)
         for future in receiving:
@@ -184,14 +188,18 @@ def test_recv_times_out(pair):
         b.recv(a.address, _tag(), torch.empty(3), timeout=0.2).result(WAIT_S)
 
 
-def test_close_fails_pending_recv_and_later_calls(pair):
+def test_close_fails_pending_work_on_both_sides(pair):
     a, b = pair
-    b.send(a.address, _tag(microbatch=1), torch.ones(3))  # connects, in case UCX needs it
-    pending = b.recv(a.address, _tag(), torch.empty(3))
+    a.send(b.address, _tag(microbatch=1), torch.ones(3))
+    b.recv(a.address, _tag(microbatch=1), torch.empty(3)).result(WAIT_S)  # UCX: connected
+    mine = b.recv(a.address, _tag(), torch.empty(3))
+    theirs = a.recv(b.address, _tag(), torch.empty(3))
     b.close()
     b.close()  # idempotent
-    with pytest.raises((TransportError, ConnectionError)):
-        pending.result(WAIT_S)
+    with pytest.raises(TransportError, match=f"{b.address} closed"):
+        mine.result(WAIT_S)
+    with pytest.raises(ConnectionError, match=b.address):
+        theirs.result(WAIT_S)
     with pytest.raises(TransportError, match="closed"):
         b.send(a.address, _tag(), torch.ones(3))
 
@@ -210,6 +218,13 @@ def test_unreachable_peer_is_a_connection_error(kind):
     with kind(**options) as transport:
         with pytest.raises(ConnectionError, match=address):
             transport.send(address, _tag(), torch.ones(3)).result(WAIT_S)
+
+
+def test_ucx_port_in_use_is_an_os_error():
+    with UcxTransport() as transport:
+        port = int(transport.address.rpartition(":")[2])
+        with pytest.raises(OSError, match=f"cannot listen on port {port}"):
+            UcxTransport(port=port)
 
 
 def test_loopback_checks_the_sender():
@@ -232,7 +247,7 @@ def _echo_peer(conn):
             buffer = torch.empty(shape, dtype=dtype)
             transport.recv(peer, _tag(i, Direction.FORWARD), buffer).result(WAIT_S)
             transport.send(peer, _tag(i, Direction.BACKWARD), buffer).result(WAIT_S)
-        conn.send("done")
+        conn.recv()  # closing is abortive: stay until the parent has received everything
 
 
 def _die_after_connecting(conn):
@@ -270,11 +285,15 @@ def test_ucx_two_processes():
             conn.send((transport.address, specs))
             sent = [_random_bits(shape, dtype, seed=i) for i, (shape, dtype) in enumerate(specs)]
             outs = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
-            futures = [transport.recv(child, _tag(i, Direction.BACKWARD), outs[i]) for i in range(len(specs))]
-            futures += [transport.send(child, _tag(i, Direction.FORWARD), sent[i]) for i in range(len(specs))]
+            futures = [
+                transport.recv(child, _tag(i, Direction.BACKWARD), outs[i]) for i in range(len(specs))
+            ]
+            futures += [
+                transport.send(child, _tag(i, Direction.FORWARD), sent[i]) for i in range(len(specs))
+            ]
             for future in futures:
                 future.result(WAIT_S)
-            assert conn.poll(WAIT_S) and conn.recv() == "done"
+            conn.send("received")
         for i, (shape, dtype) in enumerate(specs):
             assert _same_bytes(outs[i], sent[i]), f"{shape} {dtype}"
     finally:

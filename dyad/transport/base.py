@@ -6,13 +6,16 @@ return `concurrent.futures.Future`s so synchronous training loops can start seve
 and wait later.
 
 Semantics every transport keeps (the loopback twin enforces them strictly):
-- Matching is by tag only, per receiver: the receiver does not filter by sender, so a tag must
-  be unique among everything in flight to one receiver. `MessageTag.peer` is what tells two
-  senders apart.
-- A send completes when the receiver may have the bytes; until then the sender must not
-  modify the tensor (no copy is made on the way out).
+- Matching is by tag only, per receiver (UCX matches per worker, not per connection), so a
+  tag must be unique among everything in flight to one receiver: `MessageTag.peer` is what
+  tells two senders apart. The twin also fails a recv whose message came from another peer.
+- A send completes when the tensor may be reused (no copy is made on the way out, so it must
+  not change before). It does not prove delivery: only the receiver's recv does.
+- Closing is abortive, as UCX closes endpoints in force mode: a sender's undelivered messages
+  are lost and recvs waiting on it fail with ConnectionError. Confirm through the control
+  plane that receivers got everything before closing a sender.
 - The receiver's buffer size is authoritative: a message of any other size fails the recv with
-  `MessageSizeError` (never silent truncation or a half-filled buffer).
+  `MessageSizeError`, never a silently truncated or half-filled buffer.
 - Empty tensors complete at once on both sides without touching the wire.
 """
 
@@ -93,7 +96,7 @@ class Transport(ABC):
 
     @abstractmethod
     def send(self, peer: str, tag: MessageTag, tensor: torch.Tensor) -> Future[None]:
-        """Send the bytes of contiguous `tensor` to `peer`; completes when they left it."""
+        """Send the bytes of contiguous `tensor` to `peer`; completes when it may be reused."""
 
     @abstractmethod
     def recv(

@@ -3,9 +3,12 @@
 Instances find each other through a process-wide registry keyed by address. A send waits in
 the receiver's mailbox until a recv with the same tag is posted (and vice versa); the bytes are
 copied from the sender's tensor into the receiver's buffer at that moment and only then does
-the send complete, as a rendezvous UCX send would. This is stricter than UCX for small eager
-messages on purpose: code that waits for its own send before posting the matching recv on the
-other side deadlocks here, as it would on UCX once messages are large.
+the send complete, as a rendezvous UCX send would. The twin is stricter than UCX on purpose:
+- code that waits for its own send before posting the matching recv on the other side
+  deadlocks here, as it does on UCX once messages are large;
+- a message whose sender differs from the recv's `peer` fails the recv (UCX would accept it);
+- closing is abortive as on UCX: the closing side's undelivered sends are dropped, and recvs
+  elsewhere that wait on it fail with ConnectionError.
 """
 
 from __future__ import annotations
@@ -48,22 +51,32 @@ class _Recv:
     future: Future = field(default_factory=Future)
     timer: threading.Timer | None = None
 
+    def fail(self, error: Exception) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.future.set_exception(error)
+
 
 def _deliver(send: _Send, recv: _Recv) -> None:
-    if recv.timer is not None:
-        recv.timer.cancel()
     if send.source != recv.peer:
-        recv.future.set_exception(
-            TransportError(f"{recv.tag} came from {send.source}, recv expected {recv.peer}")
-        )
+        recv.fail(TransportError(f"{recv.tag} came from {send.source}, recv expected {recv.peer}"))
     elif send.tensor.nbytes != recv.out.nbytes:
-        recv.future.set_exception(
-            size_mismatch(recv.tag, recv.peer, recv.out.nbytes, send.tensor.nbytes)
-        )
+        recv.fail(size_mismatch(recv.tag, recv.peer, recv.out.nbytes, send.tensor.nbytes))
     else:
+        if recv.timer is not None:
+            recv.timer.cancel()
         recv.out.detach().view(-1).view(torch.uint8).copy_(send.tensor.view(-1).view(torch.uint8))
         recv.future.set_result(recv.out)
     send.future.set_result(None)  # UCX completes a send even when the receiver rejects it
+
+
+def _take(queues: dict[int, deque], keep) -> list:
+    """Remove and return the queued items for which `keep` is false."""
+    taken = []
+    for key, queue in queues.items():
+        taken += [item for item in queue if not keep(item)]
+        queues[key] = deque(item for item in queue if keep(item))
+    return taken
 
 
 class LoopbackTransport(Transport):
@@ -104,6 +117,9 @@ class LoopbackTransport(Transport):
             return completed(out)
         recv = _Recv(peer, tag, out)
         with _lock:
+            if peer not in _registry:
+                recv.fail(ConnectionError(f"no loopback transport at {peer}"))
+                return recv.future
             send = self._sends[key].popleft() if self._sends[key] else None
             if send is None:
                 self._recvs[key].append(recv)
@@ -121,16 +137,20 @@ class LoopbackTransport(Transport):
                 return
             self._closed = True
             del _registry[self.address]
-            sends = [s for queue in self._sends.values() for s in queue]
-            recvs = [r for queue in self._recvs.values() for r in queue]
-            self._sends.clear()
-            self._recvs.clear()
-        for send in sends:
+            undelivered_to_me = _take(self._sends, keep=lambda send: False)
+            my_recvs = _take(self._recvs, keep=lambda recv: False)
+            my_undelivered, waiting_on_me = [], []
+            for other in _registry.values():
+                my_undelivered += _take(other._sends, keep=lambda s: s.source != self.address)
+                waiting_on_me += _take(other._recvs, keep=lambda r: r.peer != self.address)
+        for send in undelivered_to_me:
             send.future.set_exception(ConnectionError(f"{self.address} closed before receiving"))
-        for recv in recvs:
-            if recv.timer is not None:
-                recv.timer.cancel()
-            recv.future.set_exception(TransportError(f"{self.address} closed, {recv.tag} pending"))
+        for send in my_undelivered:
+            send.future.set_exception(TransportError(f"{self.address} closed, {send.tag} dropped"))
+        for recv in my_recvs:
+            recv.fail(TransportError(f"transport {self.address} closed during recv of {recv.tag}"))
+        for recv in waiting_on_me:
+            recv.fail(ConnectionError(f"recv of {recv.tag} failed: {self.address} closed"))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -145,4 +165,3 @@ class LoopbackTransport(Transport):
         recv.future.set_exception(
             TimeoutError(f"recv of {recv.tag} from {recv.peer} timed out after {timeout}s")
         )
-

@@ -55,9 +55,9 @@ _CLOSE_TIMEOUT_S = 10.0
 class UcxTransport(Transport):
     """Listens on all interfaces at `port` (0: any free one); `host` is what peers are told.
 
-    On a cluster pass the worker's routable IP as `host`. A recv that times out stays posted
-    (ucxx cannot cancel one request): its tag is burnt and `out` may still be written until
-    the transport is closed, so treat a timeout as a failed step and close the transport.
+    On a cluster pass the worker's routable IP as `host`. A recv that times out (or whose
+    future is cancelled) stays posted, as ucxx cannot cancel one request: its tag is burnt and
+    `out` may still be written until the transport is closed, so treat it as a failed step.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, connect_timeout: float = 10.0):
@@ -128,11 +128,11 @@ def _pending_writes(tensor: torch.Tensor) -> torch.cuda.Event | None:
     return event
 
 
-async def _send_message(endpoint: Endpoint, message: _Message) -> None:
+async def _send_message(endpoint: Endpoint, worker, message: _Message) -> None:
     header = array.array("Q", [message.buffer.nbytes])
     errors = await asyncio.gather(
-        endpoint.send(header, tag=TRANSPORT_BIT | message.key, force_tag=True),
-        endpoint.send(message.buffer, tag=message.key, force_tag=True),
+        _posted(worker, endpoint.send(header, tag=TRANSPORT_BIT | message.key, force_tag=True)),
+        _posted(worker, endpoint.send(message.buffer, tag=message.key, force_tag=True)),
         return_exceptions=True,
     )
     for error in errors:
@@ -140,11 +140,11 @@ async def _send_message(endpoint: Endpoint, message: _Message) -> None:
             raise error
 
 
-async def _recv_message(endpoint: Endpoint, message: _Message) -> None:
+async def _recv_message(endpoint: Endpoint, worker, message: _Message) -> None:
     header = array.array("Q", [0])
     header_error, payload_error = await asyncio.gather(
-        endpoint.recv(header, tag=TRANSPORT_BIT | message.key, force_tag=True),
-        endpoint.recv(message.buffer, tag=message.key, force_tag=True),
+        _posted(worker, endpoint.recv(header, tag=TRANSPORT_BIT | message.key, force_tag=True)),
+        _posted(worker, endpoint.recv(message.buffer, tag=message.key, force_tag=True)),
         return_exceptions=True,
     )
     if header_error is not None:
@@ -154,6 +154,17 @@ async def _recv_message(endpoint: Endpoint, message: _Message) -> None:
         raise size_mismatch(message.tag, message.peer, expected, header[0])
     if payload_error is not None:
         raise payload_error
+
+
+async def _posted(worker, request):
+    """Await one ucxx request, topping up its pool of Python futures right before it is posted.
+
+    Every request takes a pre-made future from a pool that ucxx's notifier thread refills
+    only when it wakes; a burst of requests would drain it (ucxx then warns and refills
+    inline). The top-up is a no-op while the pool is over half full.
+    """
+    worker.populate_python_futures_pool()
+    return await request
 
 
 class _Engine:
@@ -190,10 +201,13 @@ class _Engine:
     async def start(self, port: int) -> int:
         # Created on the running loop: ucxx binds its progress and notifier to it.
         self.ctx = ApplicationContext(enable_python_future=True)
-        self.ctx.worker.populate_python_futures_pool()  # see _track
-        self.listener = self.ctx.create_listener(
-            self._accept, port=port, connect_timeout=self.connect_timeout
-        )
+        self.ctx.worker.populate_python_futures_pool()  # see _posted
+        try:
+            self.listener = self.ctx.create_listener(
+                self._accept, port=port, connect_timeout=self.connect_timeout
+            )
+        except UCXError as e:  # a port in use reads "Device is busy"
+            raise OSError(f"UCX cannot listen on port {port}: {e!r}") from e
         return self.listener.port
 
     async def send(self, message: _Message) -> None:
@@ -201,7 +215,8 @@ class _Engine:
         if message.pending_writes is not None:
             await asyncio.to_thread(message.pending_writes.synchronize)
         what = f"send of {message.tag} to {message.peer}"
-        await self._transfer(_send_message(endpoint, message), what, message.peer, endpoint)
+        work = _send_message(endpoint, self.ctx.worker, message)
+        await self._transfer(work, what, message.peer, endpoint)
 
     async def recv(self, message: _Message, out: torch.Tensor, timeout: float | None):
         endpoint = await self._endpoint(message)
@@ -209,7 +224,7 @@ class _Engine:
             await asyncio.to_thread(message.pending_writes.synchronize)
         what = f"recv of {message.tag} from {message.peer}"
         try:
-            work = _recv_message(endpoint, message)
+            work = _recv_message(endpoint, self.ctx.worker, message)
             await self._transfer(work, what, message.peer, endpoint, timeout)
         except TimeoutError:
             raise TimeoutError(f"{what} timed out after {timeout}s") from None
@@ -237,10 +252,6 @@ class _Engine:
             raise ConnectionError(f"{what} failed: {e!r}") from e
 
     def _track(self, work) -> asyncio.Future:
-        # Each UCX request takes a pre-made Python future from a pool that ucxx's notifier
-        # thread refills only when it wakes; top it up (no-op above half full) so that a burst
-        # of requests, or the first ones after start, never finds it empty.
-        self.ctx.worker.populate_python_futures_pool()
         operation = asyncio.ensure_future(work)
         self.operations.add(operation)
         operation.add_done_callback(self._retire)
@@ -269,7 +280,7 @@ class _Engine:
         setup is in progress, so closing the endpoint can never cut the peer's listener short
         (ucxx logs a traceback for a handler interrupted in its own peer-info exchange)."""
         peer = f"{host}:{port}"
-        self.ctx.worker.populate_python_futures_pool()  # see _track
+        self.ctx.worker.populate_python_futures_pool()  # see _posted
         try:
             endpoint = await self.ctx.create_endpoint(
                 host, port, connect_timeout=self.connect_timeout
@@ -290,7 +301,8 @@ class _Engine:
     async def _accept(self, endpoint: Endpoint) -> None:
         try:
             handshake = self._track(endpoint.recv_obj())
-            peer = (await asyncio.wait_for(asyncio.shield(handshake), self.connect_timeout)).decode()
+            peer = await asyncio.wait_for(asyncio.shield(handshake), self.connect_timeout)
+            peer = peer.decode()
         except Exception as e:  # a peer that died mid-handshake must not take us down
             if not self.closed:
                 logger.warning("%s: dropped an incoming UCX connection: %r", self.address, e)
@@ -315,7 +327,7 @@ class _Engine:
         self.closed = True
         try:
             if self.ctx is not None:
-                self.call(self._close_all(), timeout=_CLOSE_TIMEOUT_S)
+                self.call(self._close_all(), timeout=2 * _CLOSE_TIMEOUT_S)
         except Exception as e:
             logger.warning("%s: unclean UCX shutdown: %r", self.address, e)
         finally:
@@ -335,14 +347,17 @@ class _Engine:
             self.ctx = self.listener = None
 
     async def _close_all(self) -> None:
+        # Let handshakes in progress finish first: cut short, the peer's listener would log an
+        # error for each. Half the budget for that, half for cancelled requests to settle.
+        deadline = self.loop.time() + _CLOSE_TIMEOUT_S / 2
         listener, self.listener = self.listener, None
-        listener.close()  # no new connections; let handshakes in progress finish first
-        deadline = self.loop.time() + min(self.connect_timeout, _CLOSE_TIMEOUT_S / 2)
-        while listener.active_clients and self.loop.time() < deadline:
-            await asyncio.sleep(0.01)
+        if listener is not None:
+            listener.close()
+            while listener.active_clients and self.loop.time() < deadline:
+                await asyncio.sleep(0.01)
         connecting = [task for task in self.outgoing.values() if not task.done()]
-        if connecting:  # cut short, the peer's listener would log an error for each
-            await asyncio.wait(connecting, timeout=self.connect_timeout)
+        if connecting:
+            await asyncio.wait(connecting, timeout=max(0.0, deadline - self.loop.time()))
         endpoints = list(self.incoming.values())
         for connecting in self.outgoing.values():
             if not connecting.done():
@@ -354,7 +369,7 @@ class _Engine:
         while endpoints:  # dropped one by one: their finalizers must run while UCX progresses
             await endpoints.pop().close()
         if self.operations:  # closing the endpoints cancelled them; let them settle
-            await asyncio.wait(set(self.operations), timeout=_CLOSE_TIMEOUT_S)
+            await asyncio.wait(set(self.operations), timeout=_CLOSE_TIMEOUT_S / 2)
 
     async def _cancel_leftovers(self) -> None:
         """Whatever still waits is cancelled so that no caller's future hangs."""
