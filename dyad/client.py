@@ -13,12 +13,7 @@ from typing import Iterator
 
 import grpc
 
-from dyad.wire import MAX_MESSAGE_BYTES, pb, rpc
-
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
+from dyad.wire import GRPC_OPTIONS, pb, rpc
 
 
 class RouterClient:

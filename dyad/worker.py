@@ -16,15 +16,10 @@ import grpc
 
 from dyad import config as config_lib
 from dyad.transport import UcxTransport
-from dyad.wire import pb, rpc
+from dyad.wire import GRPC_OPTIONS, pb, rpc
 
 log = logging.getLogger("dyad.worker")
 POOL_ENUMS = {"encoder": pb.POOL_ENCODER, "llm": pb.POOL_LLM}
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 4 * 1024 * 1024),
-    ("grpc.max_send_message_length", 4 * 1024 * 1024),
-]
-
 
 def _service_class(pool: str):
     # Imported lazily so each process loads only its own model code.

@@ -20,12 +20,7 @@ from dyad.router.driver import RunDriver
 from dyad.router.errors import FailedPrecondition, NotFound, map_errors
 from dyad.router.launcher import LocalLauncher
 from dyad.router.run import Run
-from dyad.wire import MAX_MESSAGE_BYTES, pb, rpc
-
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
+from dyad.wire import GRPC_OPTIONS, pb, rpc
 
 
 class RouterState:

@@ -19,6 +19,10 @@ _STUBS = (_PACKAGE_DIR / "dyad_pb2.py", _PACKAGE_DIR / "dyad_pb2_grpc.py")
 # Small on purpose: a tensor sent through gRPC by mistake must fail loudly. Plans for large
 # batches stay well below this.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
 
 
 def _stubs_are_fresh() -> bool:
@@ -64,4 +68,4 @@ _ensure_stubs()
 from dyad.wire import dyad_pb2 as pb  # noqa: E402
 from dyad.wire import dyad_pb2_grpc as rpc  # noqa: E402
 
-__all__ = ["pb", "rpc", "MAX_MESSAGE_BYTES"]
+__all__ = ["pb", "rpc", "GRPC_OPTIONS", "MAX_MESSAGE_BYTES"]
