@@ -1,0 +1,63 @@
+"""Run a function on N CPU ranks with gloo, as separate spawned processes.
+
+    def body(rank, world_size, arg): ...       # module-level, so spawn can pickle it
+    run_distributed(body, 4, arg)
+
+A failure on any rank fails the test with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, errors):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0) -> None:
+    context = mp.get_context("spawn")
+    errors = context.SimpleQueue()
+    port = free_port()
+    processes = [
+        context.Process(target=_entry, args=(rank, world_size, port, fn, args, errors))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout_s)
+    hung = [p for p in processes if p.is_alive()]
+    for process in hung:
+        process.kill()
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    if failures:
+        rank, trace = sorted(failures)[0]
+        raise AssertionError(f"rank {rank} failed:\n{trace}")
+    if hung:
+        raise AssertionError(f"{len(hung)} rank(s) did not finish within {timeout_s}s")
+    codes = [p.exitcode for p in processes]
+    if any(codes):
+        raise AssertionError(f"ranks exited with codes {codes}")
