@@ -1,0 +1,60 @@
+"""Context parallelism over the fused multimodal sequence.
+
+The sequence (padded to a multiple of 2·cp) is cut into 2·cp chunks; CP rank r holds chunks r
+and 2·cp-1-r ("zig-zag"), so every rank gets the same amount of causal-attention work. Attention
+is exact: each rank all-gathers K and V from the group (the backward sums their gradients back)
+and masks by global positions.
+
+Legend: B batch, S sequence, Sl local sequence, H heads, G kv heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+import torch.nn.functional as F
+
+
+def padded_length(seq_len: int, cp: int) -> int:
+    multiple = 2 * cp
+    return -(-seq_len // multiple) * multiple
+
+
+def zigzag_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """Global positions held by `cp_rank`, ascending; `seq_len` must be a multiple of 2·cp."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} is not a multiple of 2*cp ({2 * cp})")
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    second_start = (2 * cp - 1 - cp_rank) * chunk
+    return torch.cat([first, torch.arange(second_start, second_start + chunk)])
+
+
+def all_gather_sequence(x_BGSlDh: torch.Tensor, group) -> torch.Tensor:
+    """[..., Sl, Dh] from every rank, concatenated along the sequence (dim -2), differentiable."""
+    return torch.cat(dist_fn.all_gather(x_BGSlDh.contiguous(), group=group), dim=-2)
+
+
+class ContextParallelAttention:
+    """The replacement for `Attention.core`: causal attention of local queries over the whole
+    group's keys, masked by global positions."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, q_BHSlDh, k_BGSlDh, v_BGSlDh, positions_Sl):
+        # K and V travel in one collective: two differentiable all-gathers would have their
+        # backward reductions issued in an order autograd does not fix across ranks.
+        kv_2BGSDh = all_gather_sequence(torch.stack([k_BGSlDh, v_BGSlDh]), self.group)
+        positions = [torch.empty_like(positions_Sl) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(positions, positions_Sl.contiguous(), group=self.group)
+        positions_S = torch.cat(positions)
+        allowed_SlS = positions_S.unsqueeze(0) <= positions_Sl.unsqueeze(1)
+        return F.scaled_dot_product_attention(
+            q_BHSlDh,
+            kv_2BGSDh[0],
+            kv_2BGSDh[1],
+            attn_mask=allowed_SlS,
+            enable_gqa=q_BHSlDh.shape[1] != k_BGSlDh.shape[1],
+        )

@@ -1,0 +1,202 @@
+"""Tensor parallelism applied from outside: autograd-aware collectives and the sharded layers that
+replace a single-device module's Linear / Embedding, built from the module's full weights.
+
+Convention (Megatron's): activations outside a tensor-parallel region are replicated on every rank
+of the group and carry identical gradients. A column-parallel layer enters the region (identity
+forward, all-reduce of the input gradient backward); a row-parallel layer leaves it (all-reduce of
+the partial outputs forward, identity backward).
+
+Legend: T tokens, D model dim, O output features, V vocabulary (Vl: this rank's slice).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SplitToGroup(torch.autograd.Function):
+    """Forward: keep this rank's equal chunk along `dim`. Backward: all-gather the chunks."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(size, dim=dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    """Forward: all-gather equal chunks along `dim`. Backward: keep this rank's chunk."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=ctx.dim)[rank].contiguous(), None, None
+
+
+def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def copy_to_group(x, group):
+    return _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x, group):
+    return _ReduceFromGroup.apply(x, group)
+
+
+def split_to_group(x, group, dim):
+    return _SplitToGroup.apply(x, group, dim)
+
+
+def gather_from_group(x, group, dim):
+    return _GatherFromGroup.apply(x, group, dim)
+
+
+def shard_rows(full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    """Rows [rank*n, (rank+1)*n) of `full` with n = ceil(rows/size), zero-padded past the end."""
+    per_rank = math.ceil(full.shape[0] / size)
+    local = full.new_zeros((per_rank, *full.shape[1:]))
+    rows = full[rank * per_rank : (rank + 1) * per_rank]
+    local[: rows.shape[0]] = rows
+    return local
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_TOl = x_TD @ W[rows of this rank].T: output features split over the group (the last
+    slice zero-padded when they do not divide, as for a vocabulary)."""
+
+    def __init__(self, linear: nn.Linear, group):
+        super().__init__()
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group = group
+        self.weight = nn.Parameter(shard_rows(linear.weight.detach(), size, rank))
+        self.bias = None if linear.bias is None else nn.Parameter(shard_rows(linear.bias.detach(), size, rank))
+
+    def forward(self, x):
+        return F.linear(copy_to_group(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y_TO = sum over ranks of x_TDl @ W[:, columns of this rank].T (+ bias once)."""
+
+    def __init__(self, linear: nn.Linear, group):
+        super().__init__()
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if linear.in_features % size:
+            raise ValueError(f"{linear.in_features} input features do not split over {size} ranks")
+        self.group = group
+        self.weight = nn.Parameter(linear.weight.detach().chunk(size, dim=1)[rank].clone())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x_local):
+        y = reduce_from_group(F.linear(x_local, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split over the group (padded to equal slices); lookups outside this rank's
+    slice give zeros and the partial results are summed."""
+
+    def __init__(self, embedding: nn.Embedding, group):
+        super().__init__()
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group = group
+        self.weight = nn.Parameter(shard_rows(embedding.weight.detach(), size, rank))
+        self.vocab_start = rank * self.weight.shape[0]
+
+    def forward(self, ids):
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        h = h.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_group(h, self.group)
+
+
+class _VocabParallelCrossEntropySum(torch.autograd.Function):
+    """Sum over non-ignored tokens of -log softmax(logits)[target], with the vocabulary split over
+    the group; each rank holds logits_TVl for its slice starting at `vocab_start`."""
+
+    @staticmethod
+    def forward(ctx, logits_TVl, targets_T, group, vocab_start, vocab_size, ignore_index):
+        logits = logits_TVl.float()
+        Vl = logits.shape[-1]
+        real = torch.arange(vocab_start, vocab_start + Vl, device=logits.device) < vocab_size
+        logits = logits.masked_fill(~real, float("-inf"))  # padding rows of the last slice
+        max_T = logits.max(dim=-1).values
+        dist.all_reduce(max_T, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - max_T.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp_T = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp_T, group=group)
+
+        valid_T = targets_T != ignore_index
+        local_T = targets_T - vocab_start
+        mine_T = valid_T & (local_T >= 0) & (local_T < Vl)
+        index_T = local_T.clamp(0, Vl - 1)
+        target_logit_T = shifted.gather(-1, index_T.unsqueeze(-1)).squeeze(-1) * mine_T
+        dist.all_reduce(target_logit_T, group=group)
+
+        loss_T = (sum_exp_T.log() - target_logit_T) * valid_T
+        ctx.save_for_backward(exp / sum_exp_T.unsqueeze(-1), index_T, mine_T, valid_T)
+        ctx.input_dtype = logits_TVl.dtype
+        return loss_T.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax_TVl, index_T, mine_T, valid_T = ctx.saved_tensors
+        grad_TVl = softmax_TVl.clone()
+        rows = torch.arange(grad_TVl.shape[0], device=grad_TVl.device)
+        grad_TVl[rows, index_T] -= mine_T.to(grad_TVl.dtype)
+        grad_TVl *= valid_T.unsqueeze(-1) * grad
+        return grad_TVl.to(ctx.input_dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy_sum(
+    logits_BSVl, targets_BS, group, *, vocab_start: int, vocab_size: int, ignore_index: int = -100
+) -> torch.Tensor:
+    Vl = logits_BSVl.shape[-1]
+    return _VocabParallelCrossEntropySum.apply(
+        logits_BSVl.reshape(-1, Vl), targets_BS.reshape(-1), group, vocab_start, vocab_size, ignore_index
+    )
