@@ -1,13 +1,22 @@
-"""Parallel layouts of the two pools: degrees, validation and rank <-> coordinate maps.
+"""Parallel layouts of the two pools: degrees, validation, rank <-> coordinate maps and the
+rank lists of every process group.
 
-Pure math, no torch: the router plans with the same objects the services use.
+Pure math, no torch: the router plans with the same objects the services use, and
+`dyad.parallel.groups` turns `groups(name)` into process groups once.
 Rank order: the first axis listed is the fastest-varying (tp fastest), i.e.
 rank = sum(coord[axis] * stride[axis]) with stride[first axis] = 1.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from math import prod
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:  # the configs' modules import torch; the layout math does not
+    from dyad.encoder_service.model import EncoderConfig
+    from dyad.llm_service.model import LLMConfig
 
 # Layouts the running system executes today: one rank per pool. Wider layouts validate and
 # map ranks already (the planner and tests use them); their execution comes with the folded
@@ -40,6 +49,30 @@ def _rank(coords: dict[str, int], sizes: dict[str, int]) -> int:
     return rank
 
 
+def group_ranks(axes: dict[str, int], varying: Sequence[str]) -> list[list[int]]:
+    """The groups of ranks that differ only in the `varying` axes (all other axes fixed).
+
+    `axes` maps axis -> size, fastest first. Each group is sorted ascending, so a rank's index in
+    its group is its coordinate over the varying axes (first varying axis fastest); groups are
+    ordered by their smallest rank.
+    """
+    unknown = [axis for axis in varying if axis not in axes]
+    if unknown:
+        raise ValueError(f"unknown axes {unknown}; valid axes: {', '.join(axes)}")
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(prod(axes.values())):  # ascending, so every group comes out sorted
+        fixed = tuple(c for axis, c in _coords(rank, axes).items() if axis not in varying)
+        groups.setdefault(fixed, []).append(rank)
+    return sorted(groups.values(), key=lambda group: group[0])
+
+
+def _named_groups(section: str, views: dict[str, dict[str, int]], table, name: str) -> list[list[int]]:
+    if name not in table:
+        raise ValueError(f"{section}: unknown group {name!r}; valid names: {', '.join(table)}")
+    view, varying = table[name]
+    return group_ranks(views[view], varying)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EncoderLayout:
     """The encoder pool: `dp × tp`, tp fastest."""
@@ -62,6 +95,18 @@ class EncoderLayout:
 
     def rank(self, **coords: int) -> int:
         return _rank(coords, self.axes())
+
+    # group name -> (view, varying axes)
+    _GROUPS: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {
+        "tp": ("encoder", ("tp",)),
+        "dp": ("encoder", ("dp",)),
+        "world": ("encoder", ("tp", "dp")),
+    }
+    GROUP_NAMES: ClassVar[tuple[str, ...]] = tuple(_GROUPS)  # also the order groups are built in
+
+    def groups(self, name: str) -> list[list[int]]:
+        """All groups of the named kind (see `GROUP_NAMES`), as sorted global ranks."""
+        return _named_groups("parallel.encoder", {"encoder": self.axes()}, self._GROUPS, name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +149,53 @@ class LLMLayout:
 
     def rank(self, **coords: int) -> int:
         return _rank(coords, self.attention_axes())
+
+    # group name -> (view, varying axes). dp_cp reduces dense gradients, edp expert gradients;
+    # tp_cp spans one data-parallel replica, ep_etp the ranks that hold all experts once.
+    _GROUPS: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {
+        "tp": ("attention", ("tp",)),
+        "cp": ("attention", ("cp",)),
+        "dp": ("attention", ("dp",)),
+        "dp_cp": ("attention", ("cp", "dp")),
+        "tp_cp": ("attention", ("tp", "cp")),
+        "world": ("attention", ("tp", "cp", "dp")),
+        "etp": ("expert", ("etp",)),
+        "ep": ("expert", ("ep",)),
+        "edp": ("expert", ("edp",)),
+        "ep_etp": ("expert", ("etp", "ep")),
+    }
+    GROUP_NAMES: ClassVar[tuple[str, ...]] = tuple(_GROUPS)  # also the order groups are built in
+
+    def groups(self, name: str) -> list[list[int]]:
+        """All groups of the named kind (see `GROUP_NAMES`), as sorted global ranks."""
+        views = {"attention": self.attention_axes(), "expert": self.expert_axes()}
+        return _named_groups("parallel.llm", views, self._GROUPS, name)
+
+
+def _check_divides(section: str, axis: str, degree: int, field: str, value: int) -> None:
+    if value % degree:
+        raise ValueError(f"{section}: {axis} ({degree}) must divide {field} ({value})")
+
+
+def validate_llm_layout(layout: LLMLayout, llm_cfg: LLMConfig) -> None:
+    """Refuse a layout that cannot shard this model, naming both values."""
+    section, moe = "parallel.llm", llm_cfg.moe
+    _check_divides(section, "tp", layout.tp, "n_heads", llm_cfg.n_heads)
+    _check_divides(section, "tp", layout.tp, "n_kv_heads", llm_cfg.n_kv_heads)
+    _check_divides(section, "tp", layout.tp, "dense_ffn_dim", llm_cfg.dense_ffn_dim)
+    if moe.shared_expert_dim > 0:
+        _check_divides(section, "tp", layout.tp, "moe.shared_expert_dim", moe.shared_expert_dim)
+    if moe.num_experts % layout.ep:
+        raise ValueError(f"{section}: num_experts ({moe.num_experts}) must be divisible by ep ({layout.ep})")
+    _check_divides(section, "etp", layout.etp, "moe.expert_dim", moe.expert_dim)
+
+
+def validate_encoder_layout(layout: EncoderLayout, enc_cfg: EncoderConfig) -> None:
+    """Refuse a layout that cannot shard this encoder (the projector's hidden is split over tp)."""
+    section = "parallel.encoder"
+    _check_divides(section, "tp", layout.tp, "heads", enc_cfg.heads)
+    _check_divides(section, "tp", layout.tp, "mlp_dim", enc_cfg.mlp_dim)
+    _check_divides(section, "tp", layout.tp, "out_dim", enc_cfg.out_dim)
 
 
 def check_executable(encoder: EncoderLayout, llm: LLMLayout) -> None:

@@ -1,0 +1,283 @@
+"""dyad.layout: group algebra against an independent reshape of `arange(world)`, coordinate maps,
+and every validation message. Pure: no processes, no process groups."""
+
+import itertools
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dyad.encoder_service.model import EncoderConfig
+from dyad.layout import (
+    EncoderLayout,
+    LLMLayout,
+    group_ranks,
+    validate_encoder_layout,
+    validate_llm_layout,
+)
+from dyad.llm_service.model import LLMConfig
+from dyad.llm_service.moe import MoEConfig
+
+WORLD_SIZES = (1, 2, 4, 6, 8, 12, 16)
+
+# Reference: which axes of which grid vary inside each named group. Grids are C-ordered with the
+# fastest axis LAST, so `arange(world).reshape(dp, cp, tp)` has tp fastest, as the layout promises.
+LLM_REFERENCE = {
+    "tp": ("attention", {"tp"}),
+    "cp": ("attention", {"cp"}),
+    "dp": ("attention", {"dp"}),
+    "dp_cp": ("attention", {"dp", "cp"}),
+    "tp_cp": ("attention", {"tp", "cp"}),
+    "world": ("attention", {"tp", "cp", "dp"}),
+    "etp": ("expert", {"etp"}),
+    "ep": ("expert", {"ep"}),
+    "edp": ("expert", {"edp"}),
+    "ep_etp": ("expert", {"ep", "etp"}),
+}
+ENCODER_REFERENCE = {"tp": {"tp"}, "dp": {"dp"}, "world": {"tp", "dp"}}
+
+
+def reference_groups(names: list[str], sizes: list[int], varying: set[str]) -> list[list[int]]:
+    """`names`/`sizes` slowest axis first. Move the varying axes last, flatten them into rows."""
+    grid = np.arange(int(np.prod(sizes))).reshape(sizes)
+    fixed_axes = [i for i, n in enumerate(names) if n not in varying]
+    varying_axes = [i for i, n in enumerate(names) if n in varying]
+    group_size = int(np.prod([sizes[i] for i in varying_axes]))
+    rows = grid.transpose(fixed_axes + varying_axes).reshape(-1, group_size)
+    return sorted((sorted(row.tolist()) for row in rows), key=lambda row: row[0])
+
+
+def llm_reference(layout: LLMLayout, name: str) -> list[list[int]]:
+    view, varying = LLM_REFERENCE[name]
+    if view == "attention":
+        return reference_groups(["dp", "cp", "tp"], [layout.dp, layout.cp, layout.tp], varying)
+    return reference_groups(["edp", "ep", "etp"], [layout.edp, layout.ep, layout.etp], varying)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def all_llm_layouts() -> list[LLMLayout]:
+    layouts = []
+    for world in WORLD_SIZES:
+        for tp, cp in itertools.product(divisors(world), repeat=2):
+            if world % (tp * cp):
+                continue
+            for etp, ep in itertools.product(divisors(world), repeat=2):
+                if world % (etp * ep) == 0:
+                    layouts.append(LLMLayout(tp=tp, cp=cp, dp=world // (tp * cp), ep=ep, etp=etp))
+    return layouts
+
+
+LLM_LAYOUTS = all_llm_layouts()
+ENCODER_LAYOUTS = [EncoderLayout(dp=w // tp, tp=tp) for w in WORLD_SIZES for tp in divisors(w)]
+
+
+def layout_id(layout) -> str:
+    return "-".join(f"{k}{v}" for k, v in vars(layout).items())
+
+
+def test_layout_grid_is_wide():
+    assert len(LLM_LAYOUTS) > 300
+    assert {layout.world_size for layout in LLM_LAYOUTS} == set(WORLD_SIZES)
+
+
+def test_layout_math_imports_no_torch():
+    code = "import sys, dyad.layout; assert 'torch' not in sys.modules, 'dyad.layout imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- group_ranks -----------------------------------------------------------------------------
+
+
+def test_group_ranks_small_example():
+    axes = {"a": 2, "b": 3}  # a fastest: rank = a + 2*b
+    assert group_ranks(axes, ["a"]) == [[0, 1], [2, 3], [4, 5]]
+    assert group_ranks(axes, ["b"]) == [[0, 2, 4], [1, 3, 5]]
+    assert group_ranks(axes, ["a", "b"]) == [[0, 1, 2, 3, 4, 5]]
+    assert group_ranks(axes, []) == [[0], [1], [2], [3], [4], [5]]
+
+
+def test_group_ranks_rejects_unknown_axis():
+    with pytest.raises(ValueError, match=re.escape("unknown axes ['ep']; valid axes: tp, cp, dp")):
+        group_ranks({"tp": 2, "cp": 1, "dp": 2}, ["tp", "ep"])
+
+
+def test_llm_groups_golden():
+    layout = LLMLayout(tp=2, cp=2, dp=2, ep=2, etp=2)  # edp = 2
+    expected = {
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+        "tp_cp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "world": [list(range(8))],
+        "etp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "edp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "ep_etp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+    }
+    assert {name: layout.groups(name) for name in layout.GROUP_NAMES} == expected
+
+
+# --- LLM layouts over the whole grid ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LLM_LAYOUTS, ids=layout_id)
+def test_llm_groups_match_reference_and_partition_world(layout):
+    assert set(layout.GROUP_NAMES) == set(LLM_REFERENCE)
+    for name in layout.GROUP_NAMES:
+        groups = layout.groups(name)
+        assert groups == llm_reference(layout, name), name
+        assert sorted(r for g in groups for r in g) == list(range(layout.world_size)), name
+        assert len({len(g) for g in groups}) == 1, name
+
+
+@pytest.mark.parametrize("layout", LLM_LAYOUTS, ids=layout_id)
+def test_llm_folding_and_coordinates(layout):
+    tp, cp, dp, etp, ep, edp = layout.tp, layout.cp, layout.dp, layout.etp, layout.ep, layout.edp
+    assert tp * cp * dp == etp * ep * edp == layout.world_size
+    sizes = {name: len(layout.groups(name)[0]) for name in layout.GROUP_NAMES}
+    assert sizes == {
+        "tp": tp, "cp": cp, "dp": dp, "dp_cp": dp * cp, "tp_cp": tp * cp, "world": tp * cp * dp,
+        "etp": etp, "ep": ep, "edp": edp, "ep_etp": ep * etp,
+    }
+    # Both views cover the same ranks: one world, two coordinate systems.
+    assert layout.groups("world") == [sorted(r for g in layout.groups("ep_etp") for r in g)]
+    for rank in range(layout.world_size):
+        c = layout.coords(rank)
+        assert rank == c["tp"] + tp * (c["cp"] + cp * c["dp"])
+        assert rank == c["etp"] + etp * (c["ep"] + ep * c["edp"])
+        assert layout.rank(tp=c["tp"], cp=c["cp"], dp=c["dp"]) == rank
+
+
+@pytest.mark.parametrize("layout", LLM_LAYOUTS, ids=layout_id)
+def test_llm_dp_cp_is_the_product_of_dp_and_cp(layout):
+    group_of = {name: {r: g for g in layout.groups(name) for r in g} for name in ("cp", "dp", "dp_cp")}
+    for rank in range(layout.world_size):
+        product = sorted(m for c in group_of["cp"][rank] for m in group_of["dp"][c])
+        assert group_of["dp_cp"][rank] == product
+        # a rank's index in dp_cp is its (cp, dp) coordinate, cp fastest
+        c = layout.coords(rank)
+        assert group_of["dp_cp"][rank].index(rank) == c["cp"] + layout.cp * c["dp"]
+
+
+def test_llm_rank_rejects_out_of_range_coordinate():
+    with pytest.raises(ValueError, match=re.escape("coordinate cp=2 outside [0, 2)")):
+        LLMLayout(tp=2, cp=2, dp=2).rank(tp=0, cp=2, dp=0)
+
+
+def test_llm_unknown_group_name():
+    message = "parallel.llm: unknown group 'pp'; valid names: tp, cp, dp, dp_cp, tp_cp, world, etp, ep, edp, ep_etp"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLMLayout().groups("pp")
+
+
+# --- encoder layouts -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ENCODER_LAYOUTS, ids=layout_id)
+def test_encoder_groups_match_reference(layout):
+    assert layout.GROUP_NAMES == ("tp", "dp", "world")
+    for name in layout.GROUP_NAMES:
+        expected = reference_groups(["dp", "tp"], [layout.dp, layout.tp], ENCODER_REFERENCE[name])
+        groups = layout.groups(name)
+        assert groups == expected, name
+        assert sorted(r for g in groups for r in g) == list(range(layout.world_size)), name
+    for rank in range(layout.world_size):
+        c = layout.coords(rank)
+        assert rank == c["tp"] + layout.tp * c["dp"] == layout.rank(**c)
+
+
+def test_encoder_unknown_group_name():
+    with pytest.raises(ValueError, match=re.escape("parallel.encoder: unknown group 'ep'; valid names: tp, dp, world")):
+        EncoderLayout().groups("ep")
+
+
+# --- validation messages ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tp": 0}, "parallel.llm.tp must be a positive integer, got 0"),
+        ({"ep": -1}, "parallel.llm.ep must be a positive integer, got -1"),
+        ({"cp": 1.5}, "parallel.llm.cp must be a positive integer, got 1.5"),
+        ({"tp": 2, "ep": 4}, "parallel.llm: etp*ep (1*4) must divide tp*cp*dp (2*1*1 = 2)"),
+        ({"tp": 2, "dp": 3, "ep": 2, "etp": 2}, "parallel.llm: etp*ep (2*2) must divide tp*cp*dp (2*1*3 = 6)"),
+    ],
+)
+def test_llm_layout_post_init_messages(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLMLayout(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"dp": 0}, "parallel.encoder.dp must be a positive integer, got 0"),
+        ({"tp": "2"}, "parallel.encoder.tp must be a positive integer, got '2'"),
+    ],
+)
+def test_encoder_layout_post_init_messages(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EncoderLayout(**kwargs)
+
+
+def llm_cfg(moe: MoEConfig | None = None, **kwargs) -> LLMConfig:
+    defaults = dict(dim=96, n_heads=12, n_kv_heads=4, dense_ffn_dim=96)
+    return LLMConfig(**(defaults | kwargs), moe=moe or MoEConfig(num_experts=8, expert_dim=96, shared_expert_dim=0))
+
+
+@pytest.mark.parametrize(
+    "layout, cfg, message",
+    [
+        (LLMLayout(tp=8), llm_cfg(), "parallel.llm: tp (8) must divide n_heads (12)"),
+        (LLMLayout(tp=3), llm_cfg(), "parallel.llm: tp (3) must divide n_kv_heads (4)"),
+        (LLMLayout(tp=4), llm_cfg(dense_ffn_dim=90), "parallel.llm: tp (4) must divide dense_ffn_dim (90)"),
+        (
+            LLMLayout(tp=4),
+            llm_cfg(MoEConfig(num_experts=8, expert_dim=96, shared_expert_dim=6)),
+            "parallel.llm: tp (4) must divide moe.shared_expert_dim (6)",
+        ),
+        (
+            LLMLayout(dp=4, ep=4),
+            llm_cfg(MoEConfig(num_experts=6, expert_dim=96)),
+            "parallel.llm: num_experts (6) must be divisible by ep (4)",
+        ),
+        (
+            LLMLayout(dp=8, etp=8),
+            llm_cfg(MoEConfig(num_experts=8, expert_dim=100)),
+            "parallel.llm: etp (8) must divide moe.expert_dim (100)",
+        ),
+    ],
+)
+def test_validate_llm_layout_messages(layout, cfg, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_llm_layout(layout, cfg)
+
+
+def test_validate_llm_layout_accepts_a_fitting_layout():
+    cfg = llm_cfg(MoEConfig(num_experts=8, expert_dim=96, shared_expert_dim=0))  # 0: no shared expert
+    validate_llm_layout(LLMLayout(tp=4, cp=2, dp=2, ep=8, etp=2), cfg)
+    validate_llm_layout(LLMLayout(), LLMConfig())
+
+
+@pytest.mark.parametrize(
+    "tp, cfg, message",
+    [
+        (8, EncoderConfig(dim=64, heads=4), "parallel.encoder: tp (8) must divide heads (4)"),
+        (4, EncoderConfig(dim=48, heads=4, mlp_ratio=1.125, out_dim=64), "parallel.encoder: tp (4) must divide mlp_dim (54)"),
+        (2, EncoderConfig(dim=64, heads=4, out_dim=33), "parallel.encoder: tp (2) must divide out_dim (33)"),
+    ],
+)
+def test_validate_encoder_layout_messages(tp, cfg, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_encoder_layout(EncoderLayout(dp=2, tp=tp), cfg)
+
+
+def test_validate_encoder_layout_accepts_a_fitting_layout():
+    validate_encoder_layout(EncoderLayout(dp=2, tp=4), EncoderConfig(dim=64, heads=4, out_dim=64))
