@@ -52,23 +52,25 @@ class EncoderConfig:
 class EncoderBlock(nn.Module):
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
-        self.heads = cfg.heads
+        self.heads, self.head_dim = cfg.heads, cfg.dim // cfg.heads  # heads: this rank's, under tp
         self.attn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        # No qkv bias: a key bias cannot change attention (softmax is shift-invariant per query),
+        # so its gradient is pure rounding noise, which Adam would turn into lr-sized steps.
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
         self.mlp_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.fc1 = nn.Linear(cfg.dim, cfg.mlp_dim)
         self.fc2 = nn.Linear(cfg.mlp_dim, cfg.dim)
 
     def attention(self, x_NPD: torch.Tensor) -> torch.Tensor:
-        N, P, D = x_NPD.shape
-        qkv_NP3ADh = self.qkv(x_NPD).view(N, P, 3, self.heads, D // self.heads)
+        N, P, _ = x_NPD.shape
+        qkv_NP3ADh = self.qkv(x_NPD).view(N, P, 3, self.heads, self.head_dim)
         q_NAPDh, k_NAPDh, v_NAPDh = qkv_NP3ADh.permute(2, 0, 3, 1, 4).unbind(0)
         if q_NAPDh.numel() == 0:  # cuDNN attention returns None for an empty batch (torch 2.11)
             out_NAPDh = v_NAPDh
         else:
             out_NAPDh = F.scaled_dot_product_attention(q_NAPDh, k_NAPDh, v_NAPDh)
-        return self.proj(out_NAPDh.transpose(1, 2).reshape(N, P, D))
+        return self.proj(out_NAPDh.transpose(1, 2).reshape(N, P, self.heads * self.head_dim))
 
     def forward(self, x_NPD: torch.Tensor) -> torch.Tensor:
         x_NPD = x_NPD + self.attention(self.attn_norm(x_NPD))

@@ -78,6 +78,11 @@ def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def all_gather_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Concatenation of every rank's `x` along `dim` (not differentiable)."""
+    return _all_gather(x, group, dim)
+
+
 def copy_to_group(x, group):
     return _CopyToGroup.apply(x, group)
 
@@ -105,17 +110,37 @@ def shard_rows(full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
 
 class ColumnParallelLinear(nn.Module):
     """y_TOl = x_TD @ W[rows of this rank].T: output features split over the group (the last
-    slice zero-padded when they do not divide, as for a vocabulary)."""
+    slice zero-padded when they do not divide, as for a vocabulary). A fused projection of
+    `parts` equal blocks (e.g. q, k, v) is split block by block, so each rank keeps its heads
+    of every block."""
 
-    def __init__(self, linear: nn.Linear, group):
+    def __init__(self, linear: nn.Linear, group, *, parts: int = 1):
         super().__init__()
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.group = group
-        self.weight = nn.Parameter(shard_rows(linear.weight.detach(), size, rank))
-        self.bias = None if linear.bias is None else nn.Parameter(shard_rows(linear.bias.detach(), size, rank))
+        self.group, self.parts = group, parts
+        self.full_rows = linear.out_features
+        self.weight = nn.Parameter(_shard_parts(linear.weight.detach(), parts, size, rank))
+        self.bias = None if linear.bias is None else nn.Parameter(
+            _shard_parts(linear.bias.detach(), parts, size, rank)
+        )
 
     def forward(self, x):
         return F.linear(copy_to_group(x, self.group), self.weight, self.bias)
+
+    def unshard(self, gathered: torch.Tensor) -> torch.Tensor:
+        """Full rows from every rank's slice concatenated along dim 0 (rank order)."""
+        if self.parts == 1:
+            return gathered[: self.full_rows]
+        size = dist.get_world_size(self.group)
+        blocks = gathered.reshape(size, self.parts, -1, *gathered.shape[1:]).transpose(0, 1)
+        return blocks.reshape(self.full_rows, *gathered.shape[1:])
+
+
+def _shard_parts(full: torch.Tensor, parts: int, size: int, rank: int) -> torch.Tensor:
+    if parts == 1:
+        return shard_rows(full, size, rank)
+    blocks = full.reshape(parts, -1, *full.shape[1:])
+    return torch.cat([block.chunk(size, dim=0)[rank] for block in blocks]).clone()
 
 
 class RowParallelLinear(nn.Module):
@@ -143,6 +168,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.group = group
+        self.full_rows = embedding.num_embeddings
         self.weight = nn.Parameter(shard_rows(embedding.weight.detach(), size, rank))
         self.vocab_start = rank * self.weight.shape[0]
 

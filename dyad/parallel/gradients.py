@@ -1,0 +1,82 @@
+"""What every pool does with gradients after backward, whatever its layout: sum each parameter's
+gradient over its group, measure the pool's gradient norm counting each distinct value once, and
+gather sharded tensors back to the single-device shapes (for checks and checkpoints).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dyad.parallel.expert import EXPERT_TP_DIM, gather_expert_tensor
+from dyad.parallel.groups import ProcessGroups
+from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, all_gather_dim
+
+_ROW_SHARDED = (ColumnParallelLinear, VocabParallelEmbedding)
+
+
+def is_tp_sharded(module: nn.Module, name: str) -> bool:
+    """Whether `module.<name>` holds a different slice on each tensor-parallel rank."""
+    if isinstance(module, _ROW_SHARDED):
+        return True
+    return isinstance(module, RowParallelLinear) and name == "weight"
+
+
+@dataclass
+class GradientPlan:
+    """Which group each parameter's gradient is summed over, and which parameters this rank
+    counts in the pool's gradient norm (each distinct value exactly once in the pool)."""
+
+    reduce_over: dict[str, list[nn.Parameter]] = field(default_factory=dict)
+    counted: list[nn.Parameter] = field(default_factory=list)
+
+
+def reduce_gradients(plan: GradientPlan, groups: ProcessGroups) -> None:
+    """Sum gradients over each parameter's group, one flat buffer per group."""
+    for name, params in plan.reduce_over.items():
+        if groups.size(name) == 1:
+            continue
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=groups.group(name))
+        offset = 0
+        for param in params:
+            param.grad = flat[offset : offset + param.numel()].view_as(param).clone()
+            offset += param.numel()
+
+
+def pool_grad_sq_norm(plan: GradientPlan, groups: ProcessGroups) -> float:
+    """Squared norm of the whole pool's gradient (float64), the same on every rank."""
+    squares = [p.grad.detach().double().pow(2).sum() for p in plan.counted if p.grad is not None]
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+    dist.all_reduce(total, group=groups.group("world"))
+    return float(total)
+
+
+@torch.no_grad()
+def full_tensors(model: nn.Module, groups: ProcessGroups, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter (or its gradient) gathered back to the single-device model's full shape,
+    under the single-device names. Collective: every rank of the pool calls it."""
+    full = {}
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            value = param.grad if grads else param
+            value = torch.zeros_like(param) if value is None else value.detach()
+            key = f"{module_name}.{name}" if module_name else name
+            full[key] = _gather_full(module, name, value, groups)
+    return full
+
+
+def _gather_full(module, name, value, groups):
+    if isinstance(module, ColumnParallelLinear):
+        return module.unshard(all_gather_dim(value, groups.group("tp"), 0))
+    if isinstance(module, VocabParallelEmbedding):
+        return all_gather_dim(value, groups.group("tp"), 0)[: module.full_rows]
+    if isinstance(module, RowParallelLinear) and name == "weight":
+        return all_gather_dim(value, groups.group("tp"), 1)
+    if name in EXPERT_TP_DIM and hasattr(module, "routed_experts"):
+        return gather_expert_tensor(value, groups.group("ep"), groups.group("etp"), name)
+    return value

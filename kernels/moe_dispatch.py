@@ -1,0 +1,315 @@
+"""Token dispatchers for expert parallelism: send every token-expert assignment to the rank that owns
+its expert, and the expert outputs back.
+
+Legend: T tokens on this rank, K experts per token, N = T*K assignments, D model dim, E experts,
+L = E/ep local experts, M rows this rank's local experts compute, P ep ranks, Q etp ranks.
+
+Ownership: ep rank p owns experts [p*L, (p+1)*L). With expert tensor parallelism the Q ranks of an
+etp group own the same experts, each a 1/Q slice of the ffn dim, so every one of them computes a
+partial output for the rows of the whole etp group; the partials are summed back to the rank that
+holds the token. Group ranks (`dist.get_rank(group)`) are the ep / etp indices.
+
+Every dispatcher has one interface:
+
+    x_local_MD, counts_L, handle = d.dispatch(x_TD, expert_idx_TK)   # rows local-expert-major
+    y_TD = d.combine(y_local_MD, gates_TK, handle)                   # gate-weighted sum of copies
+
+`LocalDispatcher` is the single-device reference (permute / unpermute). `AllToAllDispatcher` sends
+each assignment only to its expert's rank. `AllGatherDispatcher` gathers every token to every rank
+and keeps the rows of local experts: more traffic, simpler, and the parity reference for all-to-all.
+Split sizes reach the host once per dispatch (one `.tolist()`). Every step is differentiable: the
+backward of each collective is its adjoint (all-to-all <-> reversed all-to-all, all-gather <->
+reduce-scatter). `split_replicated` / `gather_replicated` are for rows replicated over a group
+(tp without sequence parallelism), whose gradients are replicated too: split <-> all-gather.
+Dropped assignments (gate 0) travel like any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dyad.kernels.moe_permute import permute, unpermute
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """None means "no group" here (not torch's default world group)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# ---- collectives over rows (dim 0), sizes known on the host ------------------------------------
+
+
+def _all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out_ND = x_ND.new_empty(sum(out_splits), *x_ND.shape[1:])
+    dist.all_to_all_single(out_ND, x_ND.contiguous(), out_splits, in_splits, group=group)
+    return out_ND
+
+
+def _all_gather(x_ND: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Concatenate every rank's rows (rank i has sizes[i]); pads to the largest for the collective."""
+    rows_max = max(sizes)
+    if rows_max == 0:
+        return x_ND.new_empty(0, *x_ND.shape[1:])
+    padded = x_ND.new_zeros(rows_max, *x_ND.shape[1:])
+    padded[: x_ND.shape[0]] = x_ND
+    out = x_ND.new_empty(len(sizes) * rows_max, *x_ND.shape[1:])
+    dist.all_gather_single(out, padded, group=group)
+    if min(sizes) == rows_max:
+        return out
+    return torch.cat([out[i * rows_max : i * rows_max + n] for i, n in enumerate(sizes)])
+
+
+def _reduce_scatter(x_ND: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Sum the rows over ranks; rank i keeps block i (sizes[i] rows) of the concatenation."""
+    rows_max = max(sizes)
+    me = dist.get_rank(group)
+    if rows_max == 0:
+        return x_ND.new_empty(0, *x_ND.shape[1:])
+    padded = x_ND.new_zeros(len(sizes) * rows_max, *x_ND.shape[1:])
+    start = 0
+    for i, n in enumerate(sizes):
+        padded[i * rows_max : i * rows_max + n] = x_ND[start : start + n]
+        start += n
+    out = x_ND.new_empty(rows_max, *x_ND.shape[1:])
+    dist.reduce_scatter_single(out, padded, group=group)
+    return out[: sizes[me]]
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _all_to_all(x_ND, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(grad_ND, in_splits, out_splits, ctx.group), None, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    """Every rank uses every row, so a row's gradient is the sum over ranks: a reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x_ND, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _all_gather(x_ND, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        return _reduce_scatter(grad_ND, ctx.sizes, ctx.group), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _reduce_scatter(x_ND, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        return _all_gather(grad_ND, ctx.sizes, ctx.group), None, None
+
+
+class _SplitReplicated(torch.autograd.Function):
+    """Replicated rows in, this rank's contiguous block out; the gradient is replicated again."""
+
+    @staticmethod
+    def forward(ctx, x_ND, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        start = sum(sizes[: dist.get_rank(group)])
+        return x_ND[start : start + sizes[dist.get_rank(group)]].clone()
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        return _all_gather(grad_ND, ctx.sizes, ctx.group), None, None
+
+
+class _GatherReplicated(torch.autograd.Function):
+    """Every rank's block in, the replicated concatenation out; its (replicated) gradient is split."""
+
+    @staticmethod
+    def forward(ctx, x_ND, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _all_gather(x_ND, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        start = sum(ctx.sizes[: dist.get_rank(ctx.group)])
+        return grad_ND[start : start + ctx.sizes[dist.get_rank(ctx.group)]], None, None
+
+
+def all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x_ND
+    return _AllToAll.apply(x_ND, out_splits, in_splits, group)
+
+
+def all_gather(x_ND: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x_ND
+    return _AllGather.apply(x_ND, sizes, group)
+
+
+def reduce_scatter(x_ND: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x_ND
+    return _ReduceScatter.apply(x_ND, sizes, group)
+
+
+def split_sizes(rows: int, parts: int) -> list[int]:
+    """Contiguous blocks as torch.tensor_split makes them (the first rows % parts one longer)."""
+    return [rows // parts + (i < rows % parts) for i in range(parts)]
+
+
+def split_replicated(x_ND: torch.Tensor, group) -> torch.Tensor:
+    """This rank's block of rows that are identical on every rank of `group`."""
+    if group_size(group) == 1:
+        return x_ND
+    return _SplitReplicated.apply(x_ND, split_sizes(x_ND.shape[0], group_size(group)), group)
+
+
+def gather_replicated(x_ND: torch.Tensor, rows: int, group) -> torch.Tensor:
+    """Inverse of `split_replicated`: the blocks of a `rows`-row tensor, concatenated on every rank."""
+    if group_size(group) == 1:
+        return x_ND
+    return _GatherReplicated.apply(x_ND, split_sizes(rows, group_size(group)), group)
+
+
+def _gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """[...] -> [group size, ...], no autograd (integer metadata)."""
+    if group_size(group) == 1:
+        return counts.unsqueeze(0)
+    out = counts.new_empty(group_size(group) * counts.numel())
+    dist.all_gather_single(out, counts.contiguous().reshape(-1), group=group)
+    return out.view(group_size(group), *counts.shape)
+
+
+# ---- dispatchers ---------------------------------------------------------------------------------
+
+
+@dataclass
+class LocalHandle:
+    sorted_order_N: torch.Tensor
+
+
+class LocalDispatcher:
+    """Single device: every expert is local. The reference the parallel dispatchers must equal."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+
+    def dispatch(self, x_TD, expert_idx_TK):
+        x_sorted_ND, sorted_order_N, counts_E = permute(x_TD, expert_idx_TK, self.num_experts)
+        return x_sorted_ND, counts_E, LocalHandle(sorted_order_N)
+
+    def combine(self, y_sorted_ND, gates_TK, handle: LocalHandle):
+        return unpermute(y_sorted_ND, handle.sorted_order_N, gates_TK)
+
+
+@dataclass
+class AllToAllHandle:
+    sorted_order_N: torch.Tensor  # permute's order: destination-rank-major, then expert
+    send_splits: list[int]  # rows to each ep rank
+    recv_splits: list[int]  # rows from each ep rank
+    etp_sizes: list[int]  # rows each etp rank received over ep
+    expert_order_M: torch.Tensor  # (etp rank, ep rank, local expert)-major rows -> local-expert-major
+
+
+class _ExpertParallelDispatcher:
+    def __init__(self, ep_group: dist.ProcessGroup, num_experts: int, etp_group: dist.ProcessGroup | None = None):
+        self.ep_group, self.etp_group, self.num_experts = ep_group, etp_group, num_experts
+        self.ep, self.etp = group_size(ep_group), group_size(etp_group)
+        if num_experts % self.ep:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by ep ({self.ep})")
+        self.num_local = num_experts // self.ep
+
+
+class AllToAllDispatcher(_ExpertParallelDispatcher):
+    """counts all-to-all -> one host sync -> permute by destination -> variable all-to-all over ep ->
+    all-gather over etp -> sort to local-expert-major; combine runs the inverse path."""
+
+    def dispatch(self, x_TD, expert_idx_TK):
+        P, Q, L = self.ep, self.etp, self.num_local
+        # Experts are numbered rank-major, so permute's expert-major order is also destination-major.
+        x_sorted_ND, sorted_order_N, counts_E = permute(x_TD, expert_idx_TK, self.num_experts)
+        recv_counts_PL = counts_E.view(P, L)
+        if P > 1:
+            recv_counts_PL = torch.empty_like(recv_counts_PL)
+            dist.all_to_all_single(recv_counts_PL, counts_E.view(P, L), group=self.ep_group)
+        counts_QPL = _gather_counts(recv_counts_PL, self.etp_group)
+        host = torch.cat([counts_E, counts_QPL.reshape(-1)]).tolist()  # the one device-to-host sync
+        send_counts, grid = host[: P * L], host[P * L :]
+        send_splits = [sum(send_counts[p * L : (p + 1) * L]) for p in range(P)]
+        etp_rows = [grid[q * P * L : (q + 1) * P * L] for q in range(Q)]
+        etp_rank = group_rank(self.etp_group)
+        recv_splits = [sum(etp_rows[etp_rank][p * L : (p + 1) * L]) for p in range(P)]
+        etp_sizes = [sum(rows) for rows in etp_rows]
+
+        x_recv_ND = all_to_all(x_sorted_ND, recv_splits, send_splits, self.ep_group)
+        x_grid_MD = all_gather(x_recv_ND, etp_sizes, self.etp_group)
+        local_expert_M = torch.arange(L, device=x_TD.device).repeat(Q * P)
+        local_expert_M = local_expert_M.repeat_interleave(counts_QPL.reshape(-1), output_size=sum(etp_sizes))
+        expert_order_M = torch.argsort(local_expert_M, stable=True)
+        handle = AllToAllHandle(sorted_order_N, send_splits, recv_splits, etp_sizes, expert_order_M)
+        return x_grid_MD.index_select(0, expert_order_M), counts_QPL.sum(dim=(0, 1)), handle
+
+    def combine(self, y_local_MD, gates_TK, handle: AllToAllHandle):
+        y_grid_MD = torch.zeros_like(y_local_MD).index_copy(0, handle.expert_order_M, y_local_MD)
+        y_recv_ND = reduce_scatter(y_grid_MD, handle.etp_sizes, self.etp_group)
+        y_sorted_ND = all_to_all(y_recv_ND, handle.send_splits, handle.recv_splits, self.ep_group)
+        return unpermute(y_sorted_ND, handle.sorted_order_N, gates_TK)
+
+
+@dataclass
+class AllGatherHandle:
+    local_order_M: torch.Tensor  # flat assignment t*K + k of the gathered tokens, local-expert-major
+    num_tokens: int  # gathered tokens
+    etp_sizes: list[int]  # tokens of each etp rank
+    ep_sizes: list[int]  # tokens of each ep rank's etp group
+
+
+class AllGatherDispatcher(_ExpertParallelDispatcher):
+    """All-gather tokens and routing over etp, then over ep (so every rank of one expert-parallel
+    replica holds the same tokens), keep the rows of local experts; combine weights them by the
+    gathered gates and reduce-scatters the partial outputs over ep, then over etp."""
+
+    def _gather(self, t_TX: torch.Tensor, etp_sizes: list[int], ep_sizes: list[int]) -> torch.Tensor:
+        return all_gather(all_gather(t_TX, etp_sizes, self.etp_group), ep_sizes, self.ep_group)
+
+    def dispatch(self, x_TD, expert_idx_TK):
+        T, K = expert_idx_TK.shape
+        L, me = self.num_local, group_rank(self.ep_group)
+        first = me * L
+        counts_E = torch.bincount(expert_idx_TK.reshape(-1), minlength=self.num_experts)
+        meta_X = torch.cat([counts_E.new_tensor([T]), counts_E])  # X = 1 + E
+        meta_PQX = _gather_counts(_gather_counts(meta_X, self.etp_group), self.ep_group)
+        host_PQX = meta_PQX.tolist()  # the one device-to-host sync
+        tokens_PQ = [[meta[0] for meta in metas_Q] for metas_Q in host_PQX]
+        etp_sizes, ep_sizes = tokens_PQ[me], [sum(tokens_Q) for tokens_Q in tokens_PQ]
+        local_rows = sum(sum(meta[1 + first : 1 + first + L]) for metas_Q in host_PQX for meta in metas_Q)
+
+        x_all_TD = self._gather(x_TD, etp_sizes, ep_sizes)
+        expert_N = self._gather(expert_idx_TK, etp_sizes, ep_sizes).reshape(-1) - first
+        is_local_N = (expert_N >= 0) & (expert_N < L)
+        local_order_M = torch.argsort(torch.where(is_local_N, expert_N, L), stable=True)[:local_rows]
+        counts_L = meta_PQX[..., 1 + first : 1 + first + L].sum(dim=(0, 1))
+        handle = AllGatherHandle(local_order_M, sum(ep_sizes), etp_sizes, ep_sizes)
+        return x_all_TD.index_select(0, local_order_M // K), counts_L, handle
+
+    def combine(self, y_local_MD, gates_TK, handle: AllGatherHandle):
+        K, D = gates_TK.shape[1], y_local_MD.shape[1]
+        gates_all_TK = self._gather(gates_TK, handle.etp_sizes, handle.ep_sizes)
+        gates_M = gates_all_TK.reshape(-1).index_select(0, handle.local_order_M)
+        weighted_MD = y_local_MD.float() * gates_M.float().unsqueeze(-1)
+        y_all_TD = weighted_MD.new_zeros(handle.num_tokens, D).index_add(0, handle.local_order_M // K, weighted_MD)
+        y_TD = reduce_scatter(y_all_TD, handle.ep_sizes, self.ep_group)
+        y_TD = reduce_scatter(y_TD, handle.etp_sizes, self.etp_group)
+        return y_TD.to(y_local_MD.dtype)
