@@ -17,7 +17,7 @@ import yaml
 
 from dyad.data import DataConfig
 from dyad.encoder_service.model import EncoderConfig
-from dyad.layout import EncoderLayout, LLMLayout
+from dyad.layout import EncoderLayout, LLMLayout, validate_encoder_layout, validate_llm_layout
 from dyad.llm_service.model import LLMConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "digits.yaml"
@@ -27,7 +27,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "digits.ya
 class TrainConfig:
     steps: int = 800
     global_batch: int = 32
-    microbatches: int = 2
+    microbatches: int = 2  # per LLM data-parallel rank
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -211,7 +211,8 @@ def from_yaml(text: str) -> RunConfig:
 
 
 def resolve(config: RunConfig, *, vocab_size: int) -> RunConfig:
-    """Fill the fields one component derives from another (documented in configs/)."""
+    """Fill the fields one component derives from another (documented in configs/) and check
+    what spans components: the layouts against the models, the batch against the layout."""
     encoder = dataclasses.replace(
         config.encoder,
         out_dim=config.llm.dim,
@@ -219,4 +220,12 @@ def resolve(config: RunConfig, *, vocab_size: int) -> RunConfig:
         channels=config.data.channels,
     )
     llm = dataclasses.replace(config.llm, vocab_size=vocab_size)
+    validate_llm_layout(config.parallel.llm, llm)
+    validate_encoder_layout(config.parallel.encoder, encoder)
+    needed = config.train.microbatches * config.parallel.llm.dp
+    if config.train.global_batch < needed:
+        raise ValueError(
+            f"train.global_batch ({config.train.global_batch}) must be >= train.microbatches "
+            f"({config.train.microbatches}) * parallel.llm.dp ({config.parallel.llm.dp})"
+        )
     return dataclasses.replace(config, encoder=encoder, llm=llm)

@@ -71,7 +71,7 @@ def load_trained(config: RunConfig, checkpoint_dir: Path):
     models = []
     for pool in ("encoder", "llm"):
         model = build_model(config, pool)
-        state = torch.load(checkpoint_dir / f"{pool}-rank000.pt", map_location=config.train.device)
+        state = torch.load(checkpoint_dir / f"{pool}-full.pt", map_location=config.train.device)
         model.load_state_dict(state["model"])
         models.append(model)
     return models

@@ -18,12 +18,6 @@ if TYPE_CHECKING:  # the configs' modules import torch; the layout math does not
     from dyad.encoder_service.model import EncoderConfig
     from dyad.llm_service.model import LLMConfig
 
-# Layouts the running system executes today: one rank per pool. Wider layouts validate and
-# map ranks already (the planner and tests use them); their execution comes with the folded
-# parallelism of the services.
-MAX_EXECUTABLE_WORLD = 1
-
-
 def _check_positive(section: str, layout) -> None:
     for field in fields(layout):
         value = getattr(layout, field.name)
@@ -196,15 +190,3 @@ def validate_encoder_layout(layout: EncoderLayout, enc_cfg: EncoderConfig) -> No
     _check_divides(section, "tp", layout.tp, "heads", enc_cfg.heads)
     _check_divides(section, "tp", layout.tp, "mlp_dim", enc_cfg.mlp_dim)
     _check_divides(section, "tp", layout.tp, "out_dim", enc_cfg.out_dim)
-
-
-def check_executable(encoder: EncoderLayout, llm: LLMLayout) -> None:
-    """Refuse layouts the services cannot run yet, naming the field."""
-    for section, layout in (("parallel.encoder", encoder), ("parallel.llm", llm)):
-        if layout.world_size > MAX_EXECUTABLE_WORLD:
-            sizes = " x ".join(f"{k}={v}" for k, v in vars(layout).items())
-            raise ValueError(
-                f"{section} ({sizes}) has {layout.world_size} ranks; this release runs "
-                f"{MAX_EXECUTABLE_WORLD} rank per pool"
-            )
-

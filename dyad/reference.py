@@ -9,7 +9,8 @@ import math
 from dyad.config import RunConfig
 from dyad.data import collate
 from dyad.encoder_service.step import encode_rows
-from dyad.llm_service.step import microbatch_loss
+from dyad.llm_service.moe import update_expert_biases
+from dyad.llm_service.step import microbatch_loss, whole_microbatch
 from dyad.optim import apply_update, build_optimizer, clip_scale, grad_sq_norm
 from dyad.router.steps import StepPlanner
 from dyad.service import build_model, compute_context
@@ -31,15 +32,16 @@ class ReferenceTrainer:
             samples = [self.dataset.sample(s) for s in sample_ids]
             batch = collate(self.dataset.tokenizer, samples, self.config.encoder.tokens_per_image)
             batch = batch.to(self.config.train.device)
+            local = whole_microbatch(batch, self.dataset.tokenizer.pad_id)
             with compute_context(self.config):
                 rows_RD = None
                 if batch.image_ids:
                     rows_RD = encode_rows(
                         self.encoder, self.dataset, batch.image_ids, self.config.train.device
-                    )
+                    )[local.image_rows_Nl]
                 loss = microbatch_loss(
                     self.llm,
-                    batch,
+                    local,
                     rows_RD,
                     global_target_tokens=spec.target_tokens,
                     global_microbatches=len(spec.microbatches),
@@ -47,6 +49,7 @@ class ReferenceTrainer:
             loss.total.backward()
             lm += loss.lm
             aux += loss.aux
+        update_expert_biases(self.llm)
         total_sq = grad_sq_norm(self.encoder.parameters()) + grad_sq_norm(self.llm.parameters())
         scale = clip_scale(total_sq, self.config.train.grad_clip)
         for optimizer in self.optimizers:

@@ -1,4 +1,5 @@
-"""What the encoder and LLM workers share: the model and its optimizer, the update, the save.
+"""What the encoder and LLM workers share: the pool's process groups, the parallelized model and
+its optimizer, the gradient reduction, the update and the save.
 
 Each pool's worker (`encoder_service.worker`, `llm_service.worker`) adds its own step.
 """
@@ -9,12 +10,15 @@ import contextlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dyad.config import RunConfig
 from dyad.data import make_dataset
 from dyad.init import init_parameters
-from dyad.optim import apply_update, build_optimizer, grad_sq_norm
+from dyad.optim import apply_update, build_optimizer
+from dyad.parallel.gradients import full_state_dict, pool_grad_sq_norm, reduce_gradients
+from dyad.parallel.groups import ProcessGroups
 from dyad.transport import Transport
 from dyad.wire import pb
 
@@ -22,7 +26,7 @@ from dyad.wire import pb
 _POOL_SEED_OFFSET = {"encoder": 1, "llm": 2}
 
 
-def build_model(config: RunConfig, pool: str) -> nn.Module:
+def build_model(config: RunConfig, pool: str, device: str | torch.device | None = None) -> nn.Module:
     """The pool's single-device model with its layout-independent initial weights."""
     if pool == "encoder":
         from dyad.encoder_service.model import VisionEncoder
@@ -33,7 +37,7 @@ def build_model(config: RunConfig, pool: str) -> nn.Module:
 
         model = MoELM(config.llm)
     init_parameters(model, config.seed * 10 + _POOL_SEED_OFFSET[pool])
-    return model.to(config.train.device)
+    return model.to(device or config.train.device)
 
 
 def compute_context(config: RunConfig):
@@ -47,7 +51,15 @@ def boundary_dtype(config: RunConfig) -> torch.dtype:
     return getattr(torch, config.train.dtype)
 
 
+def pool_device(config: RunConfig, rank: int) -> torch.device:
+    if config.train.device == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 class PoolService:
+    """One rank of a pool. `torch.distributed` is initialised for the pool before this is built."""
+
     pool = ""
 
     def __init__(self, config: RunConfig, transport: Transport, rank: int, run_id: str):
@@ -55,32 +67,44 @@ class PoolService:
         self.transport = transport
         self.rank = rank
         self.run_id = run_id
-        self.device = torch.device(config.train.device)
+        self.device = pool_device(config, rank)
         self.dataset = make_dataset(config.data)
-        self.model = build_model(config, self.pool)
+        self.layout = getattr(config.parallel, self.pool)
+        self.groups = ProcessGroups.build(self.layout)
+        self.model = build_model(config, self.pool, self.device)
+        self.gradient_plan = self.parallelize(self.model, self.groups)
         self.optimizer = build_optimizer(self.model, config.train)
         self.peers: dict[tuple[int, int], str] = {}
         self.lr = config.train.lr
 
+    def parallelize(self, model: nn.Module, groups: ProcessGroups):
+        raise NotImplementedError
+
     def setup(self, command: pb.SetupCommand) -> None:
         self.peers = {(p.worker.pool, p.worker.rank): p.data_address for p in command.peers}
 
-    def grad_sq_norm(self) -> float:
-        return grad_sq_norm(self.model.parameters())
+    def finish_backward(self) -> float:
+        """Reduce this step's gradients in the pool's layout; the pool's squared gradient norm
+        as this rank reports it (rank 0 reports the pool's, the others 0)."""
+        reduce_gradients(self.gradient_plan, self.groups)
+        sq_norm = pool_grad_sq_norm(self.gradient_plan, self.groups)
+        return sq_norm if self.rank == 0 else 0.0
 
     def apply(self, command: pb.ApplyCommand) -> pb.ApplyResult:
         apply_update(self.optimizer, lr=self.lr, grad_scale=command.grad_scale)
         return pb.ApplyResult(step=command.step)
 
     def save(self, command: pb.SaveCommand) -> pb.SaveResult:
-        path = Path(command.path) / f"{self.pool}-rank{self.rank:03d}.pt"
-        state = {
-            "step": command.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-        }
-        torch.save(state, path)
-        return pb.SaveResult(step=command.step, path=str(path))
+        """Every rank saves its shard and optimizer state; rank 0 also the gathered full model,
+        which single-device evaluation and `dyad verify` load."""
+        directory = Path(command.path)
+        shard = {"step": command.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        torch.save(shard, directory / f"{self.pool}-rank{self.rank:03d}.pt")
+        full = full_state_dict(self.model, self.groups)
+        if self.rank == 0:
+            torch.save({"step": command.step, "model": full}, directory / f"{self.pool}-full.pt")
+        dist.barrier(group=self.groups.group("world"))
+        return pb.SaveResult(step=command.step, path=str(directory / f"{self.pool}-rank{self.rank:03d}.pt"))
 
     def close(self) -> None:
         pass

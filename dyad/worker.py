@@ -1,7 +1,11 @@
 """A worker process: registers with the router, heartbeats, and executes the router's commands
 with its pool's service (`encoder_service.worker` or `llm_service.worker`).
 
-    python -m dyad.worker --router HOST:PORT --run-id ID --pool encoder --rank 0
+    python -m dyad.worker --router HOST:PORT --run-id ID --pool encoder --rank 0 \
+        --dist-address HOST:PORT
+
+`--dist-address` is the pool's torch.distributed rendezvous (its rank 0 hosts the store); the
+pool's world size comes from the run's layout.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import threading
 import traceback
 
 import grpc
+import torch
+import torch.distributed as dist
 
 from dyad import config as config_lib
 from dyad.transport import UcxTransport
@@ -33,8 +39,9 @@ def _service_class(pool: str):
 
 
 class WorkerRuntime:
-    def __init__(self, router: str, run_id: str, pool: str, rank: int):
+    def __init__(self, router: str, run_id: str, pool: str, rank: int, dist_address: str):
         self.run_id = run_id
+        self.dist_address = dist_address
         self.worker = pb.WorkerId(pool=POOL_ENUMS[pool], rank=rank)
         self.pool, self.rank = pool, rank
         self.channel = grpc.insecure_channel(router, options=GRPC_OPTIONS)
@@ -53,12 +60,26 @@ class WorkerRuntime:
             config = config_lib.from_yaml(reply.config_yaml)
             interval = config.router.heartbeat_interval_s
             threading.Thread(target=self._heartbeat, args=(interval,), daemon=True).start()
+            self._join_pool(config)
             service = _service_class(self.pool)(config, transport, self.rank, self.run_id)
             try:
                 self._execute(service)
             finally:
                 self._stopped.set()
                 service.close()
+                dist.destroy_process_group()
+
+    def _join_pool(self, config) -> None:
+        world_size = getattr(config.parallel, self.pool).world_size
+        backend = "nccl" if config.train.device == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{self.dist_address}",
+            rank=self.rank,
+            world_size=world_size,
+        )
 
     def _execute(self, service) -> None:
         commands = self.stub.Commands(
@@ -97,12 +118,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--pool", choices=sorted(POOL_ENUMS), required=True)
     parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--dist-address", required=True, help="the pool's rendezvous HOST:PORT")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("DYAD_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {args.pool}/{args.rank} %(levelname)s %(message)s",
     )
-    WorkerRuntime(args.router, args.run_id, args.pool, args.rank).run()
+    WorkerRuntime(args.router, args.run_id, args.pool, args.rank, args.dist_address).run()
 
 
 if __name__ == "__main__":

@@ -58,10 +58,11 @@ class LLMConfig:
         return self.dim // self.n_heads
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos_SDh, sin_SDh in float32 for the rotate-half convention."""
+def rotary_cos_sin(positions_S: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_SDh, sin_SDh in float32 for the rotate-half convention, at the given positions."""
+    device = positions_S.device
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(positions_S.to(torch.float32), inv_freq)
     angles_SDh = torch.cat([angles, angles], dim=-1)
     return angles_SDh.cos(), angles_SDh.sin()
 
@@ -83,20 +84,21 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
+    def core(self, q_BHSDh, k_BGSDh, v_BGSDh, positions_S):
+        """Causal attention over the sequence held here. Context parallelism replaces this from
+        outside with attention over the whole group's keys, masked by `positions_S`."""
+        return F.scaled_dot_product_attention(
+            q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads
+        )
+
+    def forward(self, x_BSD, cos_SDh, sin_SDh, positions_S) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         q_BSHDh = apply_rotary(self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim), cos_SDh, sin_SDh)
         k_BSGDh = apply_rotary(self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim), cos_SDh, sin_SDh)
         v_BSGDh = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
         if q_BSHDh.numel() == 0:  # cuDNN attention returns None for an empty batch (torch 2.11)
             return self.wo(q_BSHDh.reshape(B, S, self.n_heads * self.head_dim))
-        out_BHSDh = F.scaled_dot_product_attention(
-            q_BSHDh.transpose(1, 2),
-            k_BSGDh.transpose(1, 2),
-            v_BSGDh.transpose(1, 2),
-            is_causal=True,
-            enable_gqa=self.n_heads != self.n_kv_heads,
-        )
+        out_BHSDh = self.core(q_BSHDh.transpose(1, 2), k_BSGDh.transpose(1, 2), v_BSGDh.transpose(1, 2), positions_S)
         return self.wo(out_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
 
@@ -109,14 +111,22 @@ class DecoderBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = MoELayer(cfg.dim, cfg.moe) if is_moe else SwiGLU(cfg.dim, cfg.dense_ffn_dim)
 
-    def forward(self, h_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor):
-        """Returns (h_BSD, unscaled MoE aux loss or None for a dense layer)."""
+    def forward(
+        self,
+        h_BSD: torch.Tensor,
+        cos_SDh: torch.Tensor,
+        sin_SDh: torch.Tensor,
+        positions_S: torch.Tensor,
+        valid_T: torch.Tensor | None = None,
+        seq_ids_T: torch.Tensor | None = None,
+    ):
+        """Returns (h_BSD, the MoE layer's scaled aux loss or None for a dense layer)."""
         B, S, D = h_BSD.shape
-        h_BSD = h_BSD + self.attention(self.attn_norm(h_BSD), cos_SDh, sin_SDh)
+        h_BSD = h_BSD + self.attention(self.attn_norm(h_BSD), cos_SDh, sin_SDh, positions_S)
         x_TD = self.ffn_norm(h_BSD).reshape(B * S, D)
         if not self.is_moe:
             return h_BSD + self.feed_forward(x_TD).view(B, S, D), None
-        y_TD, aux_loss = self.feed_forward(x_TD)
+        y_TD, aux_loss = self.feed_forward(x_TD, valid_T, seq_ids_T)
         return h_BSD + y_TD.view(B, S, D), aux_loss
 
 
@@ -152,8 +162,14 @@ class MoELM(nn.Module):
         input_ids_BS: torch.Tensor,
         image_embeds_ND: torch.Tensor | None = None,
         image_positions_N: torch.Tensor | None = None,
+        *,
+        position_ids_S: torch.Tensor | None = None,
+        valid_BS: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (logits_BSV, aux_loss): aux_loss = aux_loss_coef * sum of MoE layer aux losses."""
+        """Returns (logits_BSV, aux_loss): the sum of the MoE layers' aux losses, each already scaled
+        by its coefficients. position_ids_S: the global positions of the columns held here (default
+0..S-1; a context-parallel shard passes its own). valid_BS (True: a real token) keeps padding out
+of the routing statistics."""
         B, S = input_ids_BS.shape
         if S > self.cfg.max_seq_len:
             raise ValueError(f"sequence length ({S}) exceeds llm.max_seq_len ({self.cfg.max_seq_len})")
@@ -162,14 +178,23 @@ class MoELM(nn.Module):
         h_BSD = self.tok_embeddings(input_ids_BS)
         if image_embeds_ND is not None:
             h_BSD = splice_image_embeds(h_BSD, image_embeds_ND, image_positions_N)
-        cos_SDh, sin_SDh = rotary_cos_sin(S, self.cfg.head_dim, self.cfg.rope_theta, h_BSD.device)
+        if position_ids_S is None:
+            position_ids_S = torch.arange(S, device=h_BSD.device)
+        cos_SDh, sin_SDh = rotary_cos_sin(position_ids_S, self.cfg.head_dim, self.cfg.rope_theta)
+        valid_T = None if valid_BS is None else valid_BS.reshape(B * S)
+        seq_ids_T = torch.arange(B, device=h_BSD.device).repeat_interleave(S)
         aux_loss = torch.zeros((), device=h_BSD.device, dtype=torch.float32)
         for layer in self.layers:
-            h_BSD, layer_aux = layer(h_BSD, cos_SDh, sin_SDh)
+            h_BSD, layer_aux = layer(h_BSD, cos_SDh, sin_SDh, position_ids_S, valid_T, seq_ids_T)
             if layer_aux is not None:
                 aux_loss = aux_loss + layer_aux
         logits_BSV = self.output(self.norm(h_BSD))
-        return logits_BSV, self.cfg.moe.aux_loss_coef * aux_loss
+        return logits_BSV, aux_loss
+
+    def loss_sum(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """Summed caption cross-entropy; tensor parallelism replaces it with the
+        vocabulary-parallel version for its sharded logits."""
+        return caption_loss_sum(logits_BSV, targets_BS)
 
 
 def caption_loss_sum(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

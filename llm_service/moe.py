@@ -1,22 +1,65 @@
-"""Dropless token-choice Mixture-of-Experts layer with SwiGLU experts.
+"""Token-choice Mixture-of-Experts layer with SwiGLU experts and a configurable router.
 
 Legend: T tokens, D model dim, E experts, K experts per token (top_k), N = T*K assignments,
-F expert ffn dim, H shared-expert ffn dim.
+F expert ffn dim, H shared-expert ffn dim, G expert groups, S sequences.
 
-Routing runs in float32 (autocast off): scores = softmax(x @ router), the top-k scores are the gates
-(renormalised to sum to 1 when norm_topk_prob). Every assignment is computed (no capacity, no
-dropping): copies of the tokens are permuted to expert-major order, run through the stacked
-expert weights with one grouped matmul per projection, and summed back weighted by the gates.
+Router (all in float32, autocast off), with the defaults first:
+- scores = softmax(x @ router) or sigmoid(x @ router).
+- Selection is the top k of a key: the scores, or the logits when topk_before_softmax; plus the
+  aux-loss-free expert bias when enabled (the bias changes which experts are chosen, never a gate
+  value). With n_groups > 1 the key first keeps only the topk_groups best groups, a group's
+  strength being the sum of its top (top_k / topk_groups) keys (DeepSeek-V3). Ties go to the
+  lower expert index (and the lower group index), so routing is deterministic.
+- gates = the chosen scores, renormalised over the k when norm_topk_prob; with
+  topk_before_softmax, the softmax over the k chosen logits (already summing to 1).
+- Capacity (optional): each expert takes at most ceil(capacity_factor * T * K / E) assignments of
+  this call (T counts padding), preferring the highest scores ("probs": the router score of that
+  expert for that token, not the renormalised gate, which is 1 for every token when K = 1) or the
+  earliest tokens ("position"); padding competes last. A dropped assignment stays in expert_idx
+  with gate 0: its expert output contributes nothing and it receives no gradient, and every
+  dispatcher works unchanged. Gates are not renormalised after dropping.
+
+Padding (valid_T False) is still routed, but is left out of the load-balancing statistics, the
+z-loss and the expert counts. Each assignment is computed: copies of the tokens are permuted to
+expert-major order, run through the stacked expert weights with one grouped matmul per
+projection, and summed back weighted by the gates (`routed_experts`, the seam that expert
+parallelism overrides).
+
+Expert bias: training forwards (grad enabled) add their real tokens' assignments to
+`expert_counts_E`; `update_expert_biases(model, group)`, once per global batch before the
+optimizer step, sums them over `group`, moves each bias by +-rate towards balance and restarts the
+counts.
+
+Aux: forward returns its aux term already scaled by its own coefficients,
+aux_loss_coef * balance loss + z_loss_coef * z-loss, so the model just sums layers. The balance
+loss is Switch's E * sum_e f_e * P_e (f: share of the router's assignments, P: mean score,
+normalised to sum 1 per token for sigmoid) over the microbatch, or averaged over the sequences
+of the microbatch ("seq"). f counts assignments as chosen, before capacity dropping.
+
+Distributed statistics: when `stats_group` is set (ranks holding different tokens of one
+microbatch, e.g. context-parallel shards), per-expert counts, score sums and token counts are
+all-reduced over it (score sums differentiably, torch.distributed.nn) so every rank computes and
+returns the same microbatch loss L. The all-reduce's backward sums the ranks' upstream gradients,
+so the rank-summed gradient is that of group size * L: whoever sets `stats_group` scales each
+rank's aux by 1 / group size (llm_service/parallelize.py does), after which the ranks' parts sum
+to L and their summed gradients to L's gradient, like the caption loss's per-rank parts.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
 
 from dyad.kernels.grouped_mm import grouped_mm
 from dyad.kernels.moe_permute import permute, unpermute
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+AUX_LOSSES = ("micro_batch", "seq", "none")
+DROP_POLICIES = ("probs", "position")
 
 
 @dataclass(kw_only=True)
@@ -27,6 +70,16 @@ class MoEConfig:
     shared_expert_dim: int = 0  # 0: no shared expert
     aux_loss_coef: float = 0.01
     norm_topk_prob: bool = True
+    score_func: str = "softmax"
+    topk_before_softmax: bool = False
+    aux_loss: str = "micro_batch"
+    z_loss_coef: float = 0.0
+    expert_bias: bool = False
+    expert_bias_rate: float = 1e-3
+    n_groups: int = 1
+    topk_groups: int = 1
+    capacity_factor: float | None = None  # None: dropless
+    drop_policy: str = "probs"
 
     def __post_init__(self):
         if self.num_experts < 1:
@@ -37,8 +90,37 @@ class MoEConfig:
             raise ValueError(f"llm.moe.expert_dim ({self.expert_dim}) must be >= 1")
         if self.shared_expert_dim < 0:
             raise ValueError(f"llm.moe.shared_expert_dim ({self.shared_expert_dim}) must be >= 0 (0 disables it)")
-        if self.aux_loss_coef < 0:
-            raise ValueError(f"llm.moe.aux_loss_coef ({self.aux_loss_coef}) must be >= 0")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"llm.moe.{name} ({getattr(self, name)}) must be >= 0")
+        for name, options in (("score_func", SCORE_FUNCS), ("aux_loss", AUX_LOSSES), ("drop_policy", DROP_POLICIES)):
+            if getattr(self, name) not in options:
+                raise ValueError(f"llm.moe.{name} ({getattr(self, name)!r}) must be one of {', '.join(options)}")
+        if self.topk_before_softmax and self.score_func != "softmax":
+            raise ValueError(
+                f"llm.moe.topk_before_softmax needs llm.moe.score_func 'softmax', got {self.score_func!r}"
+            )
+        if not self.expert_bias_rate > 0:
+            raise ValueError(f"llm.moe.expert_bias_rate ({self.expert_bias_rate}) must be > 0")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"llm.moe.capacity_factor ({self.capacity_factor}) must be > 0 (or null: dropless)")
+        self._validate_groups()
+
+    def _validate_groups(self):
+        if self.n_groups < 1 or self.num_experts % self.n_groups:
+            raise ValueError(f"llm.moe.n_groups ({self.n_groups}) must divide llm.moe.num_experts ({self.num_experts})")
+        if not 1 <= self.topk_groups <= self.n_groups:
+            raise ValueError(
+                f"llm.moe.topk_groups ({self.topk_groups}) must be in [1, llm.moe.n_groups ({self.n_groups})]"
+            )
+        if self.top_k % self.topk_groups:
+            raise ValueError(f"llm.moe.topk_groups ({self.topk_groups}) must divide llm.moe.top_k ({self.top_k})")
+        per_group = self.num_experts // self.n_groups
+        if self.top_k // self.topk_groups > per_group:
+            raise ValueError(
+                f"llm.moe.top_k / llm.moe.topk_groups ({self.top_k // self.topk_groups}) must be <= the experts "
+                f"per group ({per_group})"
+            )
 
 
 class SwiGLU(nn.Module):
@@ -54,15 +136,136 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x_TD)) * self.w3(x_TD))
 
 
-def load_balancing_loss(scores_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Switch-style E * sum_e f_e * P_e; f_e = share of assignments, P_e = mean router score.
+# ---- selection -----------------------------------------------------------------------------------
 
-    Only P carries gradient. With T == 0 the loss is 0 (and still part of the graph).
-    """
-    T, E = scores_TE.shape
-    f_E = counts_E.float() / max(T * top_k, 1)
-    P_E = scores_TE.sum(dim=0) / max(T, 1)
+
+def top_k_indices(key_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest keys per row, largest first; ties go to the lower index."""
+    return torch.sort(key_TE, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def group_limited_mask(key_TE: torch.Tensor, n_groups: int, topk_groups: int, top_k: int) -> torch.Tensor:
+    """[T, E] bool: experts of each token's topk_groups strongest groups (strength: sum of the
+    group's top (top_k / topk_groups) keys)."""
+    T, E = key_TE.shape
+    strength_TG = key_TE.view(T, n_groups, E // n_groups).topk(top_k // topk_groups, dim=-1).values.sum(dim=-1)
+    chosen_TG = torch.zeros(T, n_groups, dtype=torch.bool, device=key_TE.device)
+    chosen_TG.scatter_(1, top_k_indices(strength_TG, topk_groups), True)
+    return chosen_TG.repeat_interleave(E // n_groups, dim=1)
+
+
+def capacity_keep(
+    chosen_scores_TK: torch.Tensor,
+    expert_idx_TK: torch.Tensor,
+    valid_T: torch.Tensor | None,
+    capacity: int,
+    num_experts: int,
+    drop_policy: str,
+) -> torch.Tensor:
+    """[T, K] bool: the assignments each expert keeps, at most `capacity` per expert, preferring
+    higher scores ("probs") or earlier tokens ("position"); padding after every real token; ties
+    to the earlier assignment."""
+    T, K = expert_idx_TK.shape
+    N = T * K
+    flat_expert_N = expert_idx_TK.reshape(-1)
+    if drop_policy == "probs":
+        order_N = torch.argsort(-chosen_scores_TK.detach().reshape(-1), stable=True)
+    else:
+        order_N = torch.arange(N, device=expert_idx_TK.device)
+    if valid_T is not None:
+        is_pad_N = (~valid_T).repeat_interleave(K).to(torch.int8)
+        order_N = order_N[torch.argsort(is_pad_N[order_N], stable=True)]
+    order_N = order_N[torch.argsort(flat_expert_N[order_N], stable=True)]  # expert-major, by preference
+    counts_E = torch.bincount(flat_expert_N, minlength=num_experts)
+    starts_E = torch.cumsum(counts_E, dim=0) - counts_E
+    slot_N = torch.arange(N, device=order_N.device) - starts_E[flat_expert_N[order_N]]
+    keep_N = torch.empty(N, dtype=torch.bool, device=order_N.device).scatter_(0, order_N, slot_N < capacity)
+    return keep_N.view(T, K)
+
+
+def expert_capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+# ---- statistics and aux losses -------------------------------------------------------------------
+
+
+def _valid_weights(valid_T: torch.Tensor | None, T: int, device: torch.device) -> torch.Tensor:
+    """[T] float32: 1 for real tokens, 0 for padding."""
+    if valid_T is None:
+        return torch.ones(T, device=device)
+    return valid_T.to(torch.float32)
+
+
+def assignment_counts(expert_idx_TK: torch.Tensor, valid_T: torch.Tensor | None, num_experts: int) -> torch.Tensor:
+    """[E] long: assignments of real tokens to each expert."""
+    K = expert_idx_TK.shape[1]
+    weights_N = torch.ones_like(expert_idx_TK).reshape(-1)
+    if valid_T is not None:
+        weights_N = valid_T.long().repeat_interleave(K)
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=expert_idx_TK.device)
+    return counts_E.scatter_add_(0, expert_idx_TK.reshape(-1), weights_N)
+
+
+def _sum_over(group, *stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """All-reduce (sum) float tensors over `group` in one differentiable collective."""
+    if group is None:
+        return stats
+    flat = dist_fn.all_reduce(torch.cat([s.reshape(-1) for s in stats]), group=group)
+    return tuple(part.view(s.shape) for part, s in zip(flat.split([s.numel() for s in stats]), stats))
+
+
+def switch_balance_loss(
+    probs_TE: torch.Tensor, expert_idx_TK: torch.Tensor, valid_T: torch.Tensor | None = None, group=None
+) -> torch.Tensor:
+    """E * sum_e f_e * P_e over the microbatch's real tokens; f_e = share of assignments, P_e = mean
+    probability. Only P carries gradient. With no real token the loss is 0 (still in the graph)."""
+    T, E = probs_TE.shape
+    K = expert_idx_TK.shape[1]
+    valid_f_T = _valid_weights(valid_T, T, probs_TE.device)
+    counts_E = assignment_counts(expert_idx_TK, valid_T, E).float()
+    sums_E = (probs_TE * valid_f_T[:, None]).sum(dim=0)
+    sums_E, counts_E, tokens = _sum_over(group, sums_E, counts_E, valid_f_T.sum())
+    f_E = counts_E / (tokens * K).clamp_min(1)
+    P_E = sums_E / tokens.clamp_min(1)
     return E * (f_E * P_E).sum()
+
+
+def sequence_balance_loss(
+    probs_TE: torch.Tensor,
+    expert_idx_TK: torch.Tensor,
+    seq_ids_T: torch.Tensor,
+    valid_T: torch.Tensor | None = None,
+    group=None,
+) -> torch.Tensor:
+    """The Switch loss of each sequence (seq_ids_T in [0, S)), averaged over the sequences that
+    have a real token. S is read from the ids (one host sync; a MAX all-reduce over `group`)."""
+    T, E = probs_TE.shape
+    K = expert_idx_TK.shape[1]
+    num_seqs = int(seq_ids_T.max()) + 1 if T else 0
+    if group is not None:
+        num_seqs_t = torch.tensor([num_seqs], device=probs_TE.device)
+        dist.all_reduce(num_seqs_t, op=dist.ReduceOp.MAX, group=group)
+        num_seqs = int(num_seqs_t)
+    seqs_S = torch.arange(num_seqs, device=probs_TE.device)
+    member_TS = (seq_ids_T[:, None] == seqs_S).float() * _valid_weights(valid_T, T, probs_TE.device)[:, None]
+    assigned_TE = torch.zeros(T, E, device=probs_TE.device).scatter_(1, expert_idx_TK, 1.0)
+    counts_SE, sums_SE, tokens_S = _sum_over(group, member_TS.T @ assigned_TE, member_TS.T @ probs_TE, member_TS.sum(0))
+    f_SE = counts_SE / (tokens_S[:, None] * K).clamp_min(1)
+    P_SE = sums_SE / tokens_S[:, None].clamp_min(1)
+    loss_S = E * (f_SE * P_SE).sum(dim=-1)
+    return loss_S.sum() / (tokens_S > 0).sum().clamp_min(1)
+
+
+def router_z_loss(logits_TE: torch.Tensor, valid_T: torch.Tensor | None = None, group=None) -> torch.Tensor:
+    """Mean over real tokens of logsumexp(logits)^2 (ST-MoE)."""
+    valid_f_T = _valid_weights(valid_T, logits_TE.shape[0], logits_TE.device)
+    z_T = torch.logsumexp(logits_TE, dim=-1).square()
+    total, tokens = _sum_over(group, (z_T * valid_f_T).sum(), valid_f_T.sum())
+    return total / tokens.clamp_min(1)
+
+
+# ---- layer ---------------------------------------------------------------------------------------
 
 
 class MoELayer(nn.Module):
@@ -77,16 +280,47 @@ class MoELayer(nn.Module):
         for w in (self.w1_EDF, self.w3_EDF, self.w2_EFD):
             nn.init.normal_(w, std=0.02)
         self.shared_expert = SwiGLU(dim, cfg.shared_expert_dim) if cfg.shared_expert_dim > 0 else None
+        # Aux-loss-free balancing: a selection-only bias (checkpointed) and this global batch's
+        # counts of real tokens per expert (not checkpointed: zero after every update).
+        self.register_buffer("expert_bias_E", torch.zeros(E) if cfg.expert_bias else None)
+        self.register_buffer(
+            "expert_counts_E", torch.zeros(E, dtype=torch.long) if cfg.expert_bias else None, persistent=False
+        )
+        self.stats_group = None  # set from outside: ranks holding different tokens of one microbatch
         self.last_expert_counts_E: torch.Tensor | None = None
 
-    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns (scores_TE, gates_TK, expert_idx_TK), all routing math in float32."""
+    def router_logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD.float(), self.router.weight.float())
-        scores_TE = torch.softmax(logits_TE, dim=-1)
-        gates_TK, expert_idx_TK = torch.topk(scores_TE, self.cfg.top_k, dim=-1)
-        if self.cfg.norm_topk_prob:
-            gates_TK = gates_TK / gates_TK.sum(dim=-1, keepdim=True)
+            return F.linear(x_TD.float(), self.router.weight.float())
+
+    def route(
+        self, x_TD: torch.Tensor, valid_T: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (scores_TE, gates_TK, expert_idx_TK), all routing math in float32."""
+        cfg = self.cfg
+        logits_TE = self.router_logits(x_TD)
+        with torch.autocast(x_TD.device.type, enabled=False):
+            scores_TE = torch.softmax(logits_TE, dim=-1) if cfg.score_func == "softmax" else torch.sigmoid(logits_TE)
+            key_TE = logits_TE if cfg.topk_before_softmax else scores_TE
+            if self.expert_bias_E is not None:
+                key_TE = key_TE + self.expert_bias_E.float()
+            if cfg.n_groups > 1:
+                allowed_TE = group_limited_mask(key_TE, cfg.n_groups, cfg.topk_groups, cfg.top_k)
+                key_TE = key_TE.masked_fill(~allowed_TE, -math.inf)
+            expert_idx_TK = top_k_indices(key_TE, cfg.top_k)
+            if cfg.topk_before_softmax:
+                gates_TK = torch.softmax(logits_TE.gather(1, expert_idx_TK), dim=-1)
+            else:
+                gates_TK = scores_TE.gather(1, expert_idx_TK)
+                if cfg.norm_topk_prob:  # the epsilon only matters for underflowed sigmoid scores
+                    gates_TK = gates_TK / (gates_TK.sum(dim=-1, keepdim=True) + 1e-20)
+            if cfg.capacity_factor is not None:
+                capacity = expert_capacity(cfg.capacity_factor, x_TD.shape[0], cfg.top_k, cfg.num_experts)
+                chosen_scores_TK = scores_TE.gather(1, expert_idx_TK)
+                keep_TK = capacity_keep(
+                    chosen_scores_TK, expert_idx_TK, valid_T, capacity, cfg.num_experts, cfg.drop_policy
+                )
+                gates_TK = gates_TK * keep_TK
         return scores_TE, gates_TK, expert_idx_TK
 
     def experts(self, x_sorted_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -95,13 +329,68 @@ class MoELayer(nn.Module):
         h3_NF = grouped_mm(x_sorted_ND, self.w3_EDF, offs_E)
         return grouped_mm(F.silu(h1_NF) * h3_NF, self.w2_EFD, offs_E)
 
-    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (y_TD, aux_loss); aux_loss is the unscaled load-balancing loss."""
-        scores_TE, gates_TK, expert_idx_TK = self.route(x_TD)
+    def routed_experts(self, x_TD: torch.Tensor, gates_TK: torch.Tensor, expert_idx_TK: torch.Tensor) -> torch.Tensor:
+        """sum_k gates[t, k] * expert_{idx[t, k]}(x[t]): permute, grouped experts, unpermute.
+        Expert parallelism replaces this method."""
         x_sorted_ND, sorted_order_N, counts_E = permute(x_TD, expert_idx_TK, self.cfg.num_experts)
         y_sorted_ND = self.experts(x_sorted_ND, counts_E)
-        y_TD = unpermute(y_sorted_ND, sorted_order_N, gates_TK)
+        return unpermute(y_sorted_ND, sorted_order_N, gates_TK)
+
+    def aux_loss(
+        self,
+        x_TD: torch.Tensor,
+        scores_TE: torch.Tensor,
+        expert_idx_TK: torch.Tensor,
+        valid_T: torch.Tensor | None = None,
+        seq_ids_T: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """aux_loss_coef * balance loss + z_loss_coef * z-loss over the microbatch (see the module
+        docstring for `stats_group`)."""
+        cfg, group = self.cfg, self.stats_group
+        aux = scores_TE.new_zeros(())
+        probs_TE = scores_TE
+        if cfg.score_func == "sigmoid":
+            probs_TE = scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
+        if cfg.aux_loss == "micro_batch":
+            aux = aux + cfg.aux_loss_coef * switch_balance_loss(probs_TE, expert_idx_TK, valid_T, group)
+        elif cfg.aux_loss == "seq":
+            if seq_ids_T is None:
+                raise ValueError("llm.moe.aux_loss 'seq' needs seq_ids_T (the sequence of each token)")
+            aux = aux + cfg.aux_loss_coef * sequence_balance_loss(probs_TE, expert_idx_TK, seq_ids_T, valid_T, group)
+        if cfg.z_loss_coef > 0:  # recomputes the (small) router matmul rather than widening route()
+            aux = aux + cfg.z_loss_coef * router_z_loss(self.router_logits(x_TD), valid_T, group)
+        return aux
+
+    def forward(
+        self, x_TD: torch.Tensor, valid_T: torch.Tensor | None = None, seq_ids_T: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (y_TD, aux): aux is already scaled by its coefficients (see the module docstring)."""
+        scores_TE, gates_TK, expert_idx_TK = self.route(x_TD, valid_T)
+        y_TD = self.routed_experts(x_TD, gates_TK, expert_idx_TK)
         if self.shared_expert is not None:
             y_TD = y_TD + self.shared_expert(x_TD)
-        self.last_expert_counts_E = counts_E.detach()
-        return y_TD, load_balancing_loss(scores_TE, counts_E, self.cfg.top_k)
+        counts_E = assignment_counts(expert_idx_TK, valid_T, self.cfg.num_experts)
+        self.last_expert_counts_E = counts_E
+        if self.expert_counts_E is not None and self.training and torch.is_grad_enabled():
+            self.expert_counts_E += counts_E
+        return y_TD, self.aux_loss(x_TD, scores_TE, expert_idx_TK, valid_T, seq_ids_T)
+
+    @torch.no_grad()
+    def update_expert_bias(self, group=None) -> None:
+        """bias += rate * sign(mean(counts) - counts), counts summed over `group` (every rank that
+        saw different tokens; None: this process only); then the counts restart. Once per global
+        batch, before the optimizer step. A no-op without llm.moe.expert_bias."""
+        if self.expert_bias_E is None:
+            return
+        if group is not None:
+            dist.all_reduce(self.expert_counts_E, group=group)
+        counts_E = self.expert_counts_E.float()
+        self.expert_bias_E += self.cfg.expert_bias_rate * torch.sign(counts_E.mean() - counts_E)
+        self.expert_counts_E.zero_()
+
+
+def update_expert_biases(model: nn.Module, group=None) -> None:
+    """`update_expert_bias(group)` on every MoE layer of `model` (a collective when group is set)."""
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.update_expert_bias(group)

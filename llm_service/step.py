@@ -1,4 +1,5 @@
-"""The LLM's part of a microbatch, shared by the worker and the single-process reference.
+"""The LLM's part of a microbatch, shared by the workers, the layout tests and the single-process
+reference (which runs it on the whole microbatch: `whole_microbatch`).
 
 Normalisation: the caption loss is summed over the microbatch and divided by the caption-token
 count of the whole global batch; the aux loss is averaged over the global batch's
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dyad.llm_service.model import caption_loss_sum
+from dyad.llm_service.sharding import LocalMicrobatch, shard_microbatch
 
 
 @dataclass
@@ -22,16 +23,29 @@ class MicrobatchLoss:
     aux: float
 
 
+def whole_microbatch(batch, pad_id: int) -> LocalMicrobatch:
+    """The single-device view: every token and every image row."""
+    return shard_microbatch(batch, pad_id=pad_id, cp=1, cp_rank=0, tp=1)
+
+
 def microbatch_loss(
     model: nn.Module,
-    batch,
-    image_rows_RD: torch.Tensor | None,
+    local: LocalMicrobatch,
+    image_rows_NlD: torch.Tensor | None,
     *,
     global_target_tokens: int,
     global_microbatches: int,
 ) -> MicrobatchLoss:
-    logits_BSV, aux = model(batch.input_ids, image_rows_RD, batch.image_positions)
-    lm = caption_loss_sum(logits_BSV, batch.targets) / global_target_tokens
+    """`image_rows_NlD` are the rows `local.image_rows_Nl` selects (None: the microbatch has no
+    image rows at all)."""
+    positions = None if image_rows_NlD is None else local.image_positions_Nl
+    logits_BSV, aux = model(
+        local.input_ids_BSl,
+        image_rows_NlD,
+        positions,
+        position_ids_S=local.positions_Sl,
+        valid_BS=local.valid_BSl,
+    )
+    lm = model.loss_sum(logits_BSV, local.targets_BSl) / global_target_tokens
     aux = aux / global_microbatches
     return MicrobatchLoss(total=lm + aux, lm=float(lm.detach()), aux=float(aux.detach()))
-

@@ -1,6 +1,6 @@
-"""The LLM pool's worker: for each microbatch, receive the image-token rows the plan routes here,
-splice them into the token embeddings, run forward and backward, and send each row's gradient
-back to the encoder rank it came from.
+"""The LLM pool's worker: for each microbatch of this rank's data-parallel group, receive the
+image-token rows the plan routes here, splice the ones inside this rank's context shard, run
+forward and backward, and send the rows' gradient back where the plan says.
 
 Every receive of the step is posted up front, so rows the encoder sends early land while this
 rank is still busy with an earlier microbatch.
@@ -14,6 +14,9 @@ from concurrent.futures import Future
 import torch
 
 from dyad.data import collate
+from dyad.llm_service.moe import update_expert_biases
+from dyad.llm_service.parallelize import parallelize_llm
+from dyad.llm_service.sharding import shard_microbatch
 from dyad.llm_service.step import microbatch_loss
 from dyad.service import PoolService, boundary_dtype, compute_context
 from dyad.transport import Direction, MessageTag
@@ -23,6 +26,9 @@ from dyad.wire import pb
 class LLMWorker(PoolService):
     pool = "llm"
 
+    def parallelize(self, model, groups):
+        return parallelize_llm(model, groups)
+
     def step(self, command: pb.StepCommand) -> pb.StepResult:
         self.lr = command.lr
         self.model.train()
@@ -31,42 +37,51 @@ class LLMWorker(PoolService):
         for transfer in mine:
             received[transfer.microbatch].append((transfer, self._post_receive(command, transfer)))
 
+        dp_rank, tp_rank = self.groups.index("dp"), self.groups.index("tp")
         lm_sum = aux_sum = 0.0
-        bytes_sent = bytes_received = tokens = 0
+        bytes_sent = bytes_received = 0
         wait_s = 0.0
         sends: list[Future] = []
         for microbatch in command.microbatches:
+            if microbatch.llm_dp_rank != dp_rank:
+                continue
             samples = [self.dataset.sample(s) for s in microbatch.sample_ids]
             batch = collate(self.dataset.tokenizer, samples, command.plan.tokens_per_image)
-            batch = batch.to(self.device)
+            local = shard_microbatch(
+                batch.to(self.device),
+                pad_id=self.dataset.tokenizer.pad_id,
+                cp=self.layout.cp,
+                cp_rank=self.groups.index("cp"),
+                tp=self.layout.tp,
+            )
             arrivals = received.get(microbatch.index, [])
             waited = time.perf_counter()
-            rows_RD = self._splice_rows(command.step, microbatch, batch, arrivals)
+            rows_RD = self._rows(command.step, microbatch, batch, arrivals)
             wait_s += time.perf_counter() - waited
             with compute_context(self.config):
                 loss = microbatch_loss(
                     self.model,
-                    batch,
-                    rows_RD,
+                    local,
+                    None if rows_RD is None else rows_RD[local.image_rows_Nl],
                     global_target_tokens=command.global_target_tokens,
                     global_microbatches=command.global_microbatches,
                 )
             loss.total.backward()
-            lm_sum += loss.lm
-            aux_sum += loss.aux
-            tokens += int(batch.lengths.sum())
+            lm_sum += loss.lm if tp_rank == 0 else 0.0  # tp ranks hold the same loss
+            aux_sum += loss.aux  # each rank holds its share
             if rows_RD is not None:
-                bytes_received += rows_RD.nbytes
-                sends += self._send_gradients(command.step, arrivals, rows_RD.grad)
-                bytes_sent += rows_RD.grad.nbytes
+                bytes_received += rows_RD.nbytes * len(arrivals)
+                returned = self._send_gradients(command.step, arrivals, rows_RD.grad)
+                sends += returned
+                bytes_sent += rows_RD.grad.nbytes if returned else 0
+        update_expert_biases(self.model, group=self.groups.group("world"))
         for sent in sends:
             sent.result()
         return pb.StepResult(
             step=command.step,
-            grad_sq_norm=self.grad_sq_norm(),
+            grad_sq_norm=self.finish_backward(),
             lm_loss_sum=lm_sum,
             aux_loss=aux_sum,
-            tokens=tokens,
             boundary_bytes_sent=bytes_sent,
             boundary_bytes_received=bytes_received,
             boundary_wait_s=wait_s,
@@ -82,7 +97,7 @@ class LLMWorker(PoolService):
         )
         return self.transport.recv(peer, tag, rows_RD)
 
-    def _splice_rows(self, step, microbatch, batch, arrivals) -> torch.Tensor | None:
+    def _rows(self, step, microbatch, batch, arrivals) -> torch.Tensor | None:
         """The microbatch's image rows in splice order, as a leaf that collects their gradient."""
         planned = tuple(i for transfer, _ in arrivals for i in transfer.image_ids)
         if planned != tuple(batch.image_ids):
@@ -98,9 +113,9 @@ class LLMWorker(PoolService):
     def _send_gradients(self, step, arrivals, grad_RD: torch.Tensor) -> list[Future]:
         sends, start = [], 0
         for transfer, _ in arrivals:
-            peer = self.peers[(pb.POOL_ENCODER, transfer.src_rank)]
-            tag = MessageTag(self.run_id, step, transfer.microbatch, Direction.BACKWARD, self.rank)
-            chunk = grad_RD[start : start + transfer.rows].contiguous()
-            sends.append(self.transport.send(peer, tag, chunk))
+            if transfer.returns_gradient:
+                peer = self.peers[(pb.POOL_ENCODER, transfer.src_rank)]
+                tag = MessageTag(self.run_id, step, transfer.microbatch, Direction.BACKWARD, self.rank)
+                sends.append(self.transport.send(peer, tag, grad_RD[start : start + transfer.rows].contiguous()))
             start += transfer.rows
         return sends

@@ -125,11 +125,11 @@ class RunDriver:
         path = self.out_dir / "checkpoints" / f"step_{step:08d}"
         path.mkdir(parents=True, exist_ok=True)
         self.run.send(pb.WorkerCommand(save=pb.SaveCommand(step=step, path=str(path))))
-        saved = self._collect("save", step)
+        self._collect("save", step)
         manifest = {
             "run_id": self.run.run_id,
             "step": step,
-            "files": sorted(os.path.basename(r.path) for r in saved.values()),
+            "files": sorted(f.name for f in path.iterdir() if f.suffix == ".pt"),
             "config": self.run.config_yaml,
         }
         # The manifest is written last and atomically: a checkpoint without one is incomplete.

@@ -7,6 +7,7 @@ the same interface by scaling StatefulSets.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from abc import ABC, abstractmethod
@@ -43,12 +44,14 @@ class LocalLauncher(Launcher):
     def start(self, run_id, router_address, workers, log_dir) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self._stopping = False
+        rendezvous = {pool: f"127.0.0.1:{_free_port()}" for pool in {spec.pool for spec in workers}}
         for spec in workers:
             log_path = log_dir / f"{spec.pool}-{spec.rank}.log"
             command = [
                 sys.executable, "-m", "dyad.worker",
                 "--router", router_address, "--run-id", run_id,
                 "--pool", spec.pool, "--rank", str(spec.rank),
+                "--dist-address", rendezvous[spec.pool],
             ]
             with open(log_path, "ab") as log:
                 self._procs[spec] = subprocess.Popen(
@@ -81,6 +84,12 @@ class LocalLauncher(Launcher):
                 except subprocess.TimeoutExpired:
                     continue
         self._procs.clear()
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 def _tail(path: Path, lines: int = 15) -> str:
     try:

@@ -15,7 +15,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dyad import config as config_lib
 from dyad.data import make_dataset
-from dyad.layout import check_executable
 from dyad.router.driver import RunDriver
 from dyad.router.errors import FailedPrecondition, NotFound, map_errors
 from dyad.router.launcher import LocalLauncher
@@ -43,7 +42,6 @@ class RouterState:
 
     def start(self, config_yaml: str) -> Run:
         config = config_lib.from_yaml(config_yaml)
-        check_executable(config.parallel.encoder, config.parallel.llm)
         dataset = make_dataset(config.data)
         config = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
         run_id = uuid.uuid4().hex[:12]

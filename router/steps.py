@@ -18,6 +18,7 @@ from dyad.wire import pb
 class StepSpec:
     step: int
     microbatches: tuple[tuple[int, ...], ...]
+    llm_dp_ranks: tuple[int, ...]  # the LLM data-parallel rank of each microbatch
     lr: float
     target_tokens: int  # caption tokens of the whole global batch: the loss normaliser
     tokens: int  # sequence tokens (text + image) of the global batch
@@ -36,6 +37,7 @@ class StepPlanner:
 
     def next(self, step: int) -> StepSpec:
         train = self._config.train
+        dp = self._config.parallel.llm.dp
         sample_ids = self._sampler.next_batch(train.global_batch)
         shapes = [self._dataset.shape(s, self._tokens_per_image) for s in sample_ids]
         target_tokens = sum(shape.n_targets for shape in shapes)
@@ -43,7 +45,10 @@ class StepPlanner:
             raise ValueError(f"step {step}: the global batch has no caption tokens to learn from")
         return StepSpec(
             step=step,
-            microbatches=tuple(tuple(mb) for mb in split_microbatches(sample_ids, train.microbatches)),
+            microbatches=tuple(
+                tuple(mb) for mb in split_microbatches(sample_ids, train.microbatches * dp)
+            ),
+            llm_dp_ranks=tuple(i // train.microbatches for i in range(train.microbatches * dp)),
             lr=lr_at(
                 step,
                 lr=train.lr,
@@ -61,6 +66,7 @@ class StepPlanner:
         }
         return plan_boundary(
             spec.microbatches,
+            spec.llm_dp_ranks,
             images_of,
             tokens_per_image=self._tokens_per_image,
             hidden=self._config.llm.dim,
@@ -73,7 +79,8 @@ def step_command(spec: StepSpec, plan: BoundaryPlan) -> pb.StepCommand:
     return pb.StepCommand(
         step=spec.step,
         microbatches=[
-            pb.Microbatch(index=i, sample_ids=list(mb)) for i, mb in enumerate(spec.microbatches)
+            pb.Microbatch(index=i, sample_ids=list(mb), llm_dp_rank=dp_rank)
+            for i, (mb, dp_rank) in enumerate(zip(spec.microbatches, spec.llm_dp_ranks))
         ],
         plan=pb.BoundaryPlan(
             tokens_per_image=plan.tokens_per_image,
@@ -85,6 +92,7 @@ def step_command(spec: StepSpec, plan: BoundaryPlan) -> pb.StepCommand:
                     microbatch=t.microbatch,
                     image_ids=list(t.image_ids),
                     rows=t.rows,
+                    returns_gradient=t.returns_gradient,
                 )
                 for t in plan.transfers
             ],

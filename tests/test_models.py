@@ -170,12 +170,12 @@ def test_single_expert_top1_equals_dense_swiglu():
     x_TD = torch.randn(9, 8)
     y_TD, aux = layer(x_TD)
     torch.testing.assert_close(y_TD, dense(x_TD))
-    torch.testing.assert_close(aux, torch.tensor(1.0))
+    torch.testing.assert_close(aux, torch.tensor(layer.cfg.aux_loss_coef * 1.0))  # aux comes scaled by its coef
     assert layer.last_expert_counts_E.tolist() == [9]
 
 
 def test_moe_aux_loss_hand_computed():
-    layer = MoELayer(2, MoEConfig(num_experts=2, top_k=1))
+    layer = MoELayer(2, MoEConfig(num_experts=2, top_k=1, aux_loss_coef=1.0))  # aux comes scaled by its coef
     with torch.no_grad():
         layer.router.weight.copy_(torch.eye(2))
     ln3 = torch.log(torch.tensor(3.0)).item()
@@ -189,7 +189,7 @@ def test_moe_aux_loss_hand_computed():
 
 
 def test_moe_aux_loss_top2_hand_computed():
-    layer = MoELayer(3, MoEConfig(num_experts=3, top_k=2))
+    layer = MoELayer(3, MoEConfig(num_experts=3, top_k=2, aux_loss_coef=1.0))
     with torch.no_grad():
         layer.router.weight.copy_(torch.eye(3))
     x_TD = torch.log(torch.tensor([[4.0, 3.0, 1.0], [1.0, 3.0, 4.0]]))  # scores x / 8
@@ -226,9 +226,8 @@ def test_llm_shapes_and_aux_loss():
     ids = torch.randint(V, (2, 7))
     logits, aux = model(ids)
     assert logits.shape == (2, 7, V) and aux.shape == () and aux.item() > 0
-    coef = model.cfg.moe.aux_loss_coef
-    layer_sum = sum(moe_aux for moe_aux in _moe_aux_losses(model, ids))
-    torch.testing.assert_close(aux, coef * layer_sum)
+    layer_sum = sum(moe_aux for moe_aux in _moe_aux_losses(model, ids))  # each scaled by aux_loss_coef
+    torch.testing.assert_close(aux, layer_sum)
 
     dense_only = _llm(dense_layers=(0, 1))
     logits, aux = dense_only(ids)
@@ -384,7 +383,8 @@ def test_init_llm_and_encoder_by_name():
 
     encoder = VisionEncoder(EncoderConfig())
     init_parameters(encoder, 3)
-    assert (encoder.blocks[0].attn_norm.weight == 1).all() and not encoder.blocks[0].qkv.bias.any()
+    assert (encoder.blocks[0].attn_norm.weight == 1).all() and not encoder.blocks[0].proj.bias.any()
+    assert encoder.blocks[0].qkv.bias is None  # a key bias cannot change attention
 
 
 def _free_port() -> int:

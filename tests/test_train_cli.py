@@ -30,7 +30,7 @@ def test_dyad_train_default_learns_digits(tmp_path):
     assert (out / "loss.png").stat().st_size > 0
     checkpoint = out / "checkpoints" / "step_00000800"
     assert json.loads((checkpoint / "manifest.json").read_text())["files"] == [
-        "encoder-rank000.pt", "llm-rank000.pt"]
+        "encoder-full.pt", "encoder-rank000.pt", "llm-full.pt", "llm-rank000.pt"]
 
 
 def test_dyad_verify_prints_both_losses_and_passes(tmp_path):

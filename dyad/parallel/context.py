@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
+
+from dyad.parallel.tensor import all_gather_sum_grad
 
 
 def padded_length(seq_len: int, cp: int) -> int:
@@ -32,8 +33,9 @@ def zigzag_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
 
 
 def all_gather_sequence(x_BGSlDh: torch.Tensor, group) -> torch.Tensor:
-    """[..., Sl, Dh] from every rank, concatenated along the sequence (dim -2), differentiable."""
-    return torch.cat(dist_fn.all_gather(x_BGSlDh.contiguous(), group=group), dim=-2)
+    """[..., Sl, Dh] from every rank, concatenated along the sequence (dim -2); the backward sums
+    every rank's gradient for this rank's keys and values."""
+    return all_gather_sum_grad(x_BGSlDh, group, x_BGSlDh.dim() - 2)
 
 
 class ContextParallelAttention:
@@ -44,8 +46,7 @@ class ContextParallelAttention:
         self.group = group
 
     def __call__(self, q_BHSlDh, k_BGSlDh, v_BGSlDh, positions_Sl):
-        # K and V travel in one collective: two differentiable all-gathers would have their
-        # backward reductions issued in an order autograd does not fix across ranks.
+        # K and V travel in one collective (one backward reduction instead of two).
         kv_2BGSDh = all_gather_sequence(torch.stack([k_BGSlDh, v_BGSlDh]), self.group)
         positions = [torch.empty_like(positions_Sl) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(positions, positions_Sl.contiguous(), group=self.group)

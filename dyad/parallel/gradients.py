@@ -80,3 +80,12 @@ def _gather_full(module, name, value, groups):
     if name in EXPERT_TP_DIM and hasattr(module, "routed_experts"):
         return gather_expert_tensor(value, groups.group("ep"), groups.group("etp"), name)
     return value
+
+
+def full_state_dict(model: nn.Module, groups: ProcessGroups) -> dict[str, torch.Tensor]:
+    """The single-device model's state dict: parameters gathered to full shapes, buffers (kept
+    identical on every rank, e.g. the router's expert bias) as they are. Collective."""
+    state = full_tensors(model, groups)
+    for name, buffer in model.named_buffers():
+        state[name] = buffer.detach()
+    return state

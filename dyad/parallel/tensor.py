@@ -72,6 +72,23 @@ class _GatherFromGroup(torch.autograd.Function):
         return grad.chunk(size, dim=ctx.dim)[rank].contiguous(), None, None
 
 
+class _AllGatherSumGrad(torch.autograd.Function):
+    """Forward: all-gather along `dim`. Backward: every rank's gradient of the gathered tensor
+    summed, this rank's chunk kept (a reduce-scatter): for values each rank uses differently."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=ctx.dim)[rank].contiguous(), None, None
+
+
 def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
@@ -97,6 +114,10 @@ def split_to_group(x, group, dim):
 
 def gather_from_group(x, group, dim):
     return _GatherFromGroup.apply(x, group, dim)
+
+
+def all_gather_sum_grad(x, group, dim):
+    return _AllGatherSumGrad.apply(x, group, dim)
 
 
 def shard_rows(full: torch.Tensor, size: int, rank: int) -> torch.Tensor:

@@ -1,0 +1,62 @@
+"""Which part of a microbatch one LLM rank computes on.
+
+Ranks of one tensor-parallel group see the same tokens; ranks of one context-parallel group see
+disjoint zig-zag shards of the (padded) sequence. The sequence is padded to a multiple of
+2·cp·tp so every shard splits evenly over tp (the MoE layers split tokens over tp).
+Padding sits after every real token, so causal attention keeps it out of every real output, and
+`valid_BS` keeps it out of the losses and the router statistics.
+
+Legend: B batch, S padded sequence, Sl local sequence, N image rows, Nl local image rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dyad.data import IGNORE_INDEX, Batch
+from dyad.parallel.context import zigzag_positions
+
+
+@dataclass
+class LocalMicrobatch:
+    input_ids_BSl: torch.Tensor
+    targets_BSl: torch.Tensor
+    positions_Sl: torch.Tensor  # global positions of the local columns
+    valid_BSl: torch.Tensor  # real (non-padding) tokens
+    image_rows_Nl: torch.Tensor  # which of the microbatch's image rows land here
+    image_positions_Nl: torch.Tensor  # their flat indices into B*Sl
+
+
+def shard_microbatch(batch: Batch, *, pad_id: int, cp: int, cp_rank: int, tp: int) -> LocalMicrobatch:
+    B, S = batch.input_ids.shape
+    multiple = 2 * cp * tp if cp > 1 else tp
+    S_pad = -(-S // multiple) * multiple
+    input_ids = _pad_columns(batch.input_ids, S_pad, pad_id)
+    targets = _pad_columns(batch.targets, S_pad, IGNORE_INDEX)
+    device = input_ids.device
+    positions_Sl = (zigzag_positions(S_pad, cp, cp_rank) if cp > 1 else torch.arange(S_pad)).to(device)
+
+    local_index_of = torch.full((S_pad,), -1, dtype=torch.long, device=device)
+    local_index_of[positions_Sl] = torch.arange(positions_Sl.numel(), device=device)
+    b_N, s_N = batch.image_positions // S, batch.image_positions % S
+    local_s_N = local_index_of[s_N]
+    here_N = local_s_N >= 0
+    return LocalMicrobatch(
+        input_ids_BSl=input_ids[:, positions_Sl],
+        targets_BSl=targets[:, positions_Sl],
+        positions_Sl=positions_Sl,
+        valid_BSl=positions_Sl.unsqueeze(0) < batch.lengths.to(device).unsqueeze(1),
+        image_rows_Nl=here_N.nonzero().squeeze(1),
+        image_positions_Nl=b_N[here_N] * positions_Sl.numel() + local_s_N[here_N],
+    )
+
+
+def _pad_columns(x_BS: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    B, S = x_BS.shape
+    if S == length:
+        return x_BS
+    padded = x_BS.new_full((B, length), value)
+    padded[:, :S] = x_BS
+    return padded

@@ -1,0 +1,137 @@
+"""Every LLM layout reproduces single-device training: losses, the boundary gradient, gradients
+gathered back to full shapes, the gradient norm and the updated parameters (float32, 1e-5, max
+norm, every step).
+
+The LLM is fed image embeddings directly (no encoder, no boundary), so these tests isolate the
+LLM pool's parallelism. Each rank also runs the single-device model on the whole global batch.
+The models step with plain SGD: the optimizer is elementwise and the same in every layout, and
+AdamW would amplify rounding noise in near-zero gradient entries (see tests/parity.py), which
+would blur what these tests measure: the layout's math.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dyad import config as config_lib
+from dyad.data import collate, make_dataset
+from dyad.layout import LLMLayout, validate_llm_layout
+from dyad.llm_service.parallelize import parallelize_llm
+from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm, reduce_gradients
+from dyad.llm_service.sharding import shard_microbatch
+from dyad.llm_service.moe import update_expert_biases
+from dyad.llm_service.step import microbatch_loss, whole_microbatch
+from dyad.optim import apply_update, clip_scale, grad_sq_norm
+from dyad.parallel.groups import ProcessGroups
+from dyad.router.sampler import EpochSampler, split_microbatches
+from dyad.service import build_model
+from tests.distributed import run_distributed
+from tests.parity import assert_close, assert_tensors_close
+
+STEPS = 3
+MICROBATCHES_PER_DP_RANK = 2
+GLOBAL_BATCH = 8
+
+LAYOUTS = {
+    "tp2-ep2": dict(tp=2, ep=2),
+    "cp2-ep2": dict(cp=2, ep=2),
+    "dp2-cp2-ep4": dict(dp=2, cp=2, ep=4),
+    "dp4-ep4": dict(dp=4, ep=4),
+    "tp2-cp2-ep4": dict(tp=2, cp=2, ep=4),
+    "tp2-dp2-etp2-ep2": dict(tp=2, dp=2, etp=2, ep=2),
+    "tp2-cp2-dp2-etp2-ep4": dict(tp=2, cp=2, dp=2, etp=2, ep=4),
+}
+
+
+def _config():
+    overrides = [
+        "data.multi_image_fraction=0.3", "data.text_only_fraction=0.2",
+        "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.num_experts=8", "llm.moe.top_k=2",
+        "llm.moe.shared_expert_dim=32", "llm.moe.expert_dim=32", "llm.dense_ffn_dim=64",
+        "train.grad_clip=0.5",
+    ]
+    config = config_lib.load(None, overrides)
+    dataset = make_dataset(config.data)
+    return config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size), dataset
+
+
+
+
+def _sum_over(value: float, group) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return float(t)
+
+
+def _layout_body(rank, world_size, layout_kwargs):
+    torch.manual_seed(0)
+    layout = LLMLayout(**layout_kwargs)
+    config, dataset = _config()
+    validate_llm_layout(layout, config.llm)
+    groups = ProcessGroups.build(layout)
+    reference = build_model(config, "llm")
+    model = copy.deepcopy(reference)
+    plan = parallelize_llm(model, groups)
+    ref_optimizer, optimizer = torch.optim.SGD(reference.parameters()), torch.optim.SGD(model.parameters())
+    sampler = EpochSampler(dataset.train_ids, seed=0)
+    tokens_per_image, D = config.encoder.tokens_per_image, config.llm.dim
+    dp_rank, tp_rank, cp_rank = groups.index("dp"), groups.index("tp"), groups.index("cp")
+    total_microbatches = layout.dp * MICROBATCHES_PER_DP_RANK
+
+    for step in range(STEPS):
+        samples = sampler.next_batch(GLOBAL_BATCH)
+        microbatches = split_microbatches(samples, total_microbatches)
+        batches = [collate(dataset.tokenizer, [dataset.sample(s) for s in mb], tokens_per_image)
+                   for mb in microbatches]
+        targets = sum(b.n_targets for b in batches)
+        ref_lm = ref_aux = lm = aux = 0.0
+        for index, batch in enumerate(batches):
+            rows = torch.randn(batch.image_positions.numel(), D,
+                               generator=torch.Generator().manual_seed(1000 * step + index))
+            ref_rows = rows.clone().requires_grad_(True)
+            whole = whole_microbatch(batch, dataset.tokenizer.pad_id)
+            ref_loss = microbatch_loss(reference, whole, ref_rows[whole.image_rows_Nl] if rows.numel() else None,
+                                       global_target_tokens=targets, global_microbatches=total_microbatches)
+            ref_loss.total.backward()
+            ref_lm, ref_aux = ref_lm + ref_loss.lm, ref_aux + ref_loss.aux
+            if index // MICROBATCHES_PER_DP_RANK != dp_rank:
+                continue
+            local = shard_microbatch(batch, pad_id=dataset.tokenizer.pad_id, cp=layout.cp,
+                                     cp_rank=cp_rank, tp=layout.tp)
+            my_rows = rows.clone().requires_grad_(True)
+            loss = microbatch_loss(model, local, my_rows[local.image_rows_Nl] if rows.numel() else None,
+                                   global_target_tokens=targets, global_microbatches=total_microbatches)
+            loss.total.backward()
+            lm += loss.lm if tp_rank == 0 else 0.0
+            aux += loss.aux
+            if rows.numel():  # the boundary gradient: CP shards add up, TP replicas agree
+                boundary = my_rows.grad.clone()
+                dist.all_reduce(boundary, group=groups.group("cp"))
+                assert_tensors_close({"rows": boundary}, {"rows": ref_rows.grad}, f"step {step} mb {index}")
+
+        assert_close(_sum_over(lm, groups.group("world")), ref_lm, f"step {step} lm loss")
+        assert_close(_sum_over(aux, groups.group("world")), ref_aux, f"step {step} aux loss")
+        update_expert_biases(reference)
+        update_expert_biases(model, group=groups.group("world"))
+        reduce_gradients(plan, groups)
+        expected_grads = {n: p.grad for n, p in reference.named_parameters()}
+        assert_tensors_close(full_tensors(model, groups, grads=True), expected_grads, f"step {step} grad")
+        ref_sq, sq = grad_sq_norm(reference.parameters()), pool_grad_sq_norm(plan, groups)
+        assert_close(math.sqrt(sq), math.sqrt(ref_sq), f"step {step} grad norm")
+        lr = 0.1
+        apply_update(ref_optimizer, lr=lr, grad_scale=clip_scale(ref_sq, config.train.grad_clip))
+        apply_update(optimizer, lr=lr, grad_scale=clip_scale(sq, config.train.grad_clip))
+
+    expected = {n: p.detach() for n, p in reference.named_parameters()}
+    assert_tensors_close(full_tensors(model, groups), expected, "parameters after training")
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_llm_layout_matches_single_device(name):
+    layout = LLMLayout(**LAYOUTS[name])
+    run_distributed(_layout_body, layout.world_size, LAYOUTS[name])
