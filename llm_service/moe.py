@@ -60,6 +60,7 @@ from dyad.kernels.moe_permute import permute, unpermute
 SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSSES = ("micro_batch", "seq", "none")
 DROP_POLICIES = ("probs", "position")
+DISPATCHER_NAMES = ("alltoall", "allgather")  # token dispatchers under expert parallelism
 
 
 @dataclass(kw_only=True)
@@ -80,6 +81,7 @@ class MoEConfig:
     topk_groups: int = 1
     capacity_factor: float | None = None  # None: dropless
     drop_policy: str = "probs"
+    dispatcher: str = "alltoall"  # how tokens reach experts on other ranks (ep > 1)
 
     def __post_init__(self):
         if self.num_experts < 1:
@@ -93,7 +95,13 @@ class MoEConfig:
         for name in ("aux_loss_coef", "z_loss_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"llm.moe.{name} ({getattr(self, name)}) must be >= 0")
-        for name, options in (("score_func", SCORE_FUNCS), ("aux_loss", AUX_LOSSES), ("drop_policy", DROP_POLICIES)):
+        choices = (
+            ("score_func", SCORE_FUNCS),
+            ("aux_loss", AUX_LOSSES),
+            ("drop_policy", DROP_POLICIES),
+            ("dispatcher", DISPATCHER_NAMES),
+        )
+        for name, options in choices:
             if getattr(self, name) not in options:
                 raise ValueError(f"llm.moe.{name} ({getattr(self, name)!r}) must be one of {', '.join(options)}")
         if self.topk_before_softmax and self.score_func != "softmax":

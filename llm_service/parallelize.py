@@ -86,7 +86,12 @@ def _apply_expert_parallel(layer: nn.Module, groups: ProcessGroups) -> set[int]:
     ranks that share a microbatch. Returns the router/shared-expert parameters."""
     layout = groups.layout
     if layout.ep * layout.etp > 1:
-        parallelize_moe(layer, ep_group=groups.group("ep"), etp_group=groups.group("etp"))
+        parallelize_moe(
+            layer,
+            ep_group=groups.group("ep"),
+            etp_group=groups.group("etp"),
+            dispatcher=layer.cfg.dispatcher,
+        )
     shared = layout.tp * layout.cp
     if shared > 1:
         layer.stats_group = groups.group("tp_cp")

@@ -14,7 +14,7 @@ from typing import Iterator
 
 from dyad.config import RunConfig, to_yaml
 from dyad.wire import pb
-from dyad.router.errors import FailedPrecondition, NotFound
+from dyad.router.errors import FailedPrecondition
 
 POOLS = {pb.POOL_ENCODER: "encoder", pb.POOL_LLM: "llm"}
 TERMINAL = (pb.RUN_STATE_SUCCEEDED, pb.RUN_STATE_FAILED, pb.RUN_STATE_STOPPED)

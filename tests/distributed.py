@@ -8,24 +8,24 @@ A failure on any rank fails the test with that rank's traceback.
 
 from __future__ import annotations
 
+import datetime
 import os
-import socket
+import tempfile
 import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world_size, port, fn, args, errors):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def _entry(rank, world_size, store_path, fn, args, errors):
+    # A file store: no port to pick, so no race with other tests' listeners.
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
     try:
         fn(rank, world_size, *args)
     except BaseException:
@@ -38,9 +38,10 @@ def _entry(rank, world_size, port, fn, args, errors):
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0) -> None:
     context = mp.get_context("spawn")
     errors = context.SimpleQueue()
-    port = free_port()
+    store_dir = tempfile.mkdtemp(prefix="dyad-dist-")
+    store_path = os.path.join(store_dir, "store")
     processes = [
-        context.Process(target=_entry, args=(rank, world_size, port, fn, args, errors))
+        context.Process(target=_entry, args=(rank, world_size, store_path, fn, args, errors))
         for rank in range(world_size)
     ]
     for process in processes:

@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dyad import config as config_lib
 from dyad.encoder_service.parallelize import parallelize_encoder

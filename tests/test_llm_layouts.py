@@ -37,6 +37,16 @@ STEPS = 3
 MICROBATCHES_PER_DP_RANK = 2
 GLOBAL_BATCH = 8
 
+# Router options exercised under a layout (defaults elsewhere).
+OPTIONS = {
+    "defaults": [],
+    "router-options": [
+        "llm.moe.score_func=sigmoid", "llm.moe.aux_loss=seq", "llm.moe.z_loss_coef=0.001",
+        "llm.moe.expert_bias=true", "llm.moe.n_groups=2", "llm.moe.topk_groups=2",
+        "llm.moe.dispatcher=allgather",
+    ],
+}
+
 LAYOUTS = {
     "tp2-ep2": dict(tp=2, ep=2),
     "cp2-ep2": dict(cp=2, ep=2),
@@ -48,8 +58,8 @@ LAYOUTS = {
 }
 
 
-def _config():
-    overrides = [
+def _config(options=()):
+    overrides = [*options,
         "data.multi_image_fraction=0.3", "data.text_only_fraction=0.2",
         "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.num_experts=8", "llm.moe.top_k=2",
         "llm.moe.shared_expert_dim=32", "llm.moe.expert_dim=32", "llm.dense_ffn_dim=64",
@@ -68,10 +78,10 @@ def _sum_over(value: float, group) -> float:
     return float(t)
 
 
-def _layout_body(rank, world_size, layout_kwargs):
+def _layout_body(rank, world_size, layout_kwargs, options):
     torch.manual_seed(0)
     layout = LLMLayout(**layout_kwargs)
-    config, dataset = _config()
+    config, dataset = _config(options)
     validate_llm_layout(layout, config.llm)
     groups = ProcessGroups.build(layout)
     reference = build_model(config, "llm")
@@ -129,9 +139,17 @@ def _layout_body(rank, world_size, layout_kwargs):
 
     expected = {n: p.detach() for n, p in reference.named_parameters()}
     assert_tensors_close(full_tensors(model, groups), expected, "parameters after training")
+    for (name, buffer), ref_buffer in zip(model.named_buffers(), reference.buffers()):
+        assert torch.equal(buffer, ref_buffer), f"{name} differs from the reference"
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_llm_layout_matches_single_device(name):
     layout = LLMLayout(**LAYOUTS[name])
-    run_distributed(_layout_body, layout.world_size, LAYOUTS[name])
+    run_distributed(_layout_body, layout.world_size, LAYOUTS[name], OPTIONS["defaults"])
+
+
+@pytest.mark.parametrize("name", ["tp2-cp2-ep4", "dp4-ep4"])
+def test_router_options_under_a_layout_match_single_device(name):
+    layout = LLMLayout(**LAYOUTS[name])
+    run_distributed(_layout_body, layout.world_size, LAYOUTS[name], OPTIONS["router-options"])

@@ -1,12 +1,9 @@
 """Encoder, MoE layer, LLM and parameter-init tests (CPU, float32, tiny configs)."""
 
 import copy
-import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -14,6 +11,7 @@ from dyad.encoder_service.model import EncoderConfig, VisionEncoder
 from dyad.init import init_parameters
 from dyad.llm_service.model import LLMConfig, MoELM, caption_loss_sum, greedy_next_token
 from dyad.llm_service.moe import MoEConfig, MoELayer, SwiGLU
+from tests.distributed import run_distributed
 
 V = 37
 
@@ -387,38 +385,26 @@ def test_init_llm_and_encoder_by_name():
     assert encoder.blocks[0].qkv.bias is None  # a key bias cannot change attention
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init_sharded_worker(rank: int, world: int, port: int, expected: dict):
-    import torch.distributed as dist
+def _init_sharded_worker(rank: int, world: int, expected: dict):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        model = _AB(a_first=False)
-        for module in (model.a, model.b):
-            for name, p in list(module.named_parameters()):
-                sharded = distribute_tensor(torch.randn(p.shape), mesh, [Shard(0)])
-                setattr(module, name, nn.Parameter(sharded))
-        init_parameters(model, seed=7)
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.full_tensor(), expected[name])
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    model = _AB(a_first=False)
+    for module in (model.a, model.b):
+        for name, p in list(module.named_parameters()):
+            sharded = distribute_tensor(torch.randn(p.shape), mesh, [Shard(0)])
+            setattr(module, name, nn.Parameter(sharded))
+    init_parameters(model, seed=7)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), expected[name])
 
 
 def test_init_sharded_parameters_get_their_slice_of_the_full_tensor():
     reference = _AB(a_first=True)
     init_parameters(reference, seed=7)
     expected = {name: p.detach().clone() for name, p in reference.named_parameters()}
-    mp.spawn(_init_sharded_worker, args=(2, _free_port(), expected), nprocs=2, join=True)
+    run_distributed(_init_sharded_worker, 2, expected)
 
 
 def test_moe_routes_in_float32_under_autocast():

@@ -1,5 +1,6 @@
-"""Disaggregated training (router + encoder worker + LLM worker as processes, tensors over UCX)
-reproduces single-process training: same losses, same updated parameters (fp32, 1e-5)."""
+"""Disaggregated training (router + encoder pool + LLM pool as processes, tensors over UCX)
+reproduces single-process training: same losses, same updated parameters (fp32, 1e-5), for one
+rank per pool and for parallel layouts of both pools."""
 
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ LAYOUT_CASES = {
     # One microbatch, no prefetch, a clipping norm that binds on every step.
     "clipped": ["train.global_batch=8", "train.microbatches=1", "boundary.prefetch_depth=1",
                 "train.grad_clip=0.05"],
+    # Encoder tp2; LLM tp2 x cp2 folded with ep4: six workers, rows to every LLM rank.
+    "encoder-tp2-llm-tp2-cp2-ep4": [
+        "parallel.encoder.tp=2", "parallel.llm.tp=2", "parallel.llm.cp=2", "parallel.llm.ep=4",
+        "train.global_batch=8", "data.multi_image_fraction=0.3", "data.text_only_fraction=0.2",
+    ],
+    # Encoder dp3 feeding LLM dp2 (sizes that do not divide), experts over ep2.
+    "encoder-dp3-llm-dp2-ep2": [
+        "parallel.encoder.dp=3", "parallel.llm.dp=2", "parallel.llm.ep=2", "train.global_batch=12",
+    ],
 }
 
 
@@ -51,6 +61,8 @@ def test_disaggregated_training_matches_single_process(tmp_path, case):
     # Training really happened: the parameters moved away from their initial values.
     initial = build_model(resolved, "encoder").state_dict()
     trained = torch.load(job.final_checkpoint() / "encoder-full.pt")["model"]
+    workers = {p.name for p in (job.final_checkpoint()).glob("*-rank*.pt")}
+    assert len(workers) == config.parallel.encoder.world_size + config.parallel.llm.world_size
     assert any(not torch.equal(initial[k], trained[k]) for k in initial)
     if case == "clipped":
         assert all(m["grad_norm"] > 0.05 for m in job.metrics)
