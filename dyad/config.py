@@ -75,6 +75,7 @@ class BoundaryConfig:
 class ParallelConfig:
     encoder: EncoderLayout = field(default_factory=EncoderLayout)
     llm: LLMLayout = field(default_factory=LLMLayout)
+    sequence_parallel: bool = False  # LLM pool: split the residual stream over tp (needs tp > 1)
 
 
 @dataclass(kw_only=True)
@@ -222,6 +223,8 @@ def resolve(config: RunConfig, *, vocab_size: int) -> RunConfig:
     llm = dataclasses.replace(config.llm, vocab_size=vocab_size)
     validate_llm_layout(config.parallel.llm, llm)
     validate_encoder_layout(config.parallel.encoder, encoder)
+    if config.parallel.sequence_parallel and config.parallel.llm.tp == 1:
+        raise ValueError("parallel.sequence_parallel needs parallel.llm.tp > 1 (it splits over tp)")
     needed = config.train.microbatches * config.parallel.llm.dp
     if config.train.global_batch < needed:
         raise ValueError(

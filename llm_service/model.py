@@ -92,10 +92,13 @@ class Attention(nn.Module):
         )
 
     def forward(self, x_BSD, cos_SDh, sin_SDh, positions_S) -> torch.Tensor:
-        B, S, _ = x_BSD.shape
-        q_BSHDh = apply_rotary(self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim), cos_SDh, sin_SDh)
-        k_BSGDh = apply_rotary(self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim), cos_SDh, sin_SDh)
-        v_BSGDh = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
+        # Shapes come from the projections: under sequence parallelism x holds part of the
+        # sequence and the projections gather the rest.
+        q_BSX, k_BSX, v_BSX = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
+        B, S, _ = q_BSX.shape
+        q_BSHDh = apply_rotary(q_BSX.view(B, S, self.n_heads, self.head_dim), cos_SDh, sin_SDh)
+        k_BSGDh = apply_rotary(k_BSX.view(B, S, self.n_kv_heads, self.head_dim), cos_SDh, sin_SDh)
+        v_BSGDh = v_BSX.view(B, S, self.n_kv_heads, self.head_dim)
         if q_BSHDh.numel() == 0:  # cuDNN attention returns None for an empty batch (torch 2.11)
             return self.wo(q_BSHDh.reshape(B, S, self.n_heads * self.head_dim))
         out_BHSDh = self.core(q_BSHDh.transpose(1, 2), k_BSGDh.transpose(1, 2), v_BSGDh.transpose(1, 2), positions_S)
@@ -144,6 +147,20 @@ def splice_image_embeds(h_BSD: torch.Tensor, image_embeds_ND: torch.Tensor, imag
     return h_TD.view(B, S, D)
 
 
+class WholeSequence:
+    """Where the decoder layers' residual stream lives: here, the whole sequence held by this
+    rank. Sequence parallelism replaces it with a split over the tensor-parallel group."""
+
+    def scatter(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        return h_BSD
+
+    def columns(self, x_BS: torch.Tensor) -> torch.Tensor:
+        return x_BS
+
+    def gather(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        return h_BSD
+
+
 class MoELM(nn.Module):
     def __init__(self, cfg: LLMConfig):
         super().__init__()
@@ -156,6 +173,7 @@ class MoELM(nn.Module):
         self.layers = nn.ModuleList(DecoderBlock(cfg, is_moe=i not in cfg.dense_layers) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.sequence = WholeSequence()
 
     def forward(
         self,
@@ -168,8 +186,8 @@ class MoELM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (logits_BSV, aux_loss): the sum of the MoE layers' aux losses, each already scaled
         by its coefficients. position_ids_S: the global positions of the columns held here (default
-0..S-1; a context-parallel shard passes its own). valid_BS (True: a real token) keeps padding out
-of the routing statistics."""
+        0..S-1; a context-parallel shard passes its own). valid_BS (True: a real token) keeps
+        padding out of the routing statistics."""
         B, S = input_ids_BS.shape
         if S > self.cfg.max_seq_len:
             raise ValueError(f"sequence length ({S}) exceeds llm.max_seq_len ({self.cfg.max_seq_len})")
@@ -181,14 +199,16 @@ of the routing statistics."""
         if position_ids_S is None:
             position_ids_S = torch.arange(S, device=h_BSD.device)
         cos_SDh, sin_SDh = rotary_cos_sin(position_ids_S, self.cfg.head_dim, self.cfg.rope_theta)
-        valid_T = None if valid_BS is None else valid_BS.reshape(B * S)
-        seq_ids_T = torch.arange(B, device=h_BSD.device).repeat_interleave(S)
+        h_BSD = self.sequence.scatter(h_BSD)
+        valid_T = None if valid_BS is None else self.sequence.columns(valid_BS).reshape(-1)
+        seq_ids_BS = torch.arange(B, device=h_BSD.device).unsqueeze(1).expand(B, S)
+        seq_ids_T = self.sequence.columns(seq_ids_BS).reshape(-1)
         aux_loss = torch.zeros((), device=h_BSD.device, dtype=torch.float32)
         for layer in self.layers:
             h_BSD, layer_aux = layer(h_BSD, cos_SDh, sin_SDh, position_ids_S, valid_T, seq_ids_T)
             if layer_aux is not None:
                 aux_loss = aux_loss + layer_aux
-        logits_BSV = self.output(self.norm(h_BSD))
+        logits_BSV = self.output(self.sequence.gather(self.norm(h_BSD)))
         return logits_BSV, aux_loss
 
     def loss_sum(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:

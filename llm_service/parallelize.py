@@ -1,13 +1,15 @@
 """Parallelize a single-device `MoELM` in place for one rank of an LLM layout, and say how its
 gradients are reduced and counted.
 
-Order (fixed): tensor parallelism of attention, dense FFN, embedding and output; context
-parallelism of the attention core; expert parallelism of the MoE layers, whose tokens are split
-over tp first so no token is routed twice.
+Order (fixed): tensor parallelism of attention, dense FFN, embedding and output (optionally with
+sequence parallelism: the residual stream split along the sequence over tp); context parallelism
+of the attention core; expert parallelism of the MoE layers, whose tokens are split over tp
+first (unless sequence parallelism already did) so no token is routed twice.
 
 Gradient groups:
 - expert weights: summed over edp (every token reaches its expert exactly once in the world);
-- MoE router and shared expert: summed over the whole pool (each rank routes distinct tokens);
+- MoE router and shared expert, and with sequence parallelism the norms: summed over the whole
+  pool (each rank sees distinct tokens);
 - everything else: summed over dp×cp (tp ranks hold shards, or identical replicas).
 """
 
@@ -25,6 +27,7 @@ from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
+    SequenceParallel,
     VocabParallelEmbedding,
     gather_from_group,
     split_to_group,
@@ -32,24 +35,27 @@ from dyad.parallel.tensor import (
 )
 
 
-def parallelize_llm(model: nn.Module, groups: ProcessGroups) -> GradientPlan:
+def parallelize_llm(model: nn.Module, groups: ProcessGroups, *, sequence_parallel: bool = False) -> GradientPlan:
     layout = groups.layout
+    sequence_parallel = sequence_parallel and layout.tp > 1
     tp_sharded: set[int] = set()
     if layout.tp > 1:
-        tp_sharded = _apply_tensor_parallel(model, groups.group("tp"))
+        tp_sharded = _apply_tensor_parallel(model, groups.group("tp"), sequence_parallel)
     if layout.cp > 1:
         core = ContextParallelAttention(groups.group("cp"))
         for block in model.layers:
             block.attention.core = core
-    moe_routing: set[int] = set()
+    token_distinct: set[int] = set()  # parameters each rank trains on its own tokens
     for block in model.layers:
         if block.is_moe:
-            moe_routing |= _apply_expert_parallel(block.feed_forward, groups)
+            token_distinct |= _apply_expert_parallel(block.feed_forward, groups, sequence_parallel)
+    if sequence_parallel:
+        token_distinct |= {id(p) for m in model.modules() if isinstance(m, nn.RMSNorm) for p in m.parameters()}
     experts = {id(p) for n, p in model.named_parameters() if n in expert_param_names(model)}
-    return _gradient_plan(model, groups, tp_sharded, moe_routing, experts)
+    return _gradient_plan(model, groups, tp_sharded, token_distinct, experts)
 
 
-def _apply_tensor_parallel(model: nn.Module, tp_group) -> set[int]:
+def _apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool) -> set[int]:
     model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, tp_group)
     model.output = ColumnParallelLinear(model.output, tp_group)
     vocab_start = dist.get_rank(tp_group) * model.output.weight.shape[0]
@@ -60,19 +66,19 @@ def _apply_tensor_parallel(model: nn.Module, tp_group) -> set[int]:
         vocab_size=model.cfg.vocab_size,
     )
     tp = dist.get_world_size(tp_group)
+    column = functools.partial(ColumnParallelLinear, group=tp_group, sequence_parallel=sequence_parallel)
+    row = functools.partial(RowParallelLinear, group=tp_group, sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        model.sequence = SequenceParallel(tp_group)
     for block in model.layers:
         attention = block.attention
-        attention.wq = ColumnParallelLinear(attention.wq, tp_group)
-        attention.wk = ColumnParallelLinear(attention.wk, tp_group)
-        attention.wv = ColumnParallelLinear(attention.wv, tp_group)
-        attention.wo = RowParallelLinear(attention.wo, tp_group)
+        attention.wq, attention.wk, attention.wv = column(attention.wq), column(attention.wk), column(attention.wv)
+        attention.wo = row(attention.wo)
         attention.n_heads //= tp
         attention.n_kv_heads //= tp
         if not block.is_moe:
             ffn = block.feed_forward
-            ffn.w1 = ColumnParallelLinear(ffn.w1, tp_group)
-            ffn.w3 = ColumnParallelLinear(ffn.w3, tp_group)
-            ffn.w2 = RowParallelLinear(ffn.w2, tp_group)
+            ffn.w1, ffn.w3, ffn.w2 = column(ffn.w1), column(ffn.w3), row(ffn.w2)
     return {
         id(p)
         for module in model.modules()
@@ -81,9 +87,10 @@ def _apply_tensor_parallel(model: nn.Module, tp_group) -> set[int]:
     }
 
 
-def _apply_expert_parallel(layer: nn.Module, groups: ProcessGroups) -> set[int]:
-    """Shard the experts over ep×etp; split tokens over tp; reduce router statistics over the
-    ranks that share a microbatch. Returns the router/shared-expert parameters."""
+def _apply_expert_parallel(layer: nn.Module, groups: ProcessGroups, sequence_parallel: bool) -> set[int]:
+    """Shard the experts over ep×etp; split tokens over tp (unless sequence parallelism already
+    did); reduce router statistics over the ranks that share a microbatch. Returns the
+    router/shared-expert parameters."""
     layout = groups.layout
     if layout.ep * layout.etp > 1:
         parallelize_moe(
@@ -95,8 +102,8 @@ def _apply_expert_parallel(layer: nn.Module, groups: ProcessGroups) -> set[int]:
     shared = layout.tp * layout.cp
     if shared > 1:
         layer.stats_group = groups.group("tp_cp")
-    if layout.tp > 1 or shared > 1:
-        _split_tokens(layer, groups.group("tp"), layout.tp, shared)
+    if shared > 1:
+        _split_tokens(layer, groups.group("tp"), 1 if sequence_parallel else layout.tp, shared)
     routed = {id(p) for name, p in layer.named_parameters() if not name.startswith(("w1_", "w2_", "w3_"))}
     return routed
 
@@ -122,13 +129,13 @@ def _split_tokens(layer: nn.Module, tp_group, tp: int, shared: int) -> None:
     layer.forward = split_forward
 
 
-def _gradient_plan(model, groups, tp_sharded, moe_routing, experts) -> GradientPlan:
+def _gradient_plan(model, groups, tp_sharded, token_distinct, experts) -> GradientPlan:
     plan = GradientPlan()
     first_in_dp_cp = groups.index("dp_cp") == 0
     for param in model.parameters():
         if id(param) in experts:
             group, counted = "edp", groups.index("edp") == 0
-        elif id(param) in moe_routing:
+        elif id(param) in token_distinct:
             group, counted = "world", groups.index("world") == 0
         elif id(param) in tp_sharded:
             group, counted = "dp_cp", first_in_dp_cp

@@ -27,7 +27,7 @@ class LLMWorker(PoolService):
     pool = "llm"
 
     def parallelize(self, model, groups):
-        return parallelize_llm(model, groups)
+        return parallelize_llm(model, groups, sequence_parallel=self.config.parallel.sequence_parallel)
 
     def step(self, command: pb.StepCommand) -> pb.StepResult:
         self.lr = command.lr

@@ -55,6 +55,8 @@ LAYOUTS = {
     "tp2-cp2-ep4": dict(tp=2, cp=2, ep=4),
     "tp2-dp2-etp2-ep2": dict(tp=2, dp=2, etp=2, ep=2),
     "tp2-cp2-dp2-etp2-ep4": dict(tp=2, cp=2, dp=2, etp=2, ep=4),
+    "tp2-sp-ep2": dict(tp=2, ep=2, sp=True),
+    "tp2-cp2-sp-etp2-ep2": dict(tp=2, cp=2, etp=2, ep=2, sp=True),
 }
 
 
@@ -78,15 +80,20 @@ def _sum_over(value: float, group) -> float:
     return float(t)
 
 
+def _layout(kwargs) -> tuple[LLMLayout, bool]:
+    degrees = {k: v for k, v in kwargs.items() if k != "sp"}
+    return LLMLayout(**degrees), kwargs.get("sp", False)
+
+
 def _layout_body(rank, world_size, layout_kwargs, options):
     torch.manual_seed(0)
-    layout = LLMLayout(**layout_kwargs)
+    layout, sequence_parallel = _layout(layout_kwargs)
     config, dataset = _config(options)
     validate_llm_layout(layout, config.llm)
     groups = ProcessGroups.build(layout)
     reference = build_model(config, "llm")
     model = copy.deepcopy(reference)
-    plan = parallelize_llm(model, groups)
+    plan = parallelize_llm(model, groups, sequence_parallel=sequence_parallel)
     ref_optimizer, optimizer = torch.optim.SGD(reference.parameters()), torch.optim.SGD(model.parameters())
     sampler = EpochSampler(dataset.train_ids, seed=0)
     tokens_per_image, D = config.encoder.tokens_per_image, config.llm.dim
@@ -145,11 +152,11 @@ def _layout_body(rank, world_size, layout_kwargs, options):
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_llm_layout_matches_single_device(name):
-    layout = LLMLayout(**LAYOUTS[name])
+    layout, _ = _layout(LAYOUTS[name])
     run_distributed(_layout_body, layout.world_size, LAYOUTS[name], OPTIONS["defaults"])
 
 
-@pytest.mark.parametrize("name", ["tp2-cp2-ep4", "dp4-ep4"])
+@pytest.mark.parametrize("name", ["tp2-cp2-ep4", "dp4-ep4", "tp2-cp2-sp-etp2-ep2"])
 def test_router_options_under_a_layout_match_single_device(name):
-    layout = LLMLayout(**LAYOUTS[name])
+    layout, _ = _layout(LAYOUTS[name])
     run_distributed(_layout_body, layout.world_size, LAYOUTS[name], OPTIONS["router-options"])

@@ -63,6 +63,7 @@ def _config(tmp_path, extra: str = "") -> str:
         ("parallel: {llm: {tp: 3}}", "parallel.llm: tp (3) must divide n_heads (4)"),
         ("parallel: {llm: {dp: 2, ep: 2}}\nllm: {moe: {num_experts: 3}}", "num_experts (3) must be divisible by ep (2)"),
         ("train: {global_batch: 3, microbatches: 2}\nparallel: {llm: {dp: 2}}", "train.global_batch (3)"),
+        ("parallel: {sequence_parallel: true}", "parallel.sequence_parallel needs parallel.llm.tp > 1"),
         ("train: [1, 2]", "train"),
         ("train: {steps: [", "YAML"),
     ],

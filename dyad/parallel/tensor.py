@@ -72,6 +72,23 @@ class _GatherFromGroup(torch.autograd.Function):
         return grad.chunk(size, dim=ctx.dim)[rank].contiguous(), None, None
 
 
+class _ReduceScatterToGroup(torch.autograd.Function):
+    """Forward: sum every rank's tensor and keep this rank's chunk along `dim`. Backward:
+    all-gather the chunks' gradients (each rank's input fed every chunk)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(size, dim=dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
 class _AllGatherSumGrad(torch.autograd.Function):
     """Forward: all-gather along `dim`. Backward: every rank's gradient of the gathered tensor
     summed, this rank's chunk kept (a reduce-scatter): for values each rank uses differently."""
@@ -120,6 +137,10 @@ def all_gather_sum_grad(x, group, dim):
     return _AllGatherSumGrad.apply(x, group, dim)
 
 
+def reduce_scatter_to_group(x, group, dim):
+    return _ReduceScatterToGroup.apply(x, group, dim)
+
+
 def shard_rows(full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
     """Rows [rank*n, (rank+1)*n) of `full` with n = ceil(rows/size), zero-padded past the end."""
     per_rank = math.ceil(full.shape[0] / size)
@@ -135,10 +156,10 @@ class ColumnParallelLinear(nn.Module):
     `parts` equal blocks (e.g. q, k, v) is split block by block, so each rank keeps its heads
     of every block."""
 
-    def __init__(self, linear: nn.Linear, group, *, parts: int = 1):
+    def __init__(self, linear: nn.Linear, group, *, parts: int = 1, sequence_parallel: bool = False):
         super().__init__()
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.group, self.parts = group, parts
+        self.group, self.parts, self.sequence_parallel = group, parts, sequence_parallel
         self.full_rows = linear.out_features
         self.weight = nn.Parameter(_shard_parts(linear.weight.detach(), parts, size, rank))
         self.bias = None if linear.bias is None else nn.Parameter(
@@ -146,7 +167,11 @@ class ColumnParallelLinear(nn.Module):
         )
 
     def forward(self, x):
-        return F.linear(copy_to_group(x, self.group), self.weight, self.bias)
+        if self.sequence_parallel:  # x holds this rank's part of the sequence (dim -2)
+            x = all_gather_sum_grad(x, self.group, x.dim() - 2)
+        else:
+            x = copy_to_group(x, self.group)
+        return F.linear(x, self.weight, self.bias)
 
     def unshard(self, gathered: torch.Tensor) -> torch.Tensor:
         """Full rows from every rank's slice concatenated along dim 0 (rank order)."""
@@ -165,19 +190,24 @@ def _shard_parts(full: torch.Tensor, parts: int, size: int, rank: int) -> torch.
 
 
 class RowParallelLinear(nn.Module):
-    """y_TO = sum over ranks of x_TDl @ W[:, columns of this rank].T (+ bias once)."""
+    """y_TO = sum over ranks of x_TDl @ W[:, columns of this rank].T (+ bias once). With sequence
+    parallelism the sum is scattered: each rank keeps its part of the sequence (dim -2)."""
 
-    def __init__(self, linear: nn.Linear, group):
+    def __init__(self, linear: nn.Linear, group, *, sequence_parallel: bool = False):
         super().__init__()
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if linear.in_features % size:
             raise ValueError(f"{linear.in_features} input features do not split over {size} ranks")
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = nn.Parameter(linear.weight.detach().chunk(size, dim=1)[rank].clone())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x_local):
-        y = reduce_from_group(F.linear(x_local, self.weight), self.group)
+        y = F.linear(x_local, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_group(y, self.group, y.dim() - 2)
+        else:
+            y = reduce_from_group(y, self.group)
         return y if self.bias is None else y + self.bias
 
 
@@ -247,3 +277,21 @@ def vocab_parallel_cross_entropy_sum(
     return _VocabParallelCrossEntropySum.apply(
         logits_BSVl.reshape(-1, Vl), targets_BS.reshape(-1), group, vocab_start, vocab_size, ignore_index
     )
+
+
+class SequenceParallel:
+    """The decoder layers' residual stream split along the sequence over the tensor-parallel
+    group (replaces `MoELM.sequence`): norms and residual adds run on 1/tp of the tokens; the
+    column-parallel layers gather the sequence, the row-parallel ones scatter it back."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def scatter(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        return split_to_group(h_BSD, self.group, 1)
+
+    def columns(self, x_BS: torch.Tensor) -> torch.Tensor:
+        return x_BS.chunk(dist.get_world_size(self.group), dim=1)[dist.get_rank(self.group)]
+
+    def gather(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        return gather_from_group(h_BSD, self.group, 1)
