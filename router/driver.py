@@ -119,6 +119,8 @@ class RunDriver:
             tokens_per_s=spec.tokens / elapsed,
             boundary_bytes_fwd=sum(r.boundary_bytes_sent for r in encoder),
             boundary_bytes_bwd=sum(r.boundary_bytes_sent for r in llm),
+            encoder_wait_s=max((r.boundary_wait_s for r in encoder), default=0.0),
+            llm_wait_s=max((r.boundary_wait_s for r in llm), default=0.0),
         )
 
     def _save_checkpoint(self, step: int) -> None:
@@ -185,5 +187,6 @@ def _metrics_record(metrics: pb.StepMetrics) -> dict:
     fields = (
         "step", "loss", "lm_loss", "aux_loss", "tokens", "target_tokens", "grad_norm", "lr",
         "step_time_s", "tokens_per_s", "boundary_bytes_fwd", "boundary_bytes_bwd",
+        "encoder_wait_s", "llm_wait_s",
     )
     return {name: getattr(metrics, name) for name in fields}

@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-REQUIRED = {"step", "loss", "lm_loss", "aux_loss", "tokens", "step_time_s", "tokens_per_s"}
+REQUIRED = {"step", "loss", "lm_loss", "aux_loss", "tokens", "step_time_s", "tokens_per_s",
+            "boundary_bytes_fwd", "boundary_bytes_bwd", "encoder_wait_s", "llm_wait_s"}
 
 
 def _dyad(*args, cwd):
