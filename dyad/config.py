@@ -64,11 +64,16 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class BoundaryConfig:
-    prefetch_depth: int = 2  # encoder microbatches in flight ahead of the LLM
+    prefetch_depth: int = 2  # rounds (one microbatch per LLM dp lane) the encoder works ahead
+    # "direct": every LLM tp rank receives its rows over UCX; "broadcast": tp rank 0 receives and
+    # broadcasts inside the LLM pool (docs/boundary.md).
+    tp_delivery: str = "direct"
 
     def __post_init__(self) -> None:
         if self.prefetch_depth < 1:
             raise ValueError(f"boundary.prefetch_depth must be >= 1, got {self.prefetch_depth}")
+        if self.tp_delivery not in ("direct", "broadcast"):
+            raise ValueError(f"boundary.tp_delivery must be 'direct' or 'broadcast', got {self.tp_delivery!r}")
 
 
 @dataclass(kw_only=True)

@@ -16,6 +16,7 @@ from torch import nn
 from dyad.config import RunConfig
 from dyad.data import make_dataset
 from dyad.init import init_parameters
+from dyad.kernels.boundary_pack import RowSegments
 from dyad.optim import apply_update, build_optimizer
 from dyad.parallel.gradients import full_state_dict, pool_grad_sq_norm, reduce_gradients
 from dyad.parallel.groups import ProcessGroups
@@ -49,6 +50,11 @@ def compute_context(config: RunConfig):
 
 def boundary_dtype(config: RunConfig) -> torch.dtype:
     return getattr(torch, config.train.dtype)
+
+
+def transfer_segments(transfer: pb.Transfer, device) -> RowSegments:
+    """The transfer's row segments, ready to pack and unpack on `device`."""
+    return RowSegments([(s.src_row, s.dst_row, s.length) for s in transfer.segments], device=device)
 
 
 def pool_device(config: RunConfig, rank: int) -> torch.device:

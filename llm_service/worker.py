@@ -1,6 +1,7 @@
-"""The LLM pool's worker: for each microbatch of this rank's data-parallel group, receive the
-image-token rows the plan routes here, splice the ones inside this rank's context shard, run
-forward and backward, and send the rows' gradient back where the plan says.
+"""The LLM pool's worker: for each microbatch of this rank's data-parallel group, receive
+exactly the image-token rows of its context shard (one packed buffer per encoder peer, or from
+its tp rank 0 inside the pool when the plan broadcasts), splice them, run forward and backward,
+and send each row's gradient back exactly once (tp rank 0 does).
 
 Every receive of the step is posted up front, so rows the encoder sends early land while this
 rank is still busy with an earlier microbatch.
@@ -12,13 +13,15 @@ import time
 from concurrent.futures import Future
 
 import torch
+import torch.distributed as dist
 
 from dyad.data import collate
+from dyad.kernels.boundary_pack import pack, unpack_into
 from dyad.llm_service.moe import update_expert_biases
 from dyad.llm_service.parallelize import parallelize_llm
 from dyad.llm_service.sharding import shard_microbatch
 from dyad.llm_service.step import microbatch_loss
-from dyad.service import PoolService, boundary_dtype, compute_context
+from dyad.service import PoolService, boundary_dtype, compute_context, transfer_segments
 from dyad.transport import Direction, MessageTag
 from dyad.wire import pb
 
@@ -32,11 +35,8 @@ class LLMWorker(PoolService):
     def step(self, command: pb.StepCommand) -> pb.StepResult:
         self.lr = command.lr
         self.model.train()
-        mine = [t for t in command.plan.transfers if t.dst_rank == self.rank]
-        received = {t.microbatch: [] for t in mine}
-        for transfer in mine:
-            received[transfer.microbatch].append((transfer, self._post_receive(command, transfer)))
-
+        arrivals = self._post_receives(command)
+        local_rows = {r.microbatch: r.rows for r in command.plan.local_rows if r.llm_rank == self.rank}
         dp_rank, tp_rank = self.groups.index("dp"), self.groups.index("tp")
         lm_sum = aux_sum = 0.0
         bytes_sent = bytes_received = 0
@@ -54,26 +54,32 @@ class LLMWorker(PoolService):
                 cp_rank=self.groups.index("cp"),
                 tp=self.layout.tp,
             )
-            arrivals = received.get(microbatch.index, [])
+            expected = local.image_rows_Nl.numel()
+            if local_rows.get(microbatch.index, 0) != expected:
+                raise RuntimeError(
+                    f"step {command.step} microbatch {microbatch.index}: the plan delivers "
+                    f"{local_rows.get(microbatch.index, 0)} image rows here, this shard splices {expected}"
+                )
+            mine = arrivals.get(microbatch.index, [])
             waited = time.perf_counter()
-            rows_RD = self._rows(command.step, microbatch, batch, arrivals)
+            rows_NlD = self._splice_rows(command, expected, mine) if batch.image_ids else None
             wait_s += time.perf_counter() - waited
+            bytes_received += sum(buffer.nbytes for _, buffer, _ in mine)
             with compute_context(self.config):
                 loss = microbatch_loss(
                     self.model,
                     local,
-                    None if rows_RD is None else rows_RD[local.image_rows_Nl],
+                    rows_NlD,
                     global_target_tokens=command.global_target_tokens,
                     global_microbatches=command.global_microbatches,
                 )
             loss.total.backward()
             lm_sum += loss.lm if tp_rank == 0 else 0.0  # tp ranks hold the same loss
             aux_sum += loss.aux  # each rank holds its share
-            if rows_RD is not None:
-                bytes_received += rows_RD.nbytes * len(arrivals)
-                returned = self._send_gradients(command.step, arrivals, rows_RD.grad)
-                sends += returned
-                bytes_sent += rows_RD.grad.nbytes if returned else 0
+            if rows_NlD is not None:
+                returned = self._send_gradients(command.step, mine, rows_NlD.grad)
+                sends += [future for future, _ in returned]
+                bytes_sent += sum(nbytes for _, nbytes in returned)
         update_expert_biases(self.model, group=self.groups.group("world"))
         for sent in sends:
             sent.result()
@@ -87,35 +93,40 @@ class LLMWorker(PoolService):
             boundary_wait_s=wait_s,
         )
 
-    def _post_receive(self, command: pb.StepCommand, transfer: pb.Transfer) -> Future:
-        peer = self.peers[(pb.POOL_ENCODER, transfer.src_rank)]
-        tag = MessageTag(
-            self.run_id, command.step, transfer.microbatch, Direction.FORWARD, transfer.src_rank
-        )
-        rows_RD = torch.empty(
-            (transfer.rows, command.plan.hidden), dtype=boundary_dtype(self.config), device=self.device
-        )
-        return self.transport.recv(peer, tag, rows_RD)
-
-    def _rows(self, step, microbatch, batch, arrivals) -> torch.Tensor | None:
-        """The microbatch's image rows in splice order, as a leaf that collects their gradient."""
-        planned = tuple(i for transfer, _ in arrivals for i in transfer.image_ids)
-        if planned != tuple(batch.image_ids):
-            raise RuntimeError(
-                f"step {step} microbatch {microbatch.index}: the plan delivers images {planned}, "
-                f"the samples need {tuple(batch.image_ids)}"
+    def _post_receives(self, command: pb.StepCommand) -> dict[int, list]:
+        """Every transfer to this rank, receiving into its packed buffer: microbatch ->
+        [(transfer, buffer, future)]."""
+        arrivals: dict[int, list] = {}
+        dtype = boundary_dtype(self.config)
+        for transfer in command.plan.transfers:
+            if transfer.dst_rank != self.rank:
+                continue
+            peer = self.peers[(pb.POOL_ENCODER, transfer.src_rank)]
+            tag = MessageTag(
+                self.run_id, command.step, transfer.microbatch, Direction.FORWARD, transfer.src_rank
             )
-        if not arrivals:
-            return None
-        rows_RD = torch.cat([arrived.result() for _, arrived in arrivals])
-        return rows_RD.requires_grad_(True)
+            buffer_ND = torch.empty((transfer.rows, command.plan.hidden), dtype=dtype, device=self.device)
+            future = self.transport.recv(peer, tag, buffer_ND)
+            arrivals.setdefault(transfer.microbatch, []).append((transfer, buffer_ND, future))
+        return arrivals
 
-    def _send_gradients(self, step, arrivals, grad_RD: torch.Tensor) -> list[Future]:
-        sends, start = [], 0
-        for transfer, _ in arrivals:
+    def _splice_rows(self, command: pb.StepCommand, rows: int, arrivals) -> torch.Tensor:
+        """This shard's image rows, unpacked from every peer's buffer (or broadcast by tp rank 0),
+        as a leaf that collects their gradient."""
+        rows_NlD = torch.empty((rows, command.plan.hidden), dtype=boundary_dtype(self.config), device=self.device)
+        for transfer, buffer_ND, future in arrivals:
+            future.result()
+            unpack_into(buffer_ND, rows_NlD, transfer_segments(transfer, self.device))
+        if command.plan.tp_broadcast and self.layout.tp > 1:
+            dist.broadcast(rows_NlD, src=self.groups.ranks("tp")[0], group=self.groups.group("tp"))
+        return rows_NlD.requires_grad_(True)
+
+    def _send_gradients(self, step, arrivals, grad_NlD: torch.Tensor) -> list[tuple[Future, int]]:
+        sends = []
+        for transfer, _, _ in arrivals:
             if transfer.returns_gradient:
                 peer = self.peers[(pb.POOL_ENCODER, transfer.src_rank)]
                 tag = MessageTag(self.run_id, step, transfer.microbatch, Direction.BACKWARD, self.rank)
-                sends.append(self.transport.send(peer, tag, grad_RD[start : start + transfer.rows].contiguous()))
-            start += transfer.rows
+                buffer_ND = pack(grad_NlD, transfer_segments(transfer, self.device).reversed())
+                sends.append((self.transport.send(peer, tag, buffer_ND), buffer_ND.nbytes))
         return sends

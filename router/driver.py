@@ -93,7 +93,8 @@ class RunDriver:
         started = time.perf_counter()
         spec = self.planner.next(step)
         plan = self.planner.boundary_plan(spec)
-        self.run.send(pb.WorkerCommand(step=step_command(spec, plan)))
+        command = step_command(spec, plan, self.config.encoder.tokens_per_image)
+        self.run.send(pb.WorkerCommand(step=command))
         results = self._collect("step", step)
 
         total_sq = sum(r.grad_sq_norm for r in results.values())
@@ -121,6 +122,7 @@ class RunDriver:
             boundary_bytes_bwd=sum(r.boundary_bytes_sent for r in llm),
             encoder_wait_s=max((r.boundary_wait_s for r in encoder), default=0.0),
             llm_wait_s=max((r.boundary_wait_s for r in llm), default=0.0),
+            encoder_imbalance=plan.encoder_imbalance,
         )
 
     def _save_checkpoint(self, step: int) -> None:
@@ -187,6 +189,6 @@ def _metrics_record(metrics: pb.StepMetrics) -> dict:
     fields = (
         "step", "loss", "lm_loss", "aux_loss", "tokens", "target_tokens", "grad_norm", "lr",
         "step_time_s", "tokens_per_s", "boundary_bytes_fwd", "boundary_bytes_bwd",
-        "encoder_wait_s", "llm_wait_s",
+        "encoder_wait_s", "llm_wait_s", "encoder_imbalance",
     )
     return {name: getattr(metrics, name) for name in fields}

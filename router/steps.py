@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from functools import lru_cache
+
 from dyad.config import RunConfig
-from dyad.router.planner import BoundaryPlan, plan_boundary
+from dyad.data import build_sequence
+from dyad.router.boundary import BoundaryPlan, ImageSlot, PlannedMicrobatch, PlannedSample, plan_boundary
 from dyad.router.sampler import Cursor, EpochSampler, split_microbatches
 from dyad.router.schedule import lr_at
 from dyad.wire import pb
@@ -30,6 +33,7 @@ class StepPlanner:
         self._dataset = dataset
         self._tokens_per_image = config.encoder.tokens_per_image
         self._sampler = EpochSampler(dataset.train_ids, config.seed, cursor)
+        self._planned_sample = lru_cache(maxsize=None)(self._plan_sample)
 
     @property
     def cursor(self) -> Cursor:
@@ -61,43 +65,72 @@ class StepPlanner:
         )
 
     def boundary_plan(self, spec: StepSpec) -> BoundaryPlan:
-        images_of = {
-            s: self._dataset.sample(s).image_ids for mb in spec.microbatches for s in mb
-        }
+        microbatches = [
+            PlannedMicrobatch(index, dp_rank, tuple(self._planned_sample(s) for s in sample_ids))
+            for index, (sample_ids, dp_rank) in enumerate(zip(spec.microbatches, spec.llm_dp_ranks))
+        ]
         return plan_boundary(
-            spec.microbatches,
-            spec.llm_dp_ranks,
-            images_of,
-            tokens_per_image=self._tokens_per_image,
-            hidden=self._config.llm.dim,
+            microbatches,
             encoder=self._config.parallel.encoder,
             llm=self._config.parallel.llm,
+            hidden=self._config.llm.dim,
+            element_size=4 if self._config.train.dtype == "float32" else 2,
+            tp_delivery=self._config.boundary.tp_delivery,
         )
 
+    def _plan_sample(self, sample_id: int) -> PlannedSample:
+        """The sample's sequence length and where each image's tokens sit in it."""
+        sample = self._dataset.sample(sample_id)
+        ids, _, positions = build_sequence(self._dataset.tokenizer, sample, self._tokens_per_image)
+        starts = positions[:: self._tokens_per_image]
+        slots = tuple(
+            ImageSlot(image_id, self._tokens_per_image, start)
+            for image_id, start in zip(sample.image_ids, starts)
+        )
+        return PlannedSample(sample_id, len(ids), slots)
 
-def step_command(spec: StepSpec, plan: BoundaryPlan) -> pb.StepCommand:
+
+def step_command(spec: StepSpec, plan: BoundaryPlan, tokens_per_image: int) -> pb.StepCommand:
     return pb.StepCommand(
         step=spec.step,
         microbatches=[
             pb.Microbatch(index=i, sample_ids=list(mb), llm_dp_rank=dp_rank)
             for i, (mb, dp_rank) in enumerate(zip(spec.microbatches, spec.llm_dp_ranks))
         ],
-        plan=pb.BoundaryPlan(
-            tokens_per_image=plan.tokens_per_image,
-            hidden=plan.hidden,
-            transfers=[
-                pb.Transfer(
-                    src_rank=t.src_rank,
-                    dst_rank=t.dst_rank,
-                    microbatch=t.microbatch,
-                    image_ids=list(t.image_ids),
-                    rows=t.rows,
-                    returns_gradient=t.returns_gradient,
-                )
-                for t in plan.transfers
-            ],
-        ),
+        plan=plan_message(plan, tokens_per_image),
         global_target_tokens=spec.target_tokens,
         global_microbatches=len(spec.microbatches),
         lr=spec.lr,
+    )
+
+
+def plan_message(plan: BoundaryPlan, tokens_per_image: int) -> pb.BoundaryPlan:
+    return pb.BoundaryPlan(
+        tokens_per_image=tokens_per_image,
+        hidden=plan.hidden,
+        transfers=[
+            pb.Transfer(
+                src_rank=t.src_rank,
+                dst_rank=t.dst_rank,
+                microbatch=t.microbatch,
+                rows=sum(segment.length for segment in t.segments),
+                returns_gradient=t.returns_gradient,
+                segments=[pb.RowSegment(src_row=a, dst_row=b, length=n) for a, b, n in t.segments],
+            )
+            for t in plan.transfers
+        ],
+        encoder_work=[
+            pb.EncoderWork(
+                encoder_dp_rank=w.encoder_dp_rank,
+                microbatch=w.microbatch,
+                image_ids=[image.image_id for image in w.images],
+                rows=sum(image.tokens for image in w.images),
+            )
+            for w in plan.encoder_work
+        ],
+        local_rows=[
+            pb.LocalRows(llm_rank=r.llm_rank, microbatch=r.microbatch, rows=r.rows) for r in plan.local_rows
+        ],
+        tp_broadcast=plan.tp_delivery == "broadcast",
+        encoder_imbalance=plan.encoder_imbalance,
     )

@@ -17,6 +17,8 @@ from dyad.verify import compare_with_reference
 
 TOLERANCE = 1e-5
 
+VARIABLE_IMAGES = ["data.multi_image_fraction=0.3", "data.text_only_fraction=0.2"]
+
 LAYOUT_CASES = {
     # Samples with zero, one and several images; uneven microbatches; a shared expert.
     "mixed-images": [
@@ -26,15 +28,18 @@ LAYOUT_CASES = {
     # One microbatch, no prefetch, a clipping norm that binds on every step.
     "clipped": ["train.global_batch=8", "train.microbatches=1", "boundary.prefetch_depth=1",
                 "train.grad_clip=0.05"],
-    # Encoder tp2; LLM tp2 x cp2 folded with ep4: six workers, rows to every LLM rank.
-    "encoder-tp2-llm-tp2-cp2-ep4": [
-        "parallel.encoder.tp=2", "parallel.llm.tp=2", "parallel.llm.cp=2", "parallel.llm.ep=4",
-        "train.global_batch=8", "data.multi_image_fraction=0.3", "data.text_only_fraction=0.2",
+    # The boundary's layouts (each with 0, 1 and 2 images per sample): encoder dp1 -> LLM dp2;
+    # dp3 -> dp2 (sizes that do not divide); dp2·tp2 -> tp2·cp2 (rows split by context shard,
+    # tp ranks served by an in-pool broadcast); dp4 -> cp2·dp2 with ep4.
+    "enc-dp1-llm-dp2": [*VARIABLE_IMAGES, "parallel.llm.dp=2", "train.global_batch=8"],
+    "enc-dp3-llm-dp2-ep2": [*VARIABLE_IMAGES, "parallel.encoder.dp=3", "parallel.llm.dp=2",
+                            "parallel.llm.ep=2", "train.global_batch=12"],
+    "enc-dp2-tp2-llm-tp2-cp2-broadcast": [
+        *VARIABLE_IMAGES, "parallel.encoder.dp=2", "parallel.encoder.tp=2", "parallel.llm.tp=2",
+        "parallel.llm.cp=2", "boundary.tp_delivery=broadcast", "train.global_batch=8",
     ],
-    # Encoder dp3 feeding LLM dp2 (sizes that do not divide), experts over ep2.
-    "encoder-dp3-llm-dp2-ep2": [
-        "parallel.encoder.dp=3", "parallel.llm.dp=2", "parallel.llm.ep=2", "train.global_batch=12",
-    ],
+    "enc-dp4-llm-cp2-dp2-ep4": [*VARIABLE_IMAGES, "parallel.encoder.dp=4", "parallel.llm.cp=2",
+                                "parallel.llm.dp=2", "parallel.llm.ep=4", "train.global_batch=8"],
 }
 
 
