@@ -50,13 +50,15 @@ def reduce_gradients(plan: GradientPlan, groups: ProcessGroups) -> None:
 
 def pool_grad_sq_norm(plan: GradientPlan, groups: ProcessGroups) -> float:
     """Squared norm of the whole pool's gradient (float64), the same on every rank."""
-    squares = [p.grad.detach().double().pow(2).sum() for p in plan.counted if p.grad is not None]
-    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+    device = next(p.device for params in plan.reduce_over.values() for p in params)
+    total = torch.zeros((), dtype=torch.float64, device=device)  # a rank may count nothing
+    for param in plan.counted:
+        if param.grad is not None:
+            total += param.grad.detach().double().pow(2).sum()
     dist.all_reduce(total, group=groups.group("world"))
     return float(total)
 
 
-@torch.no_grad()
 def full_tensors(model: nn.Module, groups: ProcessGroups, *, grads: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter (or its gradient) gathered back to the single-device model's full shape,
     under the single-device names. Collective: every rank of the pool calls it."""
