@@ -30,9 +30,13 @@ def _entry(rank, world_size, store_path, fn, args, errors):
         fn(rank, world_size, *args)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
-        raise
-    finally:
         dist.destroy_process_group()
+        raise
+    dist.barrier()  # no rank tears down its connections while another still uses them
+    dist.destroy_process_group()
+    # Skip interpreter teardown: a C++ thread left joinable by a torch.distributed component
+    # (seen with DTensor's device mesh on gloo) aborts the process at exit now and then.
+    os._exit(0)
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0) -> None:
