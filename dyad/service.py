@@ -7,6 +7,7 @@ Each pool's worker (`encoder_service.worker`, `llm_service.worker`) adds its own
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
@@ -63,7 +64,7 @@ def pool_device(config: RunConfig, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-class PoolService:
+class PoolService(ABC):
     """One rank of a pool. `torch.distributed` is initialised for the pool before this is built."""
 
     pool = ""
@@ -83,8 +84,9 @@ class PoolService:
         self.peers: dict[tuple[int, int], str] = {}
         self.lr = config.train.lr
 
+    @abstractmethod
     def parallelize(self, model: nn.Module, groups: ProcessGroups):
-        raise NotImplementedError
+        """Shard the pool's single-device model for this rank; returns its GradientPlan."""
 
     def setup(self, command: pb.SetupCommand) -> None:
         self.peers = {(p.worker.pool, p.worker.rank): p.data_address for p in command.peers}
