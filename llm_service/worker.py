@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from dyad.data import collate
-from dyad.kernels.boundary_pack import pack, unpack_into
+from dyad.kernels.boundary_pack import RowSegments, pack, unpack_into
 from dyad.llm_service.moe import update_expert_biases
 from dyad.llm_service.parallelize import parallelize_llm
 from dyad.llm_service.sharding import shard_microbatch
@@ -24,6 +25,16 @@ from dyad.llm_service.step import microbatch_loss
 from dyad.service import PoolService, boundary_dtype, compute_context, transfer_segments
 from dyad.transport import Direction, MessageTag
 from dyad.wire import pb
+
+
+@dataclass
+class Arrival:
+    """One peer's packed rows for a microbatch: where they land, and the pending receive."""
+
+    transfer: pb.Transfer
+    segments: RowSegments
+    buffer_ND: torch.Tensor
+    received: Future
 
 
 class LLMWorker(PoolService):
@@ -64,7 +75,7 @@ class LLMWorker(PoolService):
             waited = time.perf_counter()
             rows_NlD = self._splice_rows(command, expected, mine) if batch.image_ids else None
             wait_s += time.perf_counter() - waited
-            bytes_received += sum(buffer.nbytes for _, buffer, _ in mine)
+            bytes_received += sum(arrival.buffer_ND.nbytes for arrival in mine)
             with compute_context(self.config):
                 loss = microbatch_loss(
                     self.model,
@@ -94,8 +105,7 @@ class LLMWorker(PoolService):
         )
 
     def _post_receives(self, command: pb.StepCommand) -> dict[int, list]:
-        """Every transfer to this rank, receiving into its packed buffer: microbatch ->
-        [(transfer, buffer, future)]."""
+        """Every transfer to this rank, receiving into its packed buffer, by microbatch."""
         arrivals: dict[int, list] = {}
         dtype = boundary_dtype(self.config)
         for transfer in command.plan.transfers:
@@ -106,27 +116,29 @@ class LLMWorker(PoolService):
                 self.run_id, command.step, transfer.microbatch, Direction.FORWARD, transfer.src_rank
             )
             buffer_ND = torch.empty((transfer.rows, command.plan.hidden), dtype=dtype, device=self.device)
-            future = self.transport.recv(peer, tag, buffer_ND)
-            arrivals.setdefault(transfer.microbatch, []).append((transfer, buffer_ND, future))
+            arrival = Arrival(transfer, transfer_segments(transfer, self.device), buffer_ND,
+                              self.transport.recv(peer, tag, buffer_ND))
+            arrivals.setdefault(transfer.microbatch, []).append(arrival)
         return arrivals
 
     def _splice_rows(self, command: pb.StepCommand, rows: int, arrivals) -> torch.Tensor:
         """This shard's image rows, unpacked from every peer's buffer (or broadcast by tp rank 0),
         as a leaf that collects their gradient."""
         rows_NlD = torch.empty((rows, command.plan.hidden), dtype=boundary_dtype(self.config), device=self.device)
-        for transfer, buffer_ND, future in arrivals:
-            future.result()
-            unpack_into(buffer_ND, rows_NlD, transfer_segments(transfer, self.device))
+        for arrival in arrivals:
+            arrival.received.result()
+            unpack_into(arrival.buffer_ND, rows_NlD, arrival.segments)
         if command.plan.tp_broadcast and self.layout.tp > 1:
             dist.broadcast(rows_NlD, src=self.groups.ranks("tp")[0], group=self.groups.group("tp"))
         return rows_NlD.requires_grad_(True)
 
     def _send_gradients(self, step, arrivals, grad_NlD: torch.Tensor) -> list[tuple[Future, int]]:
         sends = []
-        for transfer, _, _ in arrivals:
+        for arrival in arrivals:
+            transfer = arrival.transfer
             if transfer.returns_gradient:
                 peer = self.peers[(pb.POOL_ENCODER, transfer.src_rank)]
                 tag = MessageTag(self.run_id, step, transfer.microbatch, Direction.BACKWARD, self.rank)
-                buffer_ND = pack(grad_NlD, transfer_segments(transfer, self.device).reversed())
+                buffer_ND = pack(grad_NlD, arrival.segments.reversed())
                 sends.append((self.transport.send(peer, tag, buffer_ND), buffer_ND.nbytes))
         return sends

@@ -19,6 +19,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _summed(x: torch.Tensor, group) -> torch.Tensor:
+    """A copy of `x` summed over the group."""
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _own_chunk(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's equal chunk of `x` along `dim`."""
+    return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
+
+
 class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -27,17 +39,13 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _summed(grad, ctx.group), None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
+        return _summed(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -50,8 +58,7 @@ class _SplitToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        return x.chunk(size, dim=dim)[rank].contiguous()
+        return _own_chunk(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -68,8 +75,7 @@ class _GatherFromGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(size, dim=ctx.dim)[rank].contiguous(), None, None
+        return _own_chunk(grad, ctx.group, ctx.dim), None, None
 
 
 class _ReduceScatterToGroup(torch.autograd.Function):
@@ -79,10 +85,7 @@ class _ReduceScatterToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        return x.chunk(size, dim=dim)[rank].contiguous()
+        return _own_chunk(_summed(x, group), group, dim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -100,10 +103,7 @@ class _AllGatherSumGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(size, dim=ctx.dim)[rank].contiguous(), None, None
+        return _own_chunk(_summed(grad, ctx.group), ctx.group, ctx.dim), None, None
 
 
 def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -291,7 +291,7 @@ class SequenceParallel:
         return split_to_group(h_BSD, self.group, 1)
 
     def columns(self, x_BS: torch.Tensor) -> torch.Tensor:
-        return x_BS.chunk(dist.get_world_size(self.group), dim=1)[dist.get_rank(self.group)]
+        return _own_chunk(x_BS, self.group, 1)
 
     def gather(self, h_BSD: torch.Tensor) -> torch.Tensor:
         return gather_from_group(h_BSD, self.group, 1)
