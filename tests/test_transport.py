@@ -3,7 +3,8 @@
 ucxx allows several contexts per process (one `ApplicationContext` per `UcxTransport`, each on
 its own loop thread), so the UCX pair below runs in this process; `test_ucx_two_processes`
 and `test_ucx_peer_death_fails_pending_recv` run the far end in a spawned process, as the
-services do.
+services do. Every transport here is authorized with one secret and its companions' addresses;
+refusals are tested in test_transport_auth.py.
 """
 
 import multiprocessing
@@ -25,6 +26,7 @@ from dyad.transport import (
 pytestmark = pytest.mark.timeout(60)
 
 WAIT_S = 10.0  # the longest any future may take; nothing here should wait on a hang
+SECRET = b"the run secret of these tests..."
 SHAPES = [(0,), (0, 64), (3,), (17, 64), (2, 3, 5), (1024, 256)]
 DTYPES = [torch.float32, torch.bfloat16]
 TRANSPORTS = {"loopback": LoopbackTransport, "ucx": UcxTransport}
@@ -48,6 +50,14 @@ def _same_bytes(x, y):
     )
 
 
+def _authorized(*transports):
+    """Admit each other: what a worker does with the router's secret and its plan's peers."""
+    addresses = [transport.address for transport in transports]
+    for transport in transports:
+        transport.authorize(SECRET, addresses)
+    return transports
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -62,7 +72,7 @@ def kind(request):
 @pytest.fixture
 def pair(kind):
     with kind() as a, kind() as b:
-        yield a, b
+        yield _authorized(a, b)
 
 
 # --- MessageTag -----------------------------------------------------------------------------
@@ -160,6 +170,7 @@ def test_tags_match_regardless_of_order(pair):
 def test_peer_field_tells_senders_apart(kind):
     """Matching is by tag per receiver: two sources need distinct `peer` fields."""
     with kind() as llm, kind() as encoder0, kind() as encoder1:
+        _authorized(llm, encoder0, encoder1)
         outs = [torch.empty(5), torch.empty(5)]
         receiving = [
             llm.recv(encoder.address, _tag(peer=i), outs[i])
@@ -216,6 +227,7 @@ def test_unreachable_peer_is_a_connection_error(kind):
     address = f"127.0.0.1:{_free_port()}"
     options = {"connect_timeout": 1.0} if kind is UcxTransport else {}
     with kind(**options) as transport:
+        transport.authorize(SECRET, [address])
         with pytest.raises(ConnectionError, match=address):
             transport.send(address, _tag(), torch.ones(3)).result(WAIT_S)
 
@@ -229,6 +241,7 @@ def test_ucx_port_in_use_is_an_os_error():
 
 def test_loopback_checks_the_sender():
     with LoopbackTransport() as a, LoopbackTransport() as b, LoopbackTransport() as c:
+        _authorized(a, b, c)
         receiving = b.recv(a.address, _tag(), torch.empty(3))
         c.send(b.address, _tag(), torch.ones(3)).result(WAIT_S)
         with pytest.raises(TransportError, match=f"came from {c.address}"):
@@ -243,6 +256,7 @@ def _echo_peer(conn):
     with UcxTransport() as transport:
         conn.send(transport.address)
         peer, specs = conn.recv()
+        transport.authorize(SECRET, [peer])
         for i, (shape, dtype) in enumerate(specs):
             buffer = torch.empty(shape, dtype=dtype)
             transport.recv(peer, _tag(i, Direction.FORWARD), buffer).result(WAIT_S)
@@ -253,9 +267,11 @@ def _echo_peer(conn):
 def _die_after_connecting(conn):
     """Child process: connect to the parent, then vanish without closing anything."""
     transport = UcxTransport()
-    peer = conn.recv()
-    transport.send(peer, _tag(microbatch=1), torch.ones(3)).result(WAIT_S)
     conn.send(transport.address)
+    peer = conn.recv()
+    transport.authorize(SECRET, [peer])
+    transport.send(peer, _tag(microbatch=1), torch.ones(3)).result(WAIT_S)
+    conn.send("connected")
     conn.recv()
     os._exit(0)
 
@@ -282,6 +298,7 @@ def test_ucx_two_processes():
         with UcxTransport() as transport:
             assert conn.poll(30), "child did not start"
             child = conn.recv()
+            transport.authorize(SECRET, [child])
             conn.send((transport.address, specs))
             sent = [_random_bits(shape, dtype, seed=i) for i, (shape, dtype) in enumerate(specs)]
             outs = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
@@ -304,9 +321,12 @@ def test_ucx_peer_death_fails_pending_recv():
     process, conn = _spawn(_die_after_connecting)
     try:
         with UcxTransport() as transport:
-            conn.send(transport.address)
-            assert conn.poll(30), "child did not connect"
+            assert conn.poll(30), "child did not start"
             child = conn.recv()
+            transport.authorize(SECRET, [child])
+            conn.send(transport.address)
+            assert conn.poll(WAIT_S), "child did not connect"
+            assert conn.recv() == "connected"
             transport.recv(child, _tag(microbatch=1), torch.empty(3)).result(WAIT_S)
             pending = transport.recv(child, _tag(microbatch=2), torch.empty(3))
             conn.send("die")

@@ -17,12 +17,17 @@ Semantics every transport keeps (the loopback twin enforces them strictly):
 - The receiver's buffer size is authoritative: a message of any other size fails the recv with
   `MessageSizeError`, never a silently truncated or half-filled buffer.
 - Empty tensors complete at once on both sides without touching the wire.
+- Only peers of the current plan get in: a transport talks to nobody until `authorize` gives it
+  the run's secret and the plan's peer addresses, and refuses (logging a warning that says
+  "refused", the claimed address and why) every peer that does not prove the same secret or
+  is not in its set. The refused side's operation fails with ConnectionError.
 """
 
 from __future__ import annotations
 
 import zlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import IntEnum
@@ -78,6 +83,37 @@ def size_mismatch(tag: MessageTag, peer: str, expected: int, sent: int) -> Messa
     )
 
 
+_MIN_SECRET_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What `authorize` gave a transport: the run's secret and the plan's peer addresses."""
+
+    secret: bytes
+    peers: frozenset[str]
+
+    @classmethod
+    def of(cls, secret: bytes, peers: Iterable[str]) -> Grant:
+        if len(secret) < _MIN_SECRET_BYTES:  # the length only: a secret never goes in a message
+            raise ValueError(
+                f"run secret must be at least {_MIN_SECRET_BYTES} bytes, got {len(secret)}"
+            )
+        return cls(bytes(secret), frozenset(peers))
+
+
+def refusal(grant: Grant | None, peer: str, proves: Callable[[bytes], bool]) -> str | None:
+    """Why a transport holding `grant` refuses `peer`, or None to admit it; `proves(secret)`
+    says whether the peer showed it holds `secret` (compared in constant time)."""
+    if grant is None:
+        return "not authorized yet"
+    if not proves(grant.secret):
+        return "bad run secret"
+    if peer not in grant.peers:
+        return "not a peer of the current plan"
+    return None
+
+
 def check_tensor(what: str, tensor: torch.Tensor) -> None:
     if not tensor.is_contiguous():
         raise ValueError(f"{what} tensor must be contiguous (call .contiguous() first)")
@@ -106,6 +142,16 @@ class Transport(ABC):
 
         The future fails with `TimeoutError` after `timeout` seconds without a message, and
         with `MessageSizeError` when the message is not exactly `out.nbytes` long.
+        """
+
+    @abstractmethod
+    def authorize(self, secret: bytes, peers: Iterable[str]) -> None:
+        """Admit from now on only `peers` ("host:port", their own `address`es) that hold `secret`.
+
+        Until the first call the transport refuses every peer, and its own `send`/`recv` raise
+        `TransportError`. Calling again (a new generation of the run) replaces both for what
+        connects after it; UCX keeps the endpoints it already admitted, the loopback twin (no
+        connections) checks every message.
         """
 
     @abstractmethod

@@ -8,27 +8,37 @@ the send complete, as a rendezvous UCX send would. The twin is stricter than UCX
   deadlocks here, as it does on UCX once messages are large;
 - a message whose sender differs from the recv's `peer` fails the recv (UCX would accept it);
 - closing is abortive as on UCX: the closing side's undelivered sends are dropped, and recvs
-  elsewhere that wait on it fail with ConnectionError.
+  elsewhere that wait on it fail with ConnectionError;
+- admission (`authorize`) is checked on every send and recv, not once per connection: a send
+  or recv toward `peer` fails with ConnectionError unless `peer` admits this transport (same
+  secret, our address in its peer set), and `peer` logs the refusal as UCX does.
 """
 
 from __future__ import annotations
 
+import hmac
 import itertools
+import logging
 import threading
 from collections import defaultdict, deque
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from dyad.transport.base import (
+    Grant,
     MessageTag,
     Transport,
     TransportError,
     check_tensor,
     completed,
+    refusal,
     size_mismatch,
 )
+
+logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()  # guards the registry and every mailbox
 _registry: dict[str, LoopbackTransport] = {}
@@ -85,6 +95,7 @@ class LoopbackTransport(Transport):
         self._sends: dict[int, deque[_Send]] = defaultdict(deque)  # unmatched, by packed tag
         self._recvs: dict[int, deque[_Recv]] = defaultdict(deque)
         self._closed = False
+        self._grant: Grant | None = None
         with _lock:
             _registry[self.address] = self
 
@@ -96,9 +107,10 @@ class LoopbackTransport(Transport):
             return completed()
         send = _Send(self.address, tag, tensor.detach())
         with _lock:
-            receiver = _registry.get(peer)
-            if receiver is None:
-                send.future.set_exception(ConnectionError(f"no loopback transport at {peer}"))
+            try:
+                receiver = self._reach(peer)
+            except ConnectionError as error:
+                send.future.set_exception(error)
                 return send.future
             recv = receiver._recvs[key].popleft() if receiver._recvs[key] else None
             if recv is None:
@@ -117,8 +129,10 @@ class LoopbackTransport(Transport):
             return completed(out)
         recv = _Recv(peer, tag, out)
         with _lock:
-            if peer not in _registry:
-                recv.fail(ConnectionError(f"no loopback transport at {peer}"))
+            try:
+                self._reach(peer)
+            except ConnectionError as error:
+                recv.fail(error)
                 return recv.future
             send = self._sends[key].popleft() if self._sends[key] else None
             if send is None:
@@ -130,6 +144,9 @@ class LoopbackTransport(Transport):
         if send is not None:
             _deliver(send, recv)
         return recv.future
+
+    def authorize(self, secret: bytes, peers: Iterable[str]) -> None:
+        self._grant = Grant.of(secret, peers)
 
     def close(self) -> None:
         with _lock:
@@ -155,6 +172,24 @@ class LoopbackTransport(Transport):
     def _check_open(self) -> None:
         if self._closed:
             raise TransportError(f"transport {self.address} is closed")
+        if self._grant is None:
+            raise TransportError(f"transport {self.address} is not authorized: call authorize()")
+
+    def _reach(self, peer: str) -> LoopbackTransport:
+        """The transport at `peer`, if it admits us (else it logs why not). Holds `_lock`."""
+        other = _registry.get(peer)
+        if other is None:
+            raise ConnectionError(f"no loopback transport at {peer}")
+        mine = self._grant.secret
+        reason = refusal(
+            other._grant, self.address, proves=lambda secret: hmac.compare_digest(secret, mine)
+        )
+        if reason is not None:
+            logger.warning(
+                "%s: refused loopback connection from %s: %s", peer, self.address, reason
+            )
+            raise ConnectionError(f"loopback peer {peer} refused {self.address}")
+        return other
 
     def _expire(self, key: int, recv: _Recv, timeout: float) -> None:
         with _lock:

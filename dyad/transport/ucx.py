@@ -14,8 +14,20 @@ workers connecting to each other at the same time never wait on each other and n
 agree which connection is "the" one. Receives still go through our endpoint to the sender,
 not the bare worker, because closing an endpoint (ours at `close()`, or the peer dying) cancels
 the receives posted on it, while a worker-level receive can never be cancelled and would hang.
-Each new endpoint starts with a handshake carrying its owner's listening address, so the
-accepting side keeps incoming endpoints by peer address (one per peer) until `close()`.
+
+Handshake: each new endpoint starts with a challenge-response that admits only peers of the
+current plan holding the run's secret (`authorize`); its fresh nonce makes a recorded one useless.
+    accepting side:  32 random bytes (the nonce)
+    connecting side: HMAC-SHA256(secret, label, nonce, its own address, the address it dialed)
+                     followed by its own listening address, in one `send_obj`
+    accepting side:  a 1-byte ack, once the MAC checks out, the address is one of its peers and
+                     the endpoint is recorded under it (one per peer, kept until `close()`)
+A refused peer gets no ack: its endpoint is closed, a warning saying "refused" is logged, and
+the connecting side fails with ConnectionError (at worst after `connect_timeout`). The dialed
+address is in the MAC so that a proof given to one listener cannot be relayed to another. The
+handshake gates our endpoints, not UCX itself: tags match per worker, so a client speaking raw
+UCX could still post tagged messages before it is refused. It keeps out workers of other plans
+and runs; a hostile network needs isolation below UCX.
 
 Wire format per message: an 8-byte size header under the tag with `TRANSPORT_BIT` set, and the
 payload under `MessageTag.pack()`, both with `force_tag=True` so the exact 64-bit tag goes on
@@ -27,9 +39,13 @@ from __future__ import annotations
 
 import array
 import asyncio
+import hashlib
+import hmac
 import logging
+import secrets
 import threading
 import weakref
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -39,17 +55,23 @@ from ucxx.exceptions import UCXError
 
 from dyad.transport.base import (
     TRANSPORT_BIT,
+    Grant,
     MessageTag,
     Transport,
     TransportError,
     check_tensor,
     completed,
+    refusal,
     size_mismatch,
 )
 
 logger = logging.getLogger(__name__)
 
 _CLOSE_TIMEOUT_S = 10.0
+_NONCE_BYTES = 32
+_MAC_BYTES = hashlib.sha256().digest_size
+_MAX_ADDRESS_BYTES = 256  # bounds what a peer not yet proven can make us allocate
+_MAC_LABEL = b"dyad-ucx-handshake-v1"
 
 
 class UcxTransport(Transport):
@@ -84,6 +106,9 @@ class UcxTransport(Transport):
             return completed(out)
         return self._engine.submit(self._engine.recv(message, out, timeout))
 
+    def authorize(self, secret: bytes, peers: Iterable[str]) -> None:
+        self._engine.grant = Grant.of(secret, peers)  # swapped whole: the loop reads it as is
+
     def close(self) -> None:
         self._close()
 
@@ -96,6 +121,8 @@ class UcxTransport(Transport):
             raise ValueError(f"peer address must be 'host:port', got {peer!r}")
         if not self._close.alive:
             raise TransportError(f"transport {self.address} is closed")
+        if self._engine.grant is None:
+            raise TransportError(f"transport {self.address} is not authorized: call authorize()")
         if tensor.numel() == 0:
             return None  # both sides know the size: nothing goes on the wire
         return _Message(peer, host, int(port), tag, key, _wire(tensor), _pending_writes(tensor))
@@ -173,6 +200,7 @@ class _Engine:
     def __init__(self, connect_timeout: float):
         self.connect_timeout = connect_timeout
         self.address = "<starting>"
+        self.grant: Grant | None = None
         self.closed = False
         self.ctx: ApplicationContext | None = None
         self.listener = None
@@ -276,7 +304,7 @@ class _Engine:
             del self.outgoing[peer]
 
     async def _connect(self, host: str, port: int) -> Endpoint:
-        """Connect, send our address, wait for the peer's ack: after that neither side's
+        """Connect, answer the peer's challenge, wait for its ack: after that neither side's
         setup is in progress, so closing the endpoint can never cut the peer's listener short
         (ucxx logs a traceback for a handler interrupted in its own peer-info exchange)."""
         peer = f"{host}:{port}"
@@ -290,25 +318,45 @@ class _Engine:
                 f"cannot reach UCX peer {peer} within {self.connect_timeout}s: {e!r}"
             ) from e
         try:
-            await endpoint.send_obj(self.address.encode())
-            ack = self._track(endpoint.recv(array.array("B", [0])))
-            await asyncio.wait_for(asyncio.shield(ack), self.connect_timeout)
-        except (UCXError, OSError) as e:
+            handshake = self._track(self._answer(endpoint, peer, self.grant.secret))
+            await asyncio.wait_for(asyncio.shield(handshake), self.connect_timeout)
+        except (UCXError, OSError) as e:  # a refusal closes the endpoint: UCXError or timeout
             await endpoint.close()
-            raise ConnectionError(f"UCX peer {peer} did not complete the handshake: {e!r}") from e
+            raise ConnectionError(
+                f"UCX peer {peer} did not complete the handshake (it refuses addresses outside"
+                f" its plan and other run secrets): {e!r}"
+            ) from e
         return endpoint
 
+    async def _answer(self, endpoint: Endpoint, peer: str, secret: bytes) -> None:
+        nonce = bytearray(_NONCE_BYTES)
+        await endpoint.recv(nonce)
+        await endpoint.send_obj(_mac(secret, nonce, self.address, peer) + self.address.encode())
+        await endpoint.recv(array.array("B", [0]))  # the ack
+
     async def _accept(self, endpoint: Endpoint) -> None:
+        nonce = secrets.token_bytes(_NONCE_BYTES)
         try:
-            handshake = self._track(endpoint.recv_obj())
-            peer = await asyncio.wait_for(asyncio.shield(handshake), self.connect_timeout)
-            peer = peer.decode()
+            handshake = self._track(self._challenge(endpoint, nonce))
+            answer = await asyncio.wait_for(asyncio.shield(handshake), self.connect_timeout)
         except Exception as e:  # a peer that died mid-handshake must not take us down
             if not self.closed:
                 logger.warning("%s: dropped an incoming UCX connection: %r", self.address, e)
             await endpoint.close()
             return
         if self.closed:  # finished its handshake after close() collected the endpoints
+            await endpoint.close()
+            return
+        mac, peer = bytes(answer[:_MAC_BYTES]), answer[_MAC_BYTES:].decode(errors="replace")
+        reason = refusal(
+            self.grant,
+            peer,
+            proves=lambda secret: hmac.compare_digest(mac, _mac(secret, nonce, peer, self.address)),
+        )
+        if reason is not None:
+            logger.warning(
+                "%s: refused UCX connection from %s: %s", self.address, _printable(peer), reason
+            )
             await endpoint.close()
             return
         previous = self.incoming.pop(peer, None)
@@ -319,6 +367,10 @@ class _Engine:
             await endpoint.send(array.array("B", [1]))
         except UCXError as e:  # the peer is gone again; its recvs will fail on its side
             logger.warning("%s: could not ack %s: %r", self.address, peer, e)
+
+    async def _challenge(self, endpoint: Endpoint, nonce: bytes) -> bytearray:
+        await endpoint.send(nonce)
+        return await endpoint.recv_obj(allocator=_answer_buffer)
 
     def shutdown(self) -> None:
         """Close endpoints and listener, fail pending work, stop the threads. Runs once."""
@@ -377,6 +429,25 @@ class _Engine:
         for task in leftovers:
             task.cancel()
         await asyncio.gather(*leftovers, return_exceptions=True)
+
+
+def _mac(secret: bytes, nonce: bytes, connecting: str, listening: str) -> bytes:
+    """The connecting side's proof, bound to one challenge and to both ends' addresses (the
+    listener's as the connecting side dialed it: the address the plan lists for it)."""
+    message = b"\0".join([_MAC_LABEL, nonce, connecting.encode(), listening.encode()])
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def _answer_buffer(nbytes: int) -> bytearray:
+    """`recv_obj`'s allocator for a handshake answer, whose size a peer not yet proven sets."""
+    if not _MAC_BYTES < nbytes <= _MAC_BYTES + _MAX_ADDRESS_BYTES:
+        raise ValueError(f"a handshake answer of {nbytes} bytes")
+    return bytearray(nbytes)
+
+
+def _printable(claimed: str) -> str:
+    """A claimed address as it may go into a log line (an unproven peer chose it)."""
+    return claimed if claimed.isprintable() else ascii(claimed)
 
 
 def _failed(task: asyncio.Future) -> bool:
