@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from dyad.checkpoint import load_pool_state
 from dyad.config import RunConfig
 from dyad.data import build_prompt
 from dyad.encoder_service.step import encode_rows
@@ -71,7 +72,6 @@ def load_trained(config: RunConfig, checkpoint_dir: Path):
     models = []
     for pool in ("encoder", "llm"):
         model = build_model(config, pool)
-        state = torch.load(checkpoint_dir / f"{pool}-full.pt", map_location=config.train.device)
-        model.load_state_dict(state["model"])
+        model.load_state_dict(load_pool_state(checkpoint_dir, pool))
         models.append(model)
     return models

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from dyad.checkpoint import restore_pool, save_pool
 from dyad.config import RunConfig
 from dyad.data import make_dataset
 from dyad.init import init_parameters
 from dyad.kernels.boundary_pack import RowSegments
 from dyad.optim import apply_update, build_optimizer
-from dyad.parallel.gradients import full_state_dict, pool_grad_sq_norm, reduce_gradients
+from dyad.parallel.gradients import pool_grad_sq_norm, reduce_gradients
 from dyad.parallel.groups import ProcessGroups
 from dyad.transport import Transport
 from dyad.wire import pb
@@ -103,16 +102,22 @@ class PoolService(ABC):
         return pb.ApplyResult(step=command.step)
 
     def save(self, command: pb.SaveCommand) -> pb.SaveResult:
-        """Every rank saves its shard and optimizer state; rank 0 also the gathered full model,
-        which single-device evaluation and `dyad verify` load."""
-        directory = Path(command.path)
-        shard = {"step": command.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-        torch.save(shard, directory / f"{self.pool}-rank{self.rank:03d}.pt")
-        full = full_state_dict(self.model, self.groups)
-        if self.rank == 0:
-            torch.save({"step": command.step, "model": full}, directory / f"{self.pool}-full.pt")
-        dist.barrier(group=self.groups.group("world"))
-        return pb.SaveResult(step=command.step, path=str(directory / f"{self.pool}-rank{self.rank:03d}.pt"))
+        """The pool's checkpoint at `<command.path>/<pool>/`, written by every rank together in
+        a form that loads under any layout or pool size (`dyad.checkpoint`)."""
+        path = save_pool(command.path, self.pool, self.model, self.optimizer, self.groups, step=command.step)
+        return pb.SaveResult(step=command.step, path=str(path))
+
+    def restore(self, path: str) -> int:
+        """Load `<path>/<pool>/` into the live model and optimizer, whatever layout or pool size
+        wrote it; returns the saved step. Collective over the pool."""
+        return restore_pool(
+            path,
+            self.pool,
+            self.model,
+            self.optimizer,
+            single_device=build_model(self.config, self.pool, self.device),
+            parallelize=lambda model: self.parallelize(model, self.groups),
+        )
 
     def close(self) -> None:
         pass
