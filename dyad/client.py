@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -11,15 +12,27 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-import grpc
+from dyad.channels import open_channel
+from dyad.router.auth import CLIENT_TOKEN_ENV, JOIN_TOKEN_ENV
+from dyad.wire import pb, rpc
 
-from dyad.wire import GRPC_OPTIONS, pb, rpc
+POOLS = {"encoder": pb.POOL_ENCODER, "llm": pb.POOL_LLM}
 
 
 class RouterClient:
-    def __init__(self, address: str):
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = open_channel(
+            address, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
+        )
         self.stub = rpc.RouterStub(self.channel)
 
     def start_run(self, config_yaml: str) -> pb.RunInfo:
@@ -34,21 +47,42 @@ class RouterClient:
     def watch(self, run_id: str, from_step: int = 0) -> Iterator[pb.RunEvent]:
         return self.stub.WatchRun(pb.WatchRunRequest(run_id=run_id, from_step=from_step))
 
+    def scale_pool(self, run_id: str, pool: str, replicas: int) -> pb.RunInfo:
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {sorted(POOLS)}, got {pool!r}")
+        request = pb.ScalePoolRequest(run_id=run_id, pool=POOLS[pool], replicas=replicas)
+        return self.stub.ScalePool(request, timeout=60)
+
+    def checkpoint(self, run_id: str) -> pb.RunInfo:
+        return self.stub.Checkpoint(pb.CheckpointRequest(run_id=run_id), timeout=60)
+
     def close(self) -> None:
         self.channel.close()
+
+    def __enter__(self) -> RouterClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 @contextlib.contextmanager
 def local_router(log_path: Path, timeout_s: float = 60.0) -> Iterator[RouterClient]:
-    """Start `python -m dyad.router` as a local process; stop it on exit."""
+    """Start `python -m dyad.router` as a local process with fresh tokens; stop it on exit."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    client_token = secrets.token_urlsafe(32)
+    env = {
+        **os.environ,
+        CLIENT_TOKEN_ENV: client_token,
+        JOIN_TOKEN_ENV: secrets.token_urlsafe(32),
+    }
     with tempfile.TemporaryDirectory() as tmp, open(log_path, "ab") as log:
         port_file = Path(tmp) / "router.address"
         proc = subprocess.Popen(
             [sys.executable, "-m", "dyad.router", "--port-file", str(port_file)],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=dict(os.environ),
+            env=env,
         )
         try:
             deadline = time.monotonic() + timeout_s
@@ -58,11 +92,8 @@ def local_router(log_path: Path, timeout_s: float = 60.0) -> Iterator[RouterClie
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the router did not start within {timeout_s}s; see {log_path}")
                 time.sleep(0.1)
-            client = RouterClient(port_file.read_text())
-            try:
+            with RouterClient(port_file.read_text(), token=client_token) as client:
                 yield client
-            finally:
-                client.close()
         finally:
             proc.terminate()
             try:

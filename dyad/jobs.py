@@ -29,16 +29,15 @@ class JobResult:
         return Path(self.info.out_dir) / "checkpoints" / f"step_{self.info.total_steps:08d}"
 
 
-def run_job(config: RunConfig, *, router: str | None = None, progress: bool = True) -> JobResult:
+def run_job(
+    config: RunConfig, *, router: RouterClient | None = None, progress: bool = True
+) -> JobResult:
+    """Run `config` on `router` (the caller's client, left open), else on a local router."""
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(config_lib.to_yaml(config))
-    if router:
-        client = RouterClient(router)
-        try:
-            return _follow(client, config, progress)
-        finally:
-            client.close()
+    if router is not None:
+        return _follow(router, config, progress)
     with local_router(out_dir / "logs" / "router.log") as client:
         return _follow(client, config, progress)
 

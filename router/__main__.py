@@ -1,4 +1,8 @@
-"""Run the router: `python -m dyad.router --host 127.0.0.1 --port 50051`."""
+"""Run the router: `python -m dyad.router --host 127.0.0.1 --port 50051`.
+
+Tokens come from `--token-file`/`--join-token-file`, else $DYAD_TOKEN/$DYAD_JOIN_TOKEN; TLS from
+`--tls-cert --tls-key` (and `--tls-client-ca` to require client certificates).
+"""
 
 from __future__ import annotations
 
@@ -9,21 +13,57 @@ import signal
 import threading
 from pathlib import Path
 
-from dyad.router.server import serve
+from dyad.router.auth import (
+    CLIENT_TOKEN_ENV,
+    JOIN_TOKEN_ENV,
+    Credentials,
+    load_token,
+    server_credentials,
+)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dyad.router")
+def add_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
     parser.add_argument("--port-file", help="write the bound host:port here once serving")
-    args = parser.parse_args(argv)
+    parser.add_argument("--token-file", help=f"the client token (default: ${CLIENT_TOKEN_ENV})")
+    parser.add_argument(
+        "--join-token-file", help=f"the workers' join token (default: ${JOIN_TOKEN_ENV})"
+    )
+    parser.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
+    parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    parser.add_argument("--tls-client-ca", help="require client certificates signed by this CA")
+    parser.add_argument("--state-db", help="SQLite file keeping run state across restarts")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Serve until SIGTERM or SIGINT, then stop active runs."""
+    from dyad.router.server import (
+        serve,  # the model code; `dyad` imports this module for flags
+    )
+
+    credentials = Credentials(
+        client_token=load_token(CLIENT_TOKEN_ENV, args.token_file),
+        join_token=load_token(JOIN_TOKEN_ENV, args.join_token_file),
+    )
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key must be given together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    tls = None
+    if args.tls_cert:
+        tls = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    # Local workers inherit this environment: they need the join token, never the client token.
+    os.environ.pop(CLIENT_TOKEN_ENV, None)
+    os.environ[JOIN_TOKEN_ENV] = credentials.join_token
     logging.basicConfig(
         level=os.environ.get("DYAD_LOG_LEVEL", "INFO"),
         format="%(asctime)s router %(levelname)s %(message)s",
     )
-    server, state = serve(args.host, args.port)
-    logging.info("router serving on %s", state.address)
+    server, state = serve(
+        args.host, args.port, credentials=credentials, tls=tls, state_db=args.state_db
+    )
+    logging.info("router serving on %s (%s)", state.address, "TLS" if tls else "plaintext")
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
         tmp.write_text(state.address)
@@ -36,6 +76,15 @@ def main(argv: list[str] | None = None) -> None:
         state.get(run_id).stop_requested.set()
     state.wait_idle(30)
     server.stop(grace=2).wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dyad.router")
+    add_arguments(parser, default_port=0)
+    try:
+        run(parser.parse_args(argv))
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: {error}\n")
 
 
 if __name__ == "__main__":

@@ -121,15 +121,37 @@ class CoordinatorService(rpc.CoordinatorServicer):
         return pb.Ack()
 
 
-def serve(host: str = "127.0.0.1", port: int = 0, launcher_factory=LocalLauncher):
-    """Start the router; returns (server, state) with `state.address` set to "host:port"."""
-    state = RouterState(launcher_factory)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=GRPC_OPTIONS)
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    launcher_factory=LocalLauncher,
+    *,
+    credentials: Credentials,
+    tls: grpc.ServerCredentials | None = None,
+    **state_options,
+):
+    """Start the router; returns (server, state) with `state.address` set to "host:port".
+
+    `Router` calls need `credentials.client_token`, `Coordinator` calls its join token; with
+    `tls` the port is TLS only. `state_options` go to `RouterState`.
+    """
+    from dyad.router.auth import TokenInterceptor
+
+    state = RouterState(launcher_factory, **state_options)
+    state.credentials = credentials  # the launcher hands the join token to its workers
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=64),
+        options=GRPC_OPTIONS,
+        interceptors=[TokenInterceptor(credentials)],
+    )
     rpc.add_RouterServicer_to_server(RouterService(state), server)
     rpc.add_CoordinatorServicer_to_server(CoordinatorService(state), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", tls)
     if bound == 0:
         raise OSError(f"router could not bind {host}:{port}")
     server.start()

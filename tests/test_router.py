@@ -7,7 +7,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dyad.channels import open_channel
 from dyad.client import RouterClient
+from dyad.router.auth import Credentials
 from dyad.router.launcher import Launcher
 from dyad.router.server import serve
 from dyad.wire import pb, rpc
@@ -26,10 +28,13 @@ class NoWorkers(Launcher):
         pass
 
 
+CREDENTIALS = Credentials(client_token="client-secret", join_token="join-secret")
+
+
 @pytest.fixture
 def router(tmp_path):
-    server, state = serve(launcher_factory=NoWorkers)
-    client = RouterClient(state.address)
+    server, state = serve(launcher_factory=NoWorkers, credentials=CREDENTIALS)
+    client = RouterClient(state.address, token=CREDENTIALS.client_token)
     yield client, state, tmp_path
     for run_id in state.active_run_ids():
         state.get(run_id).stop_requested.set()
@@ -123,7 +128,7 @@ def test_stopped_run_ends_its_watch_and_cannot_be_stopped_twice(router):
 def test_worker_requests_are_validated(router):
     client, _, tmp_path = router
     run = client.start_run(_config(tmp_path))
-    coordinator = rpc.CoordinatorStub(client.channel)
+    coordinator = rpc.CoordinatorStub(open_channel(client.address, token=CREDENTIALS.join_token))
 
     def register(worker, address="127.0.0.1:1", run_id=run.run_id):
         return coordinator.Register(
