@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from dyad.parallel.gradients import _gather_full, full_state_dict
+from dyad.parallel.gradients import gather_full, full_state_dict
 from dyad.parallel.groups import ProcessGroups
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -75,7 +75,7 @@ def full_pool_state(model: nn.Module, optimizer: torch.optim.Optimizer, groups: 
             saved = optimizer.state.get(param, {})
             for moment in MOMENTS:
                 value = saved.get(moment, torch.zeros_like(param)).detach()
-                state[f"optimizer.{key}.{moment}"] = _gather_full(module, name, value, groups)
+                state[f"optimizer.{key}.{moment}"] = gather_full(module, name, value, groups)
             state[f"optimizer.{key}.step"] = saved.get("step", torch.zeros(())).detach()
     state.update(_hyperparameters(optimizer))
     return state

@@ -86,13 +86,34 @@ class ParallelConfig:
 @dataclass(kw_only=True)
 class RouterConfig:
     heartbeat_interval_s: float = 1.0
-    worker_timeout_s: float = 60.0  # a worker silent this long fails the step
+    worker_timeout_s: float = 60.0  # a worker silent this long is lost (the run recovers)
     start_timeout_s: float = 120.0  # all workers must register within this
+    step_timeout_s: float = 900.0  # a step with no result from some worker this long: hung
+    reconnect_timeout_s: float = 300.0  # a worker that cannot reach its router this long exits
+    stop_grace_s: float = 10.0  # workers told to stop get this long before they are killed
+    max_recoveries: int = 3  # recoveries from lost workers before the run fails
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_interval_s", "worker_timeout_s", "start_timeout_s"):
+        for name in (
+            "heartbeat_interval_s", "worker_timeout_s", "start_timeout_s", "step_timeout_s",
+            "reconnect_timeout_s", "stop_grace_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"router.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_recoveries < 0:
+            raise ValueError(f"router.max_recoveries must be >= 0, got {self.max_recoveries}")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    interval_steps: int = 0  # commit a checkpoint every this many steps (0: only at the end)
+    # Start from a committed checkpoint: its directory, or a run's out_dir (its newest
+    # committed one). Any layout or pool sizes: the pools reshard on load.
+    resume_from: str = ""
+
+    def __post_init__(self) -> None:
+        if self.interval_steps < 0:
+            raise ValueError(f"checkpoint.interval_steps must be >= 0, got {self.interval_steps}")
 
 
 @dataclass(kw_only=True)
@@ -106,6 +127,7 @@ class RunConfig:
     boundary: BoundaryConfig = field(default_factory=BoundaryConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # ----------------------------------------------------------------------------- building
@@ -237,3 +259,43 @@ def resolve(config: RunConfig, *, vocab_size: int) -> RunConfig:
             f"({config.train.microbatches}) * parallel.llm.dp ({config.parallel.llm.dp})"
         )
     return dataclasses.replace(config, encoder=encoder, llm=llm)
+
+
+def scaled(config: RunConfig, pool: str, replicas: int) -> RunConfig:
+    """`config` with `pool` resized to `replicas` processes: the data-parallel degree follows,
+    every other degree stays, and the step keeps its global batch and microbatches. Validated
+    like a new config (ValueError naming the field)."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    if pool == "encoder":
+        layout = config.parallel.encoder
+        if replicas % layout.tp:
+            raise ValueError(
+                f"replicas ({replicas}) must be a multiple of parallel.encoder.tp ({layout.tp})"
+            )
+        layout = dataclasses.replace(layout, dp=replicas // layout.tp)
+    elif pool == "llm":
+        layout = config.parallel.llm
+        per_replica = layout.tp * layout.cp
+        if replicas % per_replica:
+            raise ValueError(
+                f"replicas ({replicas}) must be a multiple of parallel.llm.tp*cp "
+                f"({layout.tp}*{layout.cp})"
+            )
+        dp = replicas // per_replica
+        # The step keeps its microbatches (the aux losses are per microbatch): each of the
+        # new data-parallel ranks takes an equal share of them.
+        total = config.train.microbatches * config.parallel.llm.dp
+        if total % dp:
+            raise ValueError(
+                f"replicas ({replicas}) gives parallel.llm.dp={dp}, which must divide the step's "
+                f"{total} microbatches (train.microbatches * parallel.llm.dp)"
+            )
+        config = dataclasses.replace(
+            config, train=dataclasses.replace(config.train, microbatches=total // dp)
+        )
+        layout = dataclasses.replace(layout, dp=dp)
+    else:
+        raise ValueError(f"pool must be 'encoder' or 'llm', got {pool!r}")
+    parallel = dataclasses.replace(config.parallel, **{pool: layout})
+    return resolve(dataclasses.replace(config, parallel=parallel), vocab_size=config.llm.vocab_size)

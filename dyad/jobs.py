@@ -45,21 +45,28 @@ def run_job(
 def _follow(client: RouterClient, config: RunConfig, progress: bool) -> JobResult:
     info = client.start_run(config_lib.to_yaml(config))
     bar = tqdm(total=info.total_steps, desc="train", unit="step", disable=not progress)
-    metrics = []
+    by_step: dict[int, dict] = {}  # a recovery trains steps again: the last record counts
     try:
         for event in client.watch(info.run_id):
-            if event.HasField("step"):
+            kind = event.WhichOneof("event")
+            if kind == "step":
                 record = _as_dict(event.step)
-                metrics.append(record)
+                by_step[record["step"]] = record
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                bar.update(1)
-            else:
+                bar.n = record["step"] + 1
+                bar.refresh()
+            elif kind == "notice":
+                notice = event.notice
+                if notice.kind != "checkpoint":
+                    bar.write(f"{notice.kind} at step {notice.step}: {notice.message}")
+            elif kind == "finished":
                 info = event.finished
     except KeyboardInterrupt:
         client.stop_run(info.run_id)
         raise
     finally:
         bar.close()
+    metrics = [by_step[step] for step in sorted(by_step)]
     return JobResult(info=client.get_run(info.run_id), metrics=metrics)
 
 

@@ -7,6 +7,7 @@ Each pool's worker (`encoder_service.worker`, `llm_service.worker`) adds its own
 from __future__ import annotations
 
 import contextlib
+import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -82,13 +83,35 @@ class PoolService(ABC):
         self.optimizer = build_optimizer(self.model, config.train)
         self.peers: dict[tuple[int, int], str] = {}
         self.lr = config.train.lr
+        self.generation = 0
+        self.run_secret = b""  # the run's data-plane secret, from the router's Register reply
 
     @abstractmethod
     def parallelize(self, model: nn.Module, groups: ProcessGroups):
         """Shard the pool's single-device model for this rank; returns its GradientPlan."""
 
-    def setup(self, command: pb.SetupCommand) -> None:
+    @property
+    def message_space(self) -> str:
+        """What boundary message tags are scoped to: this run's current generation, so a
+        message of an aborted generation can never match a receive of the next."""
+        return f"{self.run_id}/{self.generation}"
+
+    def setup(self, command: pb.SetupCommand) -> pb.SetupResult:
+        """Join a generation: its peers (the only ones the data plane accepts), and the
+        committed checkpoint to continue from."""
+        started = time.perf_counter()
+        self.generation = command.generation
         self.peers = {(p.worker.pool, p.worker.rank): p.data_address for p in command.peers}
+        own = {"encoder": pb.POOL_ENCODER, "llm": pb.POOL_LLM}[self.pool]
+        self.transport.authorize(
+            self.run_secret, {p.data_address for p in command.peers if p.worker.pool != own}
+        )
+        restored = self.restore(command.restore_path) if command.restore_path else -1
+        return pb.SetupResult(
+            generation=command.generation,
+            restored_step=restored,
+            seconds=time.perf_counter() - started,
+        )
 
     def finish_backward(self) -> float:
         """Reduce this step's gradients in the pool's layout; the pool's squared gradient norm

@@ -1,11 +1,16 @@
 """A worker process: registers with the router, heartbeats, and executes the router's commands
 with its pool's service (`encoder_service.worker` or `llm_service.worker`).
 
-    python -m dyad.worker --router HOST:PORT --run-id ID --pool encoder --rank 0 \
-        --dist-address HOST:PORT
+    python -m dyad.worker --router HOST:PORT --run-id ID --pool encoder --rank 0
 
-`--dist-address` is the pool's torch.distributed rendezvous (its rank 0 hosts the store); the
-pool's world size comes from the run's layout.
+The join token comes from `$DYAD_JOIN_TOKEN` or `--join-token-file`. The router's reply to
+Register names the generation to join, the pool's torch.distributed rendezvous and the run's
+config (its layouts at the pools' current sizes).
+
+A process serves one generation of its pool's process groups. Told to stop (the run ended, or
+its pool re-forms), it exits; its supervisor (the local launcher, or the StatefulSet on
+Kubernetes) starts a fresh one. When the router goes away, it registers again (for up to
+`router.reconnect_timeout_s`) and carries on in place if the router keeps its pool as it is.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import threading
+import time
 import traceback
 
 import grpc
@@ -21,11 +28,15 @@ import torch
 import torch.distributed as dist
 
 from dyad import config as config_lib
+from dyad.channels import open_channel
+from dyad.router.auth import load_token
 from dyad.transport import UcxTransport
-from dyad.wire import GRPC_OPTIONS, pb, rpc
+from dyad.wire import pb, rpc
 
 log = logging.getLogger("dyad.worker")
 POOL_ENUMS = {"encoder": pb.POOL_ENCODER, "llm": pb.POOL_LLM}
+_RETRY_S = 1.0
+
 
 def _service_class(pool: str):
     # Imported lazily so each process loads only its own model code.
@@ -38,68 +49,110 @@ def _service_class(pool: str):
     return LLMWorker
 
 
+class RouterLost(RuntimeError):
+    """The router did not answer; register again."""
+
+
 class WorkerRuntime:
-    def __init__(self, router: str, run_id: str, pool: str, rank: int, dist_address: str):
+    def __init__(self, router: str, run_id: str, pool: str, rank: int, join_token: str):
         self.run_id = run_id
-        self.dist_address = dist_address
         self.worker = pb.WorkerId(pool=POOL_ENUMS[pool], rank=rank)
         self.pool, self.rank = pool, rank
-        self.channel = grpc.insecure_channel(router, options=GRPC_OPTIONS)
+        self.channel = open_channel(router, token=join_token)
         self.stub = rpc.CoordinatorStub(self.channel)
+        self.generation = 0
         self._stopped = threading.Event()
 
     def run(self) -> None:
         with UcxTransport() as transport:
-            reply = self.stub.Register(
-                pb.RegisterRequest(
-                    run_id=self.run_id, worker=self.worker, data_address=transport.address
-                ),
-                wait_for_ready=True,
-                timeout=60,
-            )
+            reply = self._register(transport.address, timeout_s=60.0)
             config = config_lib.from_yaml(reply.config_yaml)
+            self.dist_address = reply.dist_address
             interval = config.router.heartbeat_interval_s
             threading.Thread(target=self._heartbeat, args=(interval,), daemon=True).start()
-            self._join_pool(config)
+            self._join_pool(config, reply.dist_address)
             service = _service_class(self.pool)(config, transport, self.rank, self.run_id)
+            service.run_secret = reply.run_secret
             try:
-                self._execute(service)
+                while not self._execute(service):
+                    if not self._rejoin(transport.address, config):
+                        break
             finally:
                 self._stopped.set()
                 service.close()
                 dist.destroy_process_group()
 
-    def _join_pool(self, config) -> None:
-        world_size = getattr(config.parallel, self.pool).world_size
+    def _register(self, data_address: str, timeout_s: float) -> pb.RegisterReply:
+        request = pb.RegisterRequest(
+            run_id=self.run_id, worker=self.worker, data_address=data_address,
+            generation=self.generation, pid=os.getpid(),
+        )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.stub.Register(request, wait_for_ready=True, timeout=max(1.0, deadline - time.monotonic()))
+            except grpc.RpcError as error:
+                if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                if time.monotonic() > deadline:
+                    raise RouterLost(f"the router did not answer within {timeout_s:.0f}s") from error
+                time.sleep(_RETRY_S)
+
+    def _rejoin(self, data_address: str, config) -> bool:
+        """After losing the router: register again; True if this process goes on as it is."""
+        log.warning("lost the router; registering again")
+        try:
+            reply = self._register(data_address, config.router.reconnect_timeout_s)
+        except (RouterLost, grpc.RpcError) as error:
+            log.error("could not register again: %s", error)
+            return False
+        same = reply.dist_address == self.dist_address and _world_size(
+            config_lib.from_yaml(reply.config_yaml), self.pool
+        ) == _world_size(config, self.pool)
+        if not same:
+            log.warning("the router re-formed the %s pool; exiting to be restarted", self.pool)
+        return same
+
+    def _join_pool(self, config, dist_address: str) -> None:
         backend = "nccl" if config.train.device == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
         dist.init_process_group(
             backend,
-            init_method=f"tcp://{self.dist_address}",
+            init_method=f"tcp://{dist_address}",
             rank=self.rank,
-            world_size=world_size,
+            world_size=_world_size(config, self.pool),
         )
 
-    def _execute(self, service) -> None:
-        commands = self.stub.Commands(
-            pb.CommandStreamRequest(run_id=self.run_id, worker=self.worker)
-        )
-        for command in commands:
-            kind = command.WhichOneof("command")
-            if kind == "stop":
-                return
-            try:
-                result = getattr(service, kind)(getattr(command, kind))
-            except Exception:  # noqa: BLE001 - reported to the router, then this worker exits
-                self._report(error=traceback.format_exc())
-                raise
-            if result is not None:
-                self._report(**{kind: result})
+    def _execute(self, service) -> bool:
+        """Run commands until told to stop (True) or until the router is lost (False)."""
+        commands = self.stub.Commands(pb.CommandStreamRequest(run_id=self.run_id, worker=self.worker))
+        try:
+            for command in commands:
+                kind = command.WhichOneof("command")
+                if kind == "stop":
+                    log.info("stopping: %s", command.stop.reason)
+                    return True
+                if kind == "setup":
+                    self.generation = command.setup.generation
+                try:
+                    result = getattr(service, kind)(getattr(command, kind))
+                except Exception:  # noqa: BLE001 - reported to the router, then this worker exits
+                    self._report(error=traceback.format_exc())
+                    raise
+                if result is not None:
+                    self._report(**{kind: result})
+        except grpc.RpcError as error:
+            log.warning("command stream broke: %s", error.code())
+            return False
+        return False
 
     def _report(self, **result) -> None:
         self.stub.ReportResult(
-            pb.WorkerResult(run_id=self.run_id, worker=self.worker, **result), timeout=30
+            pb.WorkerResult(
+                run_id=self.run_id, worker=self.worker, generation=self.generation, **result
+            ),
+            timeout=30,
         )
 
     def _heartbeat(self, interval_s: float) -> None:
@@ -109,7 +162,11 @@ class WorkerRuntime:
                 if self.stub.Heartbeat(request, timeout=interval_s * 5).stop:
                     return
             except grpc.RpcError as error:
-                log.warning("heartbeat failed: %s", error.code())
+                log.debug("heartbeat failed: %s", error.code())
+
+
+def _world_size(config, pool: str) -> int:
+    return getattr(config.parallel, pool).world_size
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,13 +175,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--pool", choices=sorted(POOL_ENUMS), required=True)
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--dist-address", required=True, help="the pool's rendezvous HOST:PORT")
+    parser.add_argument("--join-token-file", help="default: $DYAD_JOIN_TOKEN")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("DYAD_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {args.pool}/{args.rank} %(levelname)s %(message)s",
     )
-    WorkerRuntime(args.router, args.run_id, args.pool, args.rank, args.dist_address).run()
+    try:
+        token = load_token("DYAD_JOIN_TOKEN", args.join_token_file)
+    except ValueError as error:
+        sys.exit(f"dyad worker: {error}")
+    WorkerRuntime(args.router, args.run_id, args.pool, args.rank, token).run()
 
 
 if __name__ == "__main__":

@@ -97,12 +97,12 @@ class EncoderWorker(PoolService):
                 continue
             segments = transfer_segments(transfer, self.device)
             peer = self.peers[(pb.POOL_LLM, transfer.dst_rank)]
-            tag = MessageTag(self.run_id, command.step, transfer.microbatch, Direction.FORWARD, self.rank)
+            tag = MessageTag(self.message_space, command.step, transfer.microbatch, Direction.FORWARD, self.rank)
             buffer_ND = pack(payload_RD, segments)
             flight.sent.append(_Sent(self.transport.send(peer, tag, buffer_ND), buffer_ND.nbytes))
             if transfer.returns_gradient:
                 back = MessageTag(
-                    self.run_id, command.step, transfer.microbatch, Direction.BACKWARD, transfer.dst_rank
+                    self.message_space, command.step, transfer.microbatch, Direction.BACKWARD, transfer.dst_rank
                 )
                 received = self.transport.recv(peer, back, torch.empty_like(buffer_ND))
                 flight.gradients.append((received, segments))

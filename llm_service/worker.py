@@ -113,7 +113,7 @@ class LLMWorker(PoolService):
                 continue
             peer = self.peers[(pb.POOL_ENCODER, transfer.src_rank)]
             tag = MessageTag(
-                self.run_id, command.step, transfer.microbatch, Direction.FORWARD, transfer.src_rank
+                self.message_space, command.step, transfer.microbatch, Direction.FORWARD, transfer.src_rank
             )
             buffer_ND = torch.empty((transfer.rows, command.plan.hidden), dtype=dtype, device=self.device)
             arrival = Arrival(transfer, transfer_segments(transfer, self.device), buffer_ND,
@@ -138,7 +138,7 @@ class LLMWorker(PoolService):
             transfer = arrival.transfer
             if transfer.returns_gradient:
                 peer = self.peers[(pb.POOL_ENCODER, transfer.src_rank)]
-                tag = MessageTag(self.run_id, step, transfer.microbatch, Direction.BACKWARD, self.rank)
+                tag = MessageTag(self.message_space, step, transfer.microbatch, Direction.BACKWARD, self.rank)
                 buffer_ND = pack(grad_NlD, arrival.segments.reversed())
                 sends.append((self.transport.send(peer, tag, buffer_ND), buffer_ND.nbytes))
         return sends

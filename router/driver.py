@@ -1,5 +1,7 @@
-"""The router's side of a run: start workers, then for every step send commands, collect
-results, combine the global gradient norm, and publish metrics; commit the final checkpoint.
+"""The router's side of a run: bring up a generation of workers, then for every step send
+commands, collect results, combine the global gradient norm and publish metrics; between steps,
+commit checkpoints and resize pools; when a worker is lost, restore both pools from the last
+committed checkpoint in a new generation and go on (a bounded number of times).
 """
 
 from __future__ import annotations
@@ -7,100 +9,272 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import queue
 import time
 from pathlib import Path
 
+from dyad.router import checkpoints
+from dyad.router.checkpoints import Committed
 from dyad.router.launcher import Launcher, WorkerSpec
-from dyad.router.run import Run, worker_key
+from dyad.router.run import POOL_ENUMS, Run, worker_key
+from dyad.router.sampler import Cursor
 from dyad.router.steps import StepPlanner, step_command
+
+from dyad import config as config_lib
 from dyad.optim import clip_scale
 from dyad.wire import pb
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
+POOLS = ("encoder", "llm")
 
 
 class RunAborted(RuntimeError):
+    """The run ends: stopped by the client, or failed beyond recovery."""
+
     def __init__(self, message: str, state: int = pb.RUN_STATE_FAILED):
         super().__init__(message)
         self.state = state
 
 
+class WorkerLost(RuntimeError):
+    """A worker died, hung, went silent or failed: the run can recover from a checkpoint."""
+
+
 class RunDriver:
-    def __init__(self, run: Run, launcher: Launcher, router_address: str, dataset):
+    def __init__(
+        self, run: Run, launcher: Launcher, router_address: str, dataset, *,
+        worker_env: dict[str, str] | None = None, resumed: bool = False,
+    ):
         self.run = run
         self.launcher = launcher
         self.router_address = router_address
-        self.config = run.config
+        self.dataset = dataset
+        self.worker_env = worker_env or {}
+        self.resumed = resumed  # a restarted router taking over: workers may still be running
         self.out_dir = Path(run.config.out_dir)
+        self.committed: Committed | None = None
+        self.step = 0
         self.planner = StepPlanner(run.config, dataset)
+
+    @property
+    def config(self):
+        return self.run.config
 
     def __call__(self) -> None:
         state, message = pb.RUN_STATE_SUCCEEDED, ""
         try:
-            self._start_workers()
-            self.run.set_state(pb.RUN_STATE_RUNNING)
-            with open(self.out_dir / "metrics.jsonl", "a") as metrics_file:
-                for step in range(self.config.train.steps):
-                    self._check_stop()
-                    metrics = self._train_step(step)
-                    metrics_file.write(json.dumps(_metrics_record(metrics)) + "\n")
-                    metrics_file.flush()
-                    self.run.record_step(metrics)
-            self._save_checkpoint(self.config.train.steps)
+            self._drive()
         except RunAborted as error:
             state, message = error.state, str(error)
-        except Exception as error:  # noqa: BLE001 - the run fails, the router lives on
+        except Exception as error:
             log.exception("run %s failed", self.run.run_id)
             state, message = pb.RUN_STATE_FAILED, f"{type(error).__name__}: {error}"
         finally:
             self.run.send(pb.WorkerCommand(stop=pb.StopCommand(reason=message or "done")))
-            self.launcher.stop()
+            self.launcher.stop(timeout_s=self.config.router.stop_grace_s)
             self.run.set_state(state, message)
 
-    # ------------------------------------------------------------------ phases
-
-    def _start_workers(self) -> None:
-        specs = [
-            WorkerSpec(pool, rank)
-            for pool, size in self.run.pool_sizes.items()
-            for rank in range(size)
-        ]
+    def _drive(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.launcher.start(self.run.run_id, self.router_address, specs, self.out_dir / "logs")
+        with (
+            open(self.out_dir / "metrics.jsonl", "a") as self._metrics_file,
+            # The samples each step trained on, to audit that none is lost or repeated.
+            open(self.out_dir / "samples.jsonl", "a") as self._samples_file,
+        ):
+            self._continue_from(self._first_checkpoint())
+            try:
+                if self.resumed:
+                    self._take_over_workers()
+                else:
+                    self._start_generation(restarting=POOLS, restore_all=True)
+            except WorkerLost as lost:
+                self._recover(lost)
+            self.run.set_state(pb.RUN_STATE_RUNNING)
+            total = self.config.train.steps
+            while self.step < total:
+                self._check_stop()
+                try:
+                    self._between_steps()
+                    metrics = self._train_step(self.step)
+                except WorkerLost as lost:
+                    self._recover(lost)
+                    continue
+                self._write(_metrics_record(metrics, self.run.generation))
+                self._samples_file.write(json.dumps(
+                    {"step": self.step, "generation": self.run.generation, "samples": self._samples}
+                ) + "\n")
+                self._samples_file.flush()
+                self.run.record_step(metrics)
+                self.step += 1
+                interval = self.config.checkpoint.interval_steps
+                if interval and self.step % interval == 0 and self.step < total:
+                    self._commit_or_recover()
+            while self.committed is None or self.committed.step != total:
+                self._commit_or_recover()
 
-        def should_abort() -> bool:
-            return self.run.stop_requested.is_set() or bool(self.launcher.dead())
+    def _write(self, record: dict) -> None:
+        self._metrics_file.write(json.dumps(record) + "\n")
+        self._metrics_file.flush()
 
-        if not self.run.wait_for_workers(self.config.router.start_timeout_s, should_abort):
-            self._check_stop()
-            self._check_alive()
+    def _notice(self, kind: str, message: str) -> None:
+        """A RunNotice in the WatchRun stream and an `event` record in metrics.jsonl."""
+        notice = self.run.notice(kind, self.step, message)
+        self._write({
+            "event": kind, "step": notice.step, "generation": notice.generation,
+            "recoveries": notice.recoveries, "message": message,
+        })
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _first_checkpoint(self) -> Committed | None:
+        own = checkpoints.latest_committed(self.out_dir) if self.resumed else None
+        if own is not None:
+            return own
+        if self.config.checkpoint.resume_from:
+            return checkpoints.resolve_resume(self.config.checkpoint.resume_from)
+        return None
+
+    def _continue_from(self, committed: Committed | None) -> None:
+        self.committed = committed
+        self.step = committed.step if committed else 0
+        cursor = committed.cursor if committed else Cursor()
+        self.planner = StepPlanner(self.config, self.dataset, cursor)
+        if self.step > self.config.train.steps:
             raise RunAborted(
-                f"workers did not register within router.start_timeout_s="
-                f"{self.config.router.start_timeout_s}"
+                f"the checkpoint to resume ({committed.path}) is at step {self.step}, past "
+                f"train.steps ({self.config.train.steps})"
             )
+
+    def _commit(self) -> None:
+        """Both pools write their part, then the manifest makes it a checkpoint."""
+        path = checkpoints.checkpoint_dir(self.out_dir, self.step)
+        path.mkdir(parents=True, exist_ok=True)
+        self.run.send(pb.WorkerCommand(save=pb.SaveCommand(step=self.step, path=str(path))))
+        self._collect("save", lambda result: result.step == self.step)
+        layouts = {
+            "encoder": config_lib.to_dict(self.config.parallel)["encoder"],
+            "llm": config_lib.to_dict(self.config.parallel)["llm"],
+        }
+        self.committed = checkpoints.commit(
+            path, run_id=self.run.run_id, step=self.step, cursor=self.planner.cursor, layouts=layouts
+        )
+        self.run.set_checkpoint(str(path))
+        self._notice("checkpoint", f"committed {path}")
+
+    def _commit_or_recover(self) -> None:
+        try:
+            self._commit()
+        except WorkerLost as lost:
+            self._recover(lost)
+
+    # ------------------------------------------------------------------ generations
+
+    def _start_generation(self, restarting, restore_all: bool, timeout_s: float | None = None) -> float:
+        """Stop the workers of the `restarting` pools, start them at the pools' current sizes,
+        wait until every rank of both pools is registered, and set them up: peers, and the
+        committed checkpoint to restore (all pools, or only the restarted ones). Returns the
+        seconds it took."""
+        started = time.perf_counter()
+        restarting = tuple(restarting)
+        if restarting:
+            self.run.send(pb.WorkerCommand(stop=pb.StopCommand(reason="restart")), restarting)
+            self.launcher.stop(restarting, timeout_s=self.config.router.stop_grace_s)
+        rendezvous = self.launcher.rendezvous(restarting)
+        generation = self.run.new_generation(restarting, rendezvous)
+        specs = [
+            WorkerSpec(pool, rank) for pool in restarting for rank in range(self.run.pool_sizes[pool])
+        ]
+        self.launcher.start(
+            self.run.run_id, self.router_address, specs, self.out_dir / "logs", self.worker_env
+        )
+        timeout_s = timeout_s or self.config.router.start_timeout_s
+        if not self.run.wait_for_workers(timeout_s, self._check_stop_or_lost):
+            missing = ", ".join(f"{pool}/{rank}" for pool, rank in self.run.missing())
+            raise WorkerLost(f"worker(s) {missing} did not register within {timeout_s:g}s")
         peers = [
-            pb.Peer(
-                worker=pb.WorkerId(pool=_pool_enum(pool), rank=rank), data_address=channel.address
-            )
+            pb.Peer(worker=pb.WorkerId(pool=POOL_ENUMS[pool], rank=rank), data_address=channel.address)
             for (pool, rank), channel in sorted(self.run.registered().items())
         ]
-        self.run.send(pb.WorkerCommand(setup=pb.SetupCommand(peers=peers)))
+        restore = str(self.committed.path) if self.committed else ""
+        for pool in POOLS:
+            setup = pb.SetupCommand(
+                peers=peers,
+                generation=generation,
+                restore_path=restore if restore_all or pool in restarting else "",
+            )
+            self.run.send(pb.WorkerCommand(setup=setup), [pool])
+        self._collect("setup", lambda result: result.generation == generation)
+        return time.perf_counter() - started
+
+    def _take_over_workers(self) -> None:
+        """After a router restart: the run's workers register again and restore the last
+        committed checkpoint in place. A worker that does not come back within
+        router.worker_timeout_s (e.g. one left waiting mid-step for a peer that never got its
+        step command) makes it a recovery instead."""
+        for key, pid in self.run.pids.items():
+            pool, rank = key.split("/")
+            self.launcher.adopt(WorkerSpec(pool, int(rank)), pid)
+        try:
+            self._start_generation(
+                restarting=(), restore_all=True, timeout_s=self.config.router.worker_timeout_s
+            )
+        except WorkerLost as lost:
+            raise WorkerLost(f"after the router restart: {lost}") from None
+        self._notice("resume", "router restarted; every worker registered again")
+
+    def _recover(self, lost: WorkerLost) -> None:
+        """Restart both pools from the last committed checkpoint, as often as allowed."""
+        while True:
+            used = self.run.count_recovery()
+            limit = self.config.router.max_recoveries
+            if used > limit:
+                raise RunAborted(f"gave up after router.max_recoveries={limit}: {lost}")
+            self._continue_from(self.committed)
+            log.warning("run %s: recovering (%d/%d) from step %d: %s",
+                        self.run.run_id, used, limit, self.step, lost)
+            self._notice("recovery", f"attempt {used}/{limit}: {lost}")
+            try:
+                self._start_generation(restarting=POOLS, restore_all=True)
+                return
+            except WorkerLost as again:
+                lost = again
+
+    def _between_steps(self) -> None:
+        """Requests that wait for a step boundary: resizes, then an on-demand checkpoint."""
+        resizes = self.run.take_scale_requests()
+        if resizes or self.run.checkpoint_requested.is_set():
+            self.run.checkpoint_requested.clear()
+            if self.committed is None or self.committed.step != self.step:
+                self._commit()
+        if not resizes:
+            return
+        config = self.config
+        for pool, replicas in resizes.items():
+            config = config_lib.scaled(config, pool, replicas)
+        before = self.run.pool_sizes
+        self.run.resize(config)
+        self.planner = StepPlanner(config, self.dataset, self.planner.cursor)
+        changed = [pool for pool in POOLS if before[pool] != self.run.pool_sizes[pool]]
+        seconds = self._start_generation(restarting=changed, restore_all=False)
+        sizes = ", ".join(f"{pool} {before[pool]} -> {self.run.pool_sizes[pool]}" for pool in changed)
+        self._notice("resize", f"{sizes or 'no change'} in {seconds:.1f}s")
+
+    # ------------------------------------------------------------------ one step
 
     def _train_step(self, step: int) -> pb.StepMetrics:
         started = time.perf_counter()
         spec = self.planner.next(step)
+        self._samples = [s for microbatch in spec.microbatches for s in microbatch]
         plan = self.planner.boundary_plan(spec)
         command = step_command(spec, plan, self.config.encoder.tokens_per_image)
         self.run.send(pb.WorkerCommand(step=command))
-        results = self._collect("step", step)
+        results = self._collect("step", lambda result: result.step == step)
 
         total_sq = sum(r.grad_sq_norm for r in results.values())
         grad_scale = clip_scale(total_sq, self.config.train.grad_clip)
         self.run.send(pb.WorkerCommand(apply=pb.ApplyCommand(step=step, grad_scale=grad_scale)))
-        self._collect("apply", step)
+        self._collect("apply", lambda result: result.step == step)
 
         llm = [r for (pool, _), r in results.items() if pool == "llm"]
         encoder = [r for (pool, _), r in results.items() if pool == "encoder"]
@@ -125,41 +299,35 @@ class RunDriver:
             encoder_imbalance=plan.encoder_imbalance,
         )
 
-    def _save_checkpoint(self, step: int) -> None:
-        path = self.out_dir / "checkpoints" / f"step_{step:08d}"
-        path.mkdir(parents=True, exist_ok=True)
-        self.run.send(pb.WorkerCommand(save=pb.SaveCommand(step=step, path=str(path))))
-        self._collect("save", step)
-        manifest = {
-            "run_id": self.run.run_id,
-            "step": step,
-            "files": sorted(f.name for f in path.iterdir() if f.suffix == ".pt"),
-            "config": self.run.config_yaml,
-        }
-        # The manifest is written last and atomically: a checkpoint without one is incomplete.
-        tmp = path / "manifest.json.tmp"
-        tmp.write_text(json.dumps(manifest, indent=1))
-        os.replace(tmp, path / "manifest.json")
-
     # ------------------------------------------------------------------ waiting
 
-    def _collect(self, kind: str, step: int) -> dict[tuple[str, int], object]:
-        """One `kind` result from every worker for `step`, or abort with the reason."""
+    def _collect(self, kind: str, matches) -> dict[tuple[str, int], object]:
+        """One `kind` result of this generation from every worker, or WorkerLost/RunAborted."""
         pending = set(self.run.registered())
+        generation = self.run.generation
+        deadline = time.monotonic() + self.config.router.step_timeout_s
         results = {}
         while pending:
             self._check_stop()
             self._check_alive()
+            if time.monotonic() > deadline:
+                late = ", ".join(f"{pool}/{rank}" for pool, rank in sorted(pending))
+                raise WorkerLost(
+                    f"no {kind} result from {late} within "
+                    f"router.step_timeout_s={self.config.router.step_timeout_s} (hung?)"
+                )
             try:
                 result = self.run.results.get(timeout=_POLL_S)
             except queue.Empty:
                 continue
+            if result.generation != generation:
+                continue
             key = worker_key(result.worker)
-            if result.WhichOneof("result") == "error":
-                raise RunAborted(f"worker {key[0]}/{key[1]} failed: {result.error}")
-            payload = getattr(result, kind) if result.WhichOneof("result") == kind else None
-            if payload is not None and payload.step == step and key in pending:
-                results[key] = payload
+            which = result.WhichOneof("result")
+            if which == "error":
+                raise WorkerLost(f"worker {key[0]}/{key[1]} failed: {result.error}")
+            if which == kind and key in pending and matches(getattr(result, kind)):
+                results[key] = getattr(result, kind)
                 pending.discard(key)
         return results
 
@@ -167,28 +335,30 @@ class RunDriver:
         if self.run.stop_requested.is_set():
             raise RunAborted("stopped by the client", pb.RUN_STATE_STOPPED)
 
+    def _check_stop_or_lost(self) -> None:
+        self._check_stop()
+        self._check_alive()
+
     def _check_alive(self) -> None:
         dead = self.launcher.dead()
         if dead:
             spec, reason = dead[0]
-            raise RunAborted(f"worker {spec.pool}/{spec.rank} {reason}")
+            raise WorkerLost(f"worker {spec.pool}/{spec.rank} {reason}")
         deadline = time.monotonic() - self.config.router.worker_timeout_s
         for (pool, rank), channel in self.run.registered().items():
             if channel.last_seen < deadline:
-                raise RunAborted(
+                raise WorkerLost(
                     f"worker {pool}/{rank} silent for more than "
                     f"router.worker_timeout_s={self.config.router.worker_timeout_s}"
                 )
 
 
-def _pool_enum(pool: str) -> int:
-    return {"encoder": pb.POOL_ENCODER, "llm": pb.POOL_LLM}[pool]
+_METRIC_FIELDS = (
+    "step", "loss", "lm_loss", "aux_loss", "tokens", "target_tokens", "grad_norm", "lr",
+    "step_time_s", "tokens_per_s", "boundary_bytes_fwd", "boundary_bytes_bwd",
+    "encoder_wait_s", "llm_wait_s", "encoder_imbalance",
+)
 
 
-def _metrics_record(metrics: pb.StepMetrics) -> dict:
-    fields = (
-        "step", "loss", "lm_loss", "aux_loss", "tokens", "target_tokens", "grad_norm", "lr",
-        "step_time_s", "tokens_per_s", "boundary_bytes_fwd", "boundary_bytes_bwd",
-        "encoder_wait_s", "llm_wait_s", "encoder_imbalance",
-    )
-    return {name: getattr(metrics, name) for name in fields}
+def _metrics_record(metrics: pb.StepMetrics, generation: int) -> dict:
+    return {name: getattr(metrics, name) for name in _METRIC_FIELDS} | {"generation": generation}

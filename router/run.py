@@ -1,4 +1,9 @@
-"""A run as the router sees it: its state, its workers' channels and its event history.
+"""A run as the router sees it: its state, its generation of workers and their channels, its
+pending requests and its event history (persisted through the router's store).
+
+A *generation* is one membership of the pools: pool sizes, each pool's torch.distributed
+rendezvous, the workers registered for it. It is bumped whenever the pools re-form (recovery
+from a lost worker, a resize, a router restart); results of older generations are ignored.
 
 Thread-safe: gRPC handler threads (register, heartbeat, command streams, results, watchers) and
 the run's driver thread meet here.
@@ -7,16 +12,21 @@ the run's driver thread meet here.
 from __future__ import annotations
 
 import queue
+import secrets
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
+from dyad.router.errors import FailedPrecondition
+from dyad.router.store import NullStore, RunRecord
+
+from dyad import config as config_lib
 from dyad.config import RunConfig, to_yaml
 from dyad.wire import pb
-from dyad.router.errors import FailedPrecondition
 
 POOLS = {pb.POOL_ENCODER: "encoder", pb.POOL_LLM: "llm"}
+POOL_ENUMS = {name: enum for enum, name in POOLS.items()}
 TERMINAL = (pb.RUN_STATE_SUCCEEDED, pb.RUN_STATE_FAILED, pb.RUN_STATE_STOPPED)
 _STREAM_POLL_S = 0.5
 
@@ -25,21 +35,30 @@ def worker_key(worker: pb.WorkerId) -> tuple[str, int]:
     return POOLS[worker.pool], worker.rank
 
 
+def pool_sizes(config: RunConfig) -> dict[str, int]:
+    return {"encoder": config.parallel.encoder.world_size, "llm": config.parallel.llm.world_size}
+
+
 @dataclass
 class WorkerChannel:
     address: str
+    pid: int = 0
     commands: queue.Queue = field(default_factory=queue.Queue)
     last_seen: float = field(default_factory=time.monotonic)
 
 
 class Run:
-    def __init__(self, run_id: str, config: RunConfig, pool_sizes: dict[str, int]):
+    def __init__(self, run_id: str, config: RunConfig, store: NullStore | None = None):
         self.run_id = run_id
         self.config = config
-        self.config_yaml = to_yaml(config)
-        self.pool_sizes = pool_sizes
+        self.store = store or NullStore()
+        self.secret = secrets.token_bytes(32)
+        self.rendezvous: dict[str, str] = {}
+        self.pids: dict[str, int] = {}
         self.results: queue.Queue[pb.WorkerResult] = queue.Queue()
         self.stop_requested = threading.Event()
+        self.checkpoint_requested = threading.Event()
+        self._scale_requests: dict[str, int] = {}
         self._lock = threading.Condition()
         self._workers: dict[tuple[str, int], WorkerChannel] = {}
         self._events: list[pb.RunEvent] = []
@@ -49,6 +68,47 @@ class Run:
             total_steps=config.train.steps,
             out_dir=config.out_dir,
         )
+        self._set_sizes()
+
+    @classmethod
+    def restored(cls, record: RunRecord, store: NullStore) -> Run:
+        """A run read back from the store by a restarted router."""
+        run = cls(record.run_id, config_lib.from_yaml(record.config_yaml), store)
+        run._info = pb.RunInfo.FromString(record.info)
+        run.secret = bytes.fromhex(record.secret)
+        run.rendezvous = dict(record.rendezvous)
+        run.pids = dict(record.pids)
+        run._events = store.events(record.run_id)
+        return run
+
+    @property
+    def config_yaml(self) -> str:
+        return to_yaml(self.config)
+
+    @property
+    def pool_sizes(self) -> dict[str, int]:
+        return pool_sizes(self.config)
+
+    @property
+    def generation(self) -> int:
+        with self._lock:
+            return self._info.generation
+
+    def _set_sizes(self) -> None:
+        sizes = self.pool_sizes
+        self._info.encoder_replicas, self._info.llm_replicas = sizes["encoder"], sizes["llm"]
+
+    def persist(self) -> None:
+        with self._lock:
+            record = RunRecord(
+                run_id=self.run_id,
+                config_yaml=self.config_yaml,
+                info=self._info.SerializeToString(),
+                secret=self.secret.hex(),
+                rendezvous=dict(self.rendezvous),
+                pids=dict(self.pids),
+            )
+        self.store.save_run(record)
 
     # ------------------------------------------------------------------ state and events
 
@@ -72,14 +132,42 @@ class Run:
             if state in TERMINAL:
                 finished = pb.RunEvent()
                 finished.finished.CopyFrom(self._info)
-                self._events.append(finished)
+                self._append(finished)
             self._lock.notify_all()
+        self.persist()
+
+    def _append(self, event: pb.RunEvent) -> None:
+        self._events.append(event)
+        self.store.append_event(self.run_id, len(self._events) - 1, event)
 
     def record_step(self, metrics: pb.StepMetrics) -> None:
         with self._lock:
             self._info.step = metrics.step + 1
-            self._events.append(pb.RunEvent(step=metrics))
+            self._append(pb.RunEvent(step=metrics))
             self._lock.notify_all()
+        self.persist()
+
+    def notice(self, kind: str, step: int, message: str) -> pb.RunNotice:
+        with self._lock:
+            notice = pb.RunNotice(
+                step=step, kind=kind, message=message,
+                generation=self._info.generation, recoveries=self._info.recoveries,
+            )
+            self._info.step = step
+            self._append(pb.RunEvent(notice=notice))
+            self._lock.notify_all()
+        self.persist()
+        return notice
+
+    def count_recovery(self) -> int:
+        with self._lock:
+            self._info.recoveries += 1
+            return self._info.recoveries
+
+    def set_checkpoint(self, path: str) -> None:
+        with self._lock:
+            self._info.last_checkpoint = path
+        self.persist()
 
     def watch(self, from_step: int, is_active) -> Iterator[pb.RunEvent]:
         """Replay events of steps >= from_step, then follow live until the run ends."""
@@ -92,33 +180,89 @@ class Run:
                     self._lock.wait(_STREAM_POLL_S)
                 event = self._events[index]
             index += 1
-            if event.HasField("step") and event.step.step < from_step:
+            kind = event.WhichOneof("event")
+            if kind in ("step", "notice") and getattr(event, kind).step < from_step:
                 continue
             yield event
-            if event.HasField("finished"):
+            if kind == "finished":
                 return
 
-    # ------------------------------------------------------------------ workers
+    # ------------------------------------------------------------------ requests between steps
+
+    def request_scale(self, pool: int, replicas: int) -> None:
+        if pool not in POOLS:
+            raise ValueError(f"pool must be POOL_ENCODER or POOL_LLM, got {pool}")
+        name = POOLS[pool]
+        with self._lock:
+            if self._info.state in TERMINAL:
+                raise FailedPrecondition(f"run {self.run_id} has already finished")
+            config_lib.scaled(self.config, name, replicas)  # refuse now what cannot run
+            self._scale_requests[name] = replicas
+
+    def take_scale_requests(self) -> dict[str, int]:
+        with self._lock:
+            requests, self._scale_requests = self._scale_requests, {}
+            return requests
+
+    def resize(self, config: RunConfig) -> None:
+        with self._lock:
+            self.config = config
+            self._set_sizes()
+
+    # ------------------------------------------------------------------ generations and workers
+
+    def new_generation(self, restarting: Iterable[str], rendezvous: dict[str, str]) -> int:
+        """Start the next generation: workers of `restarting` pools must register again (at
+        the pools' current sizes); every worker's pending commands are dropped."""
+        restarting = set(restarting)
+        with self._lock:
+            self._info.generation += 1
+            self.rendezvous.update(rendezvous)
+            for key in list(self._workers):
+                if key[0] in restarting or key[1] >= self.pool_sizes[key[0]]:
+                    del self._workers[key]
+            for channel in self._workers.values():
+                channel.commands = queue.Queue()
+            self.pids = {f"{p}/{r}": c.pid for (p, r), c in self._workers.items()}
+            generation = self._info.generation
+            self._lock.notify_all()
+        self.persist()
+        return generation
 
     def _check_worker(self, worker: pb.WorkerId) -> tuple[str, int]:
         if worker.pool not in POOLS:
             raise ValueError(f"worker.pool must be POOL_ENCODER or POOL_LLM, got {worker.pool}")
         pool, rank = worker_key(worker)
-        if not 0 <= rank < self.pool_sizes[pool]:
-            raise ValueError(
-                f"worker.rank ({rank}) out of range for the {pool} pool of {self.pool_sizes[pool]}"
+        size = self.pool_sizes[pool]
+        if rank < 0:
+            raise ValueError(f"worker.rank must be >= 0, got {rank}")
+        if rank >= size:  # valid once, maybe: the pool may have shrunk
+            raise FailedPrecondition(
+                f"worker.rank ({rank}) is not in the {pool} pool, which has {size} ranks now"
             )
         return pool, rank
 
-    def register(self, worker: pb.WorkerId, data_address: str) -> None:
+    def register(self, worker: pb.WorkerId, data_address: str, pid: int) -> pb.RegisterReply:
         key = self._check_worker(worker)
         if not data_address:
             raise ValueError("data_address must be set (the worker's UCX listener host:port)")
         if self.finished:
             raise FailedPrecondition(f"run {self.run_id} has already finished")
         with self._lock:
-            self._workers[key] = WorkerChannel(address=data_address)
+            if key[0] not in self.rendezvous:
+                raise FailedPrecondition(f"the {key[0]} pool of run {self.run_id} is not starting yet")
+            self._workers[key] = WorkerChannel(address=data_address, pid=pid)
+            self.pids[f"{key[0]}/{key[1]}"] = pid
+            reply = pb.RegisterReply(
+                config_yaml=self.config_yaml,
+                out_dir=self.config.out_dir,
+                generation=self._info.generation,
+                dist_address=self.rendezvous[key[0]],
+                run_secret=self.secret,
+            )
             self._lock.notify_all()
+        self.persist()
+        return reply
 
     def channel(self, worker: pb.WorkerId) -> WorkerChannel:
         key = self._check_worker(worker)
@@ -127,17 +271,31 @@ class Run:
                 raise FailedPrecondition(f"worker {key[0]}/{key[1]} has not registered")
             return self._workers[key]
 
-    def registered(self) -> dict[tuple[str, int], WorkerChannel]:
+    def registered(self, pools: Iterable[str] | None = None) -> dict[tuple[str, int], WorkerChannel]:
         with self._lock:
-            return dict(self._workers)
+            return {k: c for k, c in self._workers.items() if pools is None or k[0] in pools}
 
-    def wait_for_workers(self, timeout_s: float, should_abort) -> bool:
-        expected = sum(self.pool_sizes.values())
+    def missing(self) -> list[tuple[str, int]]:
+        with self._lock:
+            return [
+                (pool, rank)
+                for pool, size in self.pool_sizes.items()
+                for rank in range(size)
+                if (pool, rank) not in self._workers
+            ]
+
+    def wait_for_workers(self, timeout_s: float, check) -> bool:
+        """Wait until every rank of both pools has registered; `check()` may raise to abort."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while len(self._workers) < expected:
-                if time.monotonic() > deadline or should_abort():
+            while self.missing():
+                if time.monotonic() > deadline:
                     return False
+                self._lock.release()
+                try:
+                    check()
+                finally:
+                    self._lock.acquire()
                 self._lock.wait(0.2)
         return True
 
@@ -145,8 +303,8 @@ class Run:
         self.channel(worker).last_seen = time.monotonic()
         return self.finished or self.stop_requested.is_set()
 
-    def send(self, command: pb.WorkerCommand) -> None:
-        for channel in self.registered().values():
+    def send(self, command: pb.WorkerCommand, pools: Iterable[str] | None = None) -> None:
+        for channel in self.registered(pools).values():
             channel.commands.put(command)
 
     def commands_for(self, worker: pb.WorkerId, is_active) -> Iterator[pb.WorkerCommand]:
@@ -163,5 +321,5 @@ class Run:
     def report(self, result: pb.WorkerResult) -> None:
         self.channel(result.worker).last_seen = time.monotonic()
         if result.WhichOneof("result") is None:
-            raise ValueError("result must be one of step, apply, save or error")
+            raise ValueError("result must be one of step, apply, save, setup or error")
         self.results.put(result)

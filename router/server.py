@@ -4,6 +4,7 @@ service, and grpc.health.v1.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -15,19 +16,27 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dyad import config as config_lib
 from dyad.data import make_dataset
+from dyad.router.auth import Credentials, TokenInterceptor
+from dyad.router.checkpoints import resolve_resume
 from dyad.router.driver import RunDriver
 from dyad.router.errors import FailedPrecondition, NotFound, map_errors
 from dyad.router.launcher import LocalLauncher
 from dyad.router.run import Run
+from dyad.router.store import open_store
 from dyad.wire import GRPC_OPTIONS, pb, rpc
+
+log = logging.getLogger(__name__)
 
 
 class RouterState:
-    """Runs known to this router; at most one active at a time."""
+    """Runs known to this router (at most one active at a time), persisted in `state_db` when
+    given so that a restarted router resumes them."""
 
-    def __init__(self, launcher_factory=LocalLauncher):
+    def __init__(self, launcher_factory=LocalLauncher, state_db: str | None = None):
         self.address = ""
+        self.credentials = None  # set by `serve`; its join token goes to launched workers
         self._launcher_factory = launcher_factory
+        self._store = open_store(state_db)
         self._runs: dict[str, Run] = {}
         self._drivers: dict[str, threading.Thread] = {}
         self._lock = threading.Lock()
@@ -44,6 +53,8 @@ class RouterState:
         config = config_lib.from_yaml(config_yaml)
         dataset = make_dataset(config.data)
         config = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
+        if config.checkpoint.resume_from:
+            resolve_resume(config.checkpoint.resume_from)  # refuse a bad path before starting
         run_id = uuid.uuid4().hex[:12]
         if not config.out_dir:
             config.out_dir = str(Path("runs") / run_id)
@@ -54,17 +65,31 @@ class RouterState:
                 raise FailedPrecondition(
                     f"run {active[0].run_id} is still active; stop it before starting another"
                 )
-            sizes = {
-                "encoder": config.parallel.encoder.world_size,
-                "llm": config.parallel.llm.world_size,
-            }
-            run = Run(run_id, config, sizes)
+            run = Run(run_id, config, self._store)
             self._runs[run_id] = run
-        driver = RunDriver(run, self._launcher_factory(), self.address, dataset)
-        thread = threading.Thread(target=driver, name=f"run-{run_id}", daemon=True)
-        self._drivers[run_id] = thread
-        thread.start()
+        run.persist()
+        self._drive(run, dataset, resumed=False)
         return run
+
+    def resume_runs(self) -> None:
+        """Load the runs of the store; drive again those that had not finished."""
+        for record in self._store.runs():
+            run = Run.restored(record, self._store)
+            with self._lock:
+                self._runs[run.run_id] = run
+            if not run.finished:
+                log.info("resuming run %s from the state store", run.run_id)
+                self._drive(run, make_dataset(run.config.data), resumed=True)
+
+    def _drive(self, run: Run, dataset, *, resumed: bool) -> None:
+        worker_env = {"DYAD_JOIN_TOKEN": self.credentials.join_token} if self.credentials else {}
+        driver = RunDriver(
+            run, self._launcher_factory(), self.address, dataset,
+            worker_env=worker_env, resumed=resumed,
+        )
+        thread = threading.Thread(target=driver, name=f"run-{run.run_id}", daemon=True)
+        self._drivers[run.run_id] = thread
+        thread.start()
 
     def active_run_ids(self) -> list[str]:
         with self._lock:
@@ -93,11 +118,27 @@ class RouterService(rpc.RouterServicer):
         yield from self.state.get(request.run_id).watch(request.from_step, context.is_active)
 
     def StopRun(self, request, context):
-        run = self.state.get(request.run_id)
-        if run.finished:
-            raise FailedPrecondition(f"run {run.run_id} has already finished")
+        run = self._active(request.run_id)
         run.stop_requested.set()
         return run.info()
+
+    def ScalePool(self, request, context):
+        run = self._active(request.run_id)
+        run.request_scale(request.pool, request.replicas)
+        return run.info()
+
+    def Checkpoint(self, request, context):
+        run = self._active(request.run_id)
+        run.checkpoint_requested.set()
+        return run.info()
+
+    def _active(self, run_id: str) -> Run:
+        run = self.state.get(run_id)
+        if run.finished:
+            raise FailedPrecondition(f"run {run.run_id} has already finished")
+        if run.stop_requested.is_set():
+            raise FailedPrecondition(f"run {run.run_id} is stopping")
+        return run
 
 
 @map_errors
@@ -106,9 +147,9 @@ class CoordinatorService(rpc.CoordinatorServicer):
         self.state = state
 
     def Register(self, request, context):
-        run = self.state.get(request.run_id)
-        run.register(request.worker, request.data_address)
-        return pb.RegisterReply(config_yaml=run.config_yaml, out_dir=run.config.out_dir)
+        return self.state.get(request.run_id).register(
+            request.worker, request.data_address, request.pid
+        )
 
     def Heartbeat(self, request, context):
         return pb.HeartbeatReply(stop=self.state.get(request.run_id).heartbeat(request.worker))
@@ -135,8 +176,6 @@ def serve(
     `Router` calls need `credentials.client_token`, `Coordinator` calls its join token; with
     `tls` the port is TLS only. `state_options` go to `RouterState`.
     """
-    from dyad.router.auth import TokenInterceptor
-
     state = RouterState(launcher_factory, **state_options)
     state.credentials = credentials  # the launcher hands the join token to its workers
     server = grpc.server(
@@ -158,4 +197,5 @@ def serve(
     state.address = f"{host}:{bound}"
     for service in ("", "dyad.v1.Router", "dyad.v1.Coordinator"):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    state.resume_runs()
     return server, state

@@ -18,13 +18,16 @@ from dyad.wire import pb, rpc
 class NoWorkers(Launcher):
     """Starts nothing: runs stay in STARTING until stopped."""
 
-    def start(self, run_id, router_address, workers, log_dir):
+    def rendezvous(self, pools):
+        return {pool: "127.0.0.1:1" for pool in pools}
+
+    def start(self, run_id, router_address, workers, log_dir, env=None):
         pass
 
     def dead(self):
         return []
 
-    def stop(self, timeout_s=10.0):
+    def stop(self, pools=None, timeout_s=10.0):
         pass
 
 
@@ -138,7 +141,9 @@ def test_worker_requests_are_validated(router):
     cases = [
         (dict(worker=pb.WorkerId(pool=pb.POOL_ENCODER), run_id="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
         (dict(worker=pb.WorkerId(pool=pb.POOL_UNSPECIFIED)), grpc.StatusCode.INVALID_ARGUMENT, "worker.pool"),
-        (dict(worker=pb.WorkerId(pool=pb.POOL_LLM, rank=3)), grpc.StatusCode.INVALID_ARGUMENT, "worker.rank"),
+        (dict(worker=pb.WorkerId(pool=pb.POOL_LLM, rank=-1)), grpc.StatusCode.INVALID_ARGUMENT, "worker.rank"),
+        # Outside the pool as it is now (it may have been larger once).
+        (dict(worker=pb.WorkerId(pool=pb.POOL_LLM, rank=3)), grpc.StatusCode.FAILED_PRECONDITION, "worker.rank"),
         (dict(worker=pb.WorkerId(pool=pb.POOL_LLM), address=""), grpc.StatusCode.INVALID_ARGUMENT, "data_address"),
     ]
     for kwargs, code, text in cases:
@@ -178,3 +183,24 @@ def test_router_keeps_serving_and_reports_health(router):
     run = client.start_run(_config(tmp_path))
     assert client.get_run(run.run_id).state == pb.RUN_STATE_STARTING
     client.stop_run(run.run_id)
+
+
+def test_scale_requests_are_validated_before_they_are_queued(router):
+    client, _, tmp_path = router
+    run = client.start_run(_config(tmp_path))
+    cases = [
+        (pb.POOL_UNSPECIFIED, 2, "pool"),
+        (pb.POOL_ENCODER, 0, "replicas must be >= 1"),
+        # dp 3 cannot share the step's 2 microbatches equally.
+        (pb.POOL_LLM, 3, "parallel.llm.dp=3"),
+    ]
+    for pool, replicas, text in cases:
+        error = _error(
+            client.stub.ScalePool,
+            pb.ScalePoolRequest(run_id=run.run_id, pool=pool, replicas=replicas),
+        )
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (pool, replicas)
+        assert text in error.details(), error.details()
+    client.stop_run(run.run_id)
+    for call in (lambda: client.checkpoint(run.run_id), lambda: client.scale_pool(run.run_id, "encoder", 2)):
+        assert _error(call).code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -23,8 +23,10 @@ def test_dyad_train_default_learns_digits(tmp_path):
     result = _dyad("train", "--out", str(out), "--quiet", "--device", "cpu", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps, final = records[:-1], records[-1]
+    steps, final = [r for r in records if "loss" in r], records[-1]
+    notices = [r for r in records if "event" in r]
     assert len(steps) == 800
+    assert [n["step"] for n in notices] == [200, 400, 600, 800]  # committed checkpoints
     assert all(REQUIRED <= set(r) for r in steps)
     assert steps[-1]["loss"] < steps[0]["loss"] / 10
     assert final["caption_accuracy"] >= 0.9, final

@@ -68,11 +68,13 @@ def full_tensors(model: nn.Module, groups: ProcessGroups, *, grads: bool = False
             value = param.grad if grads else param
             value = torch.zeros_like(param) if value is None else value.detach()
             key = f"{module_name}.{name}" if module_name else name
-            full[key] = _gather_full(module, name, value, groups)
+            full[key] = gather_full(module, name, value, groups)
     return full
 
 
-def _gather_full(module, name, value, groups):
+def gather_full(module, name, value, groups):
+    """`value`, shaped like `module.<name>` on this rank, gathered to the single-device shape.
+    Collective over the groups the parameter is sharded on."""
     if isinstance(module, ColumnParallelLinear):
         return module.unshard(all_gather_dim(value, groups.group("tp"), 0))
     if isinstance(module, VocabParallelEmbedding):

@@ -1,0 +1,90 @@
+"""Committed checkpoints: a directory per step with each pool's DCP checkpoint, and a manifest
+the router writes last and atomically. A directory without a manifest is incomplete (a pool
+died while writing, or the router did before committing) and is never loaded.
+
+    <out_dir>/checkpoints/step_00000120/{encoder/, llm/, manifest.json}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dyad.router.sampler import Cursor
+
+MANIFEST = "manifest.json"
+POOLS = ("encoder", "llm")
+
+
+@dataclass(frozen=True)
+class Committed:
+    path: Path
+    step: int
+    cursor: Cursor  # the sampler's position after `step` steps
+    layouts: dict  # the pools' layouts when it was written (informational: loading reshards)
+
+
+def checkpoint_dir(out_dir: str | Path, step: int) -> Path:
+    return Path(out_dir) / "checkpoints" / f"step_{step:08d}"
+
+
+def commit(path: Path, *, run_id: str, step: int, cursor: Cursor, layouts: dict) -> Committed:
+    """Write the manifest once every pool has written its part; atomic (rename)."""
+    missing = [pool for pool in POOLS if not (path / pool).is_dir()]
+    if missing:
+        raise RuntimeError(f"cannot commit {path}: no checkpoint from pool(s) {', '.join(missing)}")
+    manifest = {
+        "run_id": run_id,
+        "step": step,
+        "cursor": {"epoch": cursor.epoch, "offset": cursor.offset},
+        "layouts": layouts,
+    }
+    tmp = path / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / MANIFEST)
+    return Committed(path, step, cursor, layouts)
+
+
+def read_committed(path: str | Path) -> Committed:
+    """The committed checkpoint at `path`; ValueError if it has no (valid) manifest."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        cursor = Cursor(int(manifest["cursor"]["epoch"]), int(manifest["cursor"]["offset"]))
+        return Committed(path.resolve(), int(manifest["step"]), cursor, manifest.get("layouts", {}))
+    except FileNotFoundError:
+        raise ValueError(f"{path} is not a committed checkpoint (no {MANIFEST})") from None
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{path / MANIFEST} is malformed: {error!r}") from None
+
+
+def latest_committed(out_dir: str | Path) -> Committed | None:
+    """The newest committed checkpoint of a run's out_dir; incomplete ones are skipped."""
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    for candidate in sorted(root.glob("step_*"), reverse=True):
+        try:
+            return read_committed(candidate)
+        except ValueError:
+            continue
+    return None
+
+
+def resolve_resume(resume_from: str) -> Committed:
+    """`checkpoint.resume_from`: a committed checkpoint directory or a run's out_dir."""
+    path = Path(resume_from)
+    if (path / MANIFEST).exists():
+        return read_committed(path)
+    found = latest_committed(path)
+    if found is None:
+        raise ValueError(
+            f"checkpoint.resume_from ({resume_from}) holds no committed checkpoint "
+            f"(a checkpoint directory with {MANIFEST}, or a run directory with checkpoints/)"
+        )
+    return found

@@ -1,0 +1,105 @@
+"""The router's durable memory: runs and their event history in SQLite, so a restarted router
+resumes the runs that were active and `WatchRun` can replay what happened before.
+
+One connection per call (sqlite3 connections are per thread); WAL mode so watchers read while
+the driver writes. Without a path nothing is persisted (`NullStore`).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dyad.wire import pb
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    record TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events (
+    run_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    event BLOB NOT NULL,
+    PRIMARY KEY (run_id, seq)
+);
+"""
+
+
+@dataclass
+class RunRecord:
+    """What a router needs to resume a run (the RunInfo fields live in `info`)."""
+
+    run_id: str
+    config_yaml: str  # the current config: its layouts follow the pools' sizes
+    info: bytes = b""  # serialized pb.RunInfo
+    secret: str = ""  # hex of the per-run data-plane secret
+    rendezvous: dict[str, str] = field(default_factory=dict)  # pool -> torch.distributed address
+    pids: dict[str, int] = field(default_factory=dict)  # "pool/rank" -> pid (local processes)
+
+
+class NullStore:
+    def save_run(self, record: RunRecord) -> None:
+        pass
+
+    def append_event(self, run_id: str, seq: int, event: pb.RunEvent) -> None:
+        pass
+
+    def runs(self) -> list[RunRecord]:
+        return []
+
+    def events(self, run_id: str) -> list[pb.RunEvent]:
+        return []
+
+
+class SqliteStore(NullStore):
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        with self._connect() as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(_SCHEMA)
+
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(self.path, timeout=30)
+
+    def save_run(self, record: RunRecord) -> None:
+        values = asdict(record)
+        values["info"] = values["info"].hex()
+        with self._lock, self._connect() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO runs (run_id, record) VALUES (?, ?)",
+                (record.run_id, json.dumps(values)),
+            )
+
+    def append_event(self, run_id: str, seq: int, event: pb.RunEvent) -> None:
+        with self._lock, self._connect() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO events (run_id, seq, event) VALUES (?, ?, ?)",
+                (run_id, seq, event.SerializeToString()),
+            )
+
+    def runs(self) -> list[RunRecord]:
+        with self._connect() as db:
+            rows = db.execute("SELECT record FROM runs").fetchall()
+        records = []
+        for (text,) in rows:
+            values = json.loads(text)
+            values["info"] = bytes.fromhex(values["info"])
+            records.append(RunRecord(**values))
+        return records
+
+    def events(self, run_id: str) -> list[pb.RunEvent]:
+        with self._connect() as db:
+            rows = db.execute(
+                "SELECT event FROM events WHERE run_id = ? ORDER BY seq", (run_id,)
+            ).fetchall()
+        return [pb.RunEvent.FromString(blob) for (blob,) in rows]
+
+
+def open_store(path: str | Path | None) -> NullStore:
+    return SqliteStore(path) if path else NullStore()
