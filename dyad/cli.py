@@ -170,6 +170,16 @@ def cmd_router(args) -> int:
     return 0
 
 
+def cmd_worker(args) -> int:
+    import logging
+
+    from dyad.pod import run_pod
+
+    logging.basicConfig(level=os.environ.get("DYAD_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s pod %(levelname)s %(message)s")
+    return run_pod(args.pool, args.health_port)
+
+
 def _state_name(state: int) -> str:
     return pb.RunState.Name(state).removeprefix("RUN_STATE_")
 
@@ -268,6 +278,12 @@ def _parser() -> argparse.ArgumentParser:
     router = commands.add_parser("router", help="serve the router")
     add_router_arguments(router, default_port=50051)
     router.set_defaults(func=cmd_router)
+    worker = commands.add_parser(
+        "worker", help="a pool pod's workers (Kubernetes; see dyad/pod.py for the environment)"
+    )
+    worker.add_argument("--pool", choices=["encoder", "llm"], required=True)
+    worker.add_argument("--health-port", type=int, default=8081)
+    worker.set_defaults(func=cmd_worker)
 
     remote_router = os.environ.get("DYAD_ROUTER", DEFAULT_ROUTER)
 
@@ -304,3 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,11 +1,13 @@
 """A worker process: registers with the router, heartbeats, and executes the router's commands
 with its pool's service (`encoder_service.worker` or `llm_service.worker`).
 
-    python -m dyad.worker --router HOST:PORT --run-id ID --pool encoder --rank 0
+    python -m dyad.worker --router HOST:PORT [--run-id ID] --pool encoder --rank 0
 
-The join token comes from `$DYAD_JOIN_TOKEN` or `--join-token-file`. The router's reply to
-Register names the generation to join, the pool's torch.distributed rendezvous and the run's
-config (its layouts at the pools' current sizes).
+The join token comes from `$DYAD_JOIN_TOKEN` or `--join-token-file`. Without `--run-id` the
+worker joins the router's active run, waiting for one (Kubernetes pods, see `dyad.pod`). The
+router's reply to Register names the run, the generation to join, the pool's torch.distributed
+rendezvous and the run's config (its layouts at the pools' current sizes). The UCX listener is
+announced at `$POD_IP` when set (a pod's routable address), else 127.0.0.1.
 
 A process serves one generation of its pool's process groups. Told to stop (the run ended, or
 its pool re-forms), it exits; its supervisor (the local launcher, or the StatefulSet on
@@ -36,6 +38,7 @@ from dyad.wire import pb, rpc
 log = logging.getLogger("dyad.worker")
 POOL_ENUMS = {"encoder": pb.POOL_ENCODER, "llm": pb.POOL_LLM}
 _RETRY_S = 1.0
+_WAIT_FOR_RUN_S = 5.0
 
 
 def _service_class(pool: str):
@@ -64,8 +67,12 @@ class WorkerRuntime:
         self._stopped = threading.Event()
 
     def run(self) -> None:
-        with UcxTransport() as transport:
-            reply = self._register(transport.address, timeout_s=60.0)
+        with UcxTransport(host=os.environ.get("POD_IP", "127.0.0.1")) as transport:
+            if self.run_id:
+                reply = self._register(transport.address, timeout_s=60.0)
+            else:
+                reply = self._wait_for_a_run(transport.address)
+            self.run_id = reply.run_id
             config = config_lib.from_yaml(reply.config_yaml)
             self.dist_address = reply.dist_address
             interval = config.router.heartbeat_interval_s
@@ -90,13 +97,25 @@ class WorkerRuntime:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return self.stub.Register(request, wait_for_ready=True, timeout=max(1.0, deadline - time.monotonic()))
+                timeout = min(60.0, max(1.0, deadline - time.monotonic()))
+                return self.stub.Register(request, wait_for_ready=True, timeout=timeout)
             except grpc.RpcError as error:
                 if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
                 if time.monotonic() > deadline:
                     raise RouterLost(f"the router did not answer within {timeout_s:.0f}s") from error
                 time.sleep(_RETRY_S)
+
+    def _wait_for_a_run(self, data_address: str) -> pb.RegisterReply:
+        """Register with the router's active run once there is one that needs this rank."""
+        while True:
+            try:
+                return self._register(data_address, timeout_s=float("inf"))
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                log.info("waiting for a run: %s", error.details())
+                time.sleep(_WAIT_FOR_RUN_S)
 
     def _rejoin(self, data_address: str, config) -> bool:
         """After losing the router: register again; True if this process goes on as it is."""
@@ -172,7 +191,7 @@ def _world_size(config, pool: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dyad.worker")
     parser.add_argument("--router", required=True)
-    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--run-id", default="", help="default: the router's active run")
     parser.add_argument("--pool", choices=sorted(POOL_ENUMS), required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--join-token-file", help="default: $DYAD_JOIN_TOKEN")

@@ -47,11 +47,24 @@ class WorkerChannel:
     last_seen: float = field(default_factory=time.monotonic)
 
 
+class RunObserver:
+    """Told what a run does (router.metrics exports it); this one ignores it all."""
+
+    def step(self, run: Run, metrics: pb.StepMetrics) -> None: ...
+    def notice(self, run: Run, notice: pb.RunNotice) -> None: ...
+    def state(self, run: Run, state: int) -> None: ...
+    def resize(self, run: Run) -> None: ...
+
+
 class Run:
-    def __init__(self, run_id: str, config: RunConfig, store: NullStore | None = None):
+    def __init__(
+        self, run_id: str, config: RunConfig, store: NullStore | None = None,
+        observer: RunObserver | None = None,
+    ):
         self.run_id = run_id
         self.config = config
         self.store = store or NullStore()
+        self.observer = observer or RunObserver()
         self.secret = secrets.token_bytes(32)
         self.rendezvous: dict[str, str] = {}
         self.pids: dict[str, int] = {}
@@ -71,9 +84,9 @@ class Run:
         self._set_sizes()
 
     @classmethod
-    def restored(cls, record: RunRecord, store: NullStore) -> Run:
+    def restored(cls, record: RunRecord, store: NullStore, observer: RunObserver | None = None) -> Run:
         """A run read back from the store by a restarted router."""
-        run = cls(record.run_id, config_lib.from_yaml(record.config_yaml), store)
+        run = cls(record.run_id, config_lib.from_yaml(record.config_yaml), store, observer)
         run._info = pb.RunInfo.FromString(record.info)
         run.secret = bytes.fromhex(record.secret)
         run.rendezvous = dict(record.rendezvous)
@@ -135,6 +148,7 @@ class Run:
                 self._append(finished)
             self._lock.notify_all()
         self.persist()
+        self.observer.state(self, state)
 
     def _append(self, event: pb.RunEvent) -> None:
         self._events.append(event)
@@ -146,6 +160,7 @@ class Run:
             self._append(pb.RunEvent(step=metrics))
             self._lock.notify_all()
         self.persist()
+        self.observer.step(self, metrics)
 
     def notice(self, kind: str, step: int, message: str) -> pb.RunNotice:
         with self._lock:
@@ -157,6 +172,7 @@ class Run:
             self._append(pb.RunEvent(notice=notice))
             self._lock.notify_all()
         self.persist()
+        self.observer.notice(self, notice)
         return notice
 
     def count_recovery(self) -> int:
@@ -208,6 +224,7 @@ class Run:
         with self._lock:
             self.config = config
             self._set_sizes()
+        self.observer.resize(self)
 
     # ------------------------------------------------------------------ generations and workers
 
@@ -259,6 +276,7 @@ class Run:
                 generation=self._info.generation,
                 dist_address=self.rendezvous[key[0]],
                 run_secret=self.secret,
+                run_id=self.run_id,
             )
             self._lock.notify_all()
         self.persist()

@@ -91,6 +91,14 @@ class RouterState:
         self._drivers[run.run_id] = thread
         thread.start()
 
+    def active(self) -> Run:
+        """The run pool workers join when they do not name one (Kubernetes pods)."""
+        with self._lock:
+            active = [run for run in self._runs.values() if not run.finished]
+        if not active:
+            raise FailedPrecondition("no active run to join")
+        return active[0]
+
     def active_run_ids(self) -> list[str]:
         with self._lock:
             return [run_id for run_id, run in self._runs.items() if not run.finished]
@@ -147,9 +155,8 @@ class CoordinatorService(rpc.CoordinatorServicer):
         self.state = state
 
     def Register(self, request, context):
-        return self.state.get(request.run_id).register(
-            request.worker, request.data_address, request.pid
-        )
+        run = self.state.get(request.run_id) if request.run_id else self.state.active()
+        return run.register(request.worker, request.data_address, request.pid)
 
     def Heartbeat(self, request, context):
         return pb.HeartbeatReply(stop=self.state.get(request.run_id).heartbeat(request.worker))

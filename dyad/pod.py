@@ -1,0 +1,95 @@
+"""A pool pod's entry point (`dyad worker --pool llm`): one worker process per GPU of the pod,
+a grpc.health.v1 server for the kubelet's probes, and the pod's lifetime tied to its workers'.
+
+The pod's StatefulSet ordinal (the suffix of `$POD_NAME`) and `$DYAD_GPUS_PER_POD` (N) give its
+ranks `ordinal*N .. ordinal*N + N-1`. When any worker exits (the router told it to stop because
+its pool re-forms, or it failed), the others are stopped and the pod's process exits with that
+code, so the container restarts as a whole and its workers register again; the restart count the
+router's Kubernetes backend watches then says what happened.
+
+Environment: `DYAD_ROUTER` (host:port), `DYAD_JOIN_TOKEN`, `POD_NAME`, `POD_IP`,
+`DYAD_GPUS_PER_POD` (default 1), optional `DYAD_RUN_ID` (default: the router's active run).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+log = logging.getLogger("dyad.pod")
+HEALTH_PORT = 8081
+_STOP_GRACE_S = 20.0
+
+
+def pod_ranks(pod_name: str, gpus_per_pod: int) -> list[int]:
+    """The pool ranks of the StatefulSet pod `<name>-<ordinal>`."""
+    head, _, ordinal = pod_name.rpartition("-")
+    if not head or not ordinal.isdigit():
+        raise ValueError(f"POD_NAME must end in a StatefulSet ordinal (<name>-<n>), got {pod_name!r}")
+    if gpus_per_pod < 1:
+        raise ValueError(f"DYAD_GPUS_PER_POD must be >= 1, got {gpus_per_pod}")
+    first = int(ordinal) * gpus_per_pod
+    return list(range(first, first + gpus_per_pod))
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name, "")
+    if not value:
+        raise ValueError(f"${name} must be set (see dyad/pod.py)")
+    return value
+
+
+def _serve_health(port: int) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    if server.add_insecure_port(f"0.0.0.0:{port}") == 0:
+        raise OSError(f"cannot serve health on port {port}")
+    server.start()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server
+
+
+def run_pod(pool: str, health_port: int = HEALTH_PORT) -> int:
+    """Start the pod's workers; return the exit code of the first one to exit."""
+    ranks = pod_ranks(_env("POD_NAME"), int(os.environ.get("DYAD_GPUS_PER_POD", "1")))
+    router = _env("DYAD_ROUTER")
+    _env("DYAD_JOIN_TOKEN")  # the workers read it; refuse early when it is missing
+    run_id = os.environ.get("DYAD_RUN_ID", "")
+    health_server = _serve_health(health_port)
+    workers = {
+        rank: subprocess.Popen([
+            sys.executable, "-m", "dyad.worker", "--router", router, "--pool", pool,
+            "--rank", str(rank), "--run-id", run_id,
+        ])
+        for rank in ranks
+    }
+    log.info("%s pod: ranks %s", pool, ranks)
+    exited = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: exited.set())
+    code = 0
+    while not exited.wait(1.0):
+        done = {rank: proc.returncode for rank, proc in workers.items() if proc.poll() is not None}
+        if done:
+            rank, code = next(iter(done.items()))
+            log.info("worker %s/%d exited with %s; stopping the pod's other workers", pool, rank, code)
+            break
+    for proc in workers.values():
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in workers.values():
+        try:
+            proc.wait(_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    health_server.stop(grace=None)
+    return code
