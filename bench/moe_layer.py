@@ -1,0 +1,197 @@
+"""MoE layer forward+backward on one GPU: dyad's `MoELayer` beside torchtitan 0.3.0's MoE module
+and Hugging Face transformers' Qwen3-MoE sparse block, same shapes, same run, bf16.
+
+    python bench/moe_layer.py --out $OUT/moe_layer.json          # on a GPU host
+    python bench/moe_layer.py --toy                             # CPU, tiny shape (CI)
+
+Also times the grouped-matmul ceiling of each shape (the three expert GEMMs forward and backward
+on perfectly balanced routing, nothing else) and reports each layer's share of it. Peers that
+are not installed are reported as such. Prints a table; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dyad.kernels.grouped_mm import grouped_mm
+from dyad.llm_service.moe import MoEConfig, MoELayer
+
+SHAPES = {  # name: (dim, expert hidden, experts, top-k, tokens)
+    "qwen3-like": (2048, 768, 128, 8, 16384),
+    "mixtral-like": (4096, 14336, 8, 2, 8192),
+}
+TOY = {"toy": (64, 32, 8, 2, 256)}
+
+
+def median_ms(fn, iters: int, device: str) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def expert_flops(dim, hidden, tokens, top_k) -> float:
+    """Forward + backward of the three expert GEMMs (w1, w3, w2): 3 passes x 3 GEMMs x 2 flops."""
+    return 3 * 3 * 2 * tokens * top_k * dim * hidden
+
+
+def dyad_layer(dim, hidden, experts, top_k):
+    cfg = MoEConfig(num_experts=experts, top_k=top_k, expert_dim=hidden, aux_loss_coef=0.01)
+    return MoELayer(dim, cfg)
+
+
+def titan_layer(dim, hidden, experts, top_k):
+    from torchtitan.models.common.config_utils import (
+        make_moe_config,
+        make_routed_experts_config,
+        make_router_config,
+    )
+
+    init = {"weight": lambda t: nn.init.normal_(t, std=0.02)}
+    cfg = make_moe_config(
+        num_experts=experts,
+        router=make_router_config(dim=dim, num_experts=experts, gate_param_init=init, top_k=top_k,
+                                  score_func="softmax", route_norm=True),
+        routed_experts=make_routed_experts_config(dim=dim, hidden_dim=hidden, num_experts=experts,
+                                                  top_k=top_k, param_init=init,
+                                                  comm_backend="standard"),
+    )
+    return cfg.build()
+
+
+def hf_layer(dim, hidden, experts, top_k):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(hidden_size=dim, moe_intermediate_size=hidden, num_experts=experts,
+                            num_experts_per_tok=top_k, norm_topk_prob=True)
+    config._experts_implementation = "grouped_mm"
+    return Qwen3MoeSparseMoeBlock(config)
+
+
+LAYERS = {"dyad": dyad_layer, "torchtitan-0.3.0": titan_layer, "hf-grouped_mm": hf_layer}
+
+
+def time_layer(make, shape, device, dtype, iters) -> float:
+    dim, hidden, experts, top_k, tokens = shape
+    layer = make(dim, hidden, experts, top_k).to(device, dtype)
+    for p in layer.parameters():
+        nn.init.normal_(p, std=0.02)
+    x = torch.randn(tokens, dim, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(tokens, dim, device=device, dtype=dtype)
+    is_dyad = isinstance(layer, MoELayer)
+
+    def step():
+        if is_dyad:
+            y, aux = layer(x)
+            torch.autograd.backward([y, aux], [grad, torch.ones_like(aux)])
+        else:
+            out = layer(x.unsqueeze(0))
+            out = out[0] if isinstance(out, tuple) else out
+            out.backward(grad.view_as(out))
+
+    return median_ms(step, iters, device)
+
+
+def profile_dyad(shape, device, dtype, path) -> None:
+    """Where dyad's layer spends its time: the top CUDA kernels of a few steps, as a table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dim, hidden, experts, top_k, tokens = shape
+    layer = dyad_layer(dim, hidden, experts, top_k).to(device, dtype)
+    x = torch.randn(tokens, dim, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(tokens, dim, device=device, dtype=dtype)
+
+    def step():
+        y, aux = layer(x)
+        torch.autograd.backward([y, aux], [grad, torch.ones_like(aux)])
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+
+
+def time_ceiling(shape, device, dtype, iters) -> float:
+    """The three expert GEMMs, forward and backward, on balanced routing."""
+    dim, hidden, experts, top_k, tokens = shape
+    rows = tokens * top_k
+    offs = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * (rows // experts)
+    x = torch.randn(rows, dim, device=device, dtype=dtype, requires_grad=True)
+    ws = [torch.randn(experts, *s, device=device, dtype=dtype, requires_grad=True) * 0.02
+          for s in ((dim, hidden), (dim, hidden), (hidden, dim))]
+    ws = [w.detach().requires_grad_(True) for w in ws]
+    grad = torch.randn(rows, dim, device=device, dtype=dtype)
+
+    def step():
+        h = F.silu(grouped_mm(x, ws[0], offs)) * grouped_mm(x, ws[1], offs)
+        grouped_mm(h, ws[2], offs).backward(grad)
+
+    return median_ms(step, iters, device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--toy", action="store_true", help="tiny shape on CPU (keeps the script working)")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", help="write results as JSON here")
+    parser.add_argument("--profile-dir", help="GPU: write a kernel table of dyad's layer per shape here")
+    args = parser.parse_args()
+    device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shapes = TOY if device == "cpu" else SHAPES
+    results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+               "torch": torch.__version__, "dtype": str(dtype), "shapes": {}}
+    print(f"{'shape':13s} {'layer':18s} {'ms':>8s} {'expert TFLOP/s':>15s} {'of ceiling':>11s}")
+    for name, shape in shapes.items():
+        flops = expert_flops(shape[0], shape[1], shape[4], shape[3])
+        entry = {"shape": dict(zip(("dim", "hidden", "experts", "top_k", "tokens"), shape))}
+        ceiling_ms = time_ceiling(shape, device, dtype, args.iters)
+        entry["grouped_mm_ceiling_ms"] = ceiling_ms
+        print(f"{name:13s} {'grouped_mm ceiling':18s} {ceiling_ms:8.2f} {flops / ceiling_ms / 1e9:15.1f} {'1.00':>11s}")
+        for layer_name, make in LAYERS.items():
+            try:
+                ms = time_layer(make, shape, device, dtype, args.iters)
+            except ImportError as error:
+                entry[layer_name] = {"error": f"not installed: {error}"}
+                print(f"{name:13s} {layer_name:18s} not installed ({error})")
+                continue
+            entry[layer_name] = {"ms": ms, "expert_tflops": flops / ms / 1e9}
+            print(f"{name:13s} {layer_name:18s} {ms:8.2f} {flops / ms / 1e9:15.1f} {ceiling_ms / ms:11.2f}")
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        results["shapes"][name] = entry
+        if args.profile_dir and device == "cuda":
+            profile_dyad(shape, device, dtype, f"{args.profile_dir}/moe_profile_{name}.txt")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
