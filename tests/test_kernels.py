@@ -161,3 +161,22 @@ def test_grouped_mm_under_autocast_computes_in_autocast_dtype():
     assert y_NF.dtype == y_ref.dtype == torch.bfloat16
     assert supports_fast_path(x_ND.bfloat16(), w_EDF.bfloat16())
     torch.testing.assert_close(y_NF, y_ref)
+
+
+@pytest.mark.parametrize("T,K,E", [(9, 2, 4), (16, 3, 5), (1, 1, 1)])
+def test_permute_unpermute_gradients_match_reference(T, K, E):
+    """The fast backward (gathers, float32 sums) against autograd through the reference loops."""
+    torch.manual_seed(T * 100 + K)
+    expert_idx_TK = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    x_TD = torch.randn(T, 6, dtype=torch.float64)
+    gates_TK = torch.rand(T, K, dtype=torch.float64)
+    grad_TD = torch.randn(T, 6, dtype=torch.float64)
+    grads = []
+    for perm, unperm in ((permute, unpermute), (permute_reference, unpermute_reference)):
+        x, gates = x_TD.clone().requires_grad_(True), gates_TK.clone().requires_grad_(True)
+        x_sorted, order, _ = perm(x, expert_idx_TK, E)
+        y = unperm(torch.tanh(x_sorted), order, gates)
+        y.backward(grad_TD)
+        grads.append((y.detach(), x.grad, gates.grad))
+    for fast, reference in zip(*grads):
+        torch.testing.assert_close(fast, reference)
