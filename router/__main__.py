@@ -34,6 +34,17 @@ def add_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
     parser.add_argument("--tls-client-ca", help="require client certificates signed by this CA")
     parser.add_argument("--state-db", help="SQLite file keeping run state across restarts")
+    parser.add_argument(
+        "--launcher", choices=("local", "kubernetes"), default="local",
+        help="where workers run: processes on this machine, or the pools' StatefulSets",
+    )
+    parser.add_argument(
+        "--namespace", default=os.environ.get("POD_NAMESPACE", "default"),
+        help="the pools' namespace for --launcher kubernetes (default: $POD_NAMESPACE or default)",
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)"
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -60,8 +71,17 @@ def run(args: argparse.Namespace) -> None:
         level=os.environ.get("DYAD_LOG_LEVEL", "INFO"),
         format="%(asctime)s router %(levelname)s %(message)s",
     )
+    options = {}
+    if args.launcher == "kubernetes":
+        from dyad.router.k8s import KubernetesLauncher
+
+        options["launcher_factory"] = lambda: KubernetesLauncher(args.namespace)
+    if args.metrics_port:
+        from dyad.router.metrics import start_metrics_server
+
+        options["observer"], _ = start_metrics_server(args.metrics_port, args.host)
     server, state = serve(
-        args.host, args.port, credentials=credentials, tls=tls, state_db=args.state_db
+        args.host, args.port, credentials=credentials, tls=tls, state_db=args.state_db, **options
     )
     logging.info("router serving on %s (%s)", state.address, "TLS" if tls else "plaintext")
     if args.port_file:

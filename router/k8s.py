@@ -1,0 +1,469 @@
+"""The Kubernetes launcher: each pool is a StatefulSet (`dyad-encoder`, `dyad-llm`) with a
+headless Service of the same name, and every pod runs DYAD_GPUS_PER_POD (N) workers, ranks
+`ordinal*N .. ordinal*N + N-1` (dyad/pod.py).
+
+The router only sets each StatefulSet's replicas (through its scale subresource) and watches the
+pods. The StatefulSet creates them; the kubelet restarts a pod's container whenever its workers
+exit, which is how a worker the router told to stop comes back for the next generation. A
+container restart the router did not ask for, or a pod deleted, replaced or failed, is a dead
+worker.
+
+Pods are followed with the API's list-then-watch protocol: list, watch from the list's
+resourceVersion; on 410 Gone (the server no longer has that history) list again; when the stream
+ends (its timeout) or breaks (a dropped connection), watch again from the last resourceVersion
+seen. Pod objects are read as plain JSON: the client's models are not needed for five fields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from http import HTTPStatus
+
+import urllib3
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+from kubernetes.watch.watch import iter_resp_lines
+
+from dyad.router.launcher import Launcher, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+POOLS = ("encoder", "llm")
+RENDEZVOUS_PORT = 29500
+POD_SELECTOR = "app.kubernetes.io/name=dyad,app.kubernetes.io/component in (encoder,llm)"
+_COMPONENT_LABEL = "app.kubernetes.io/component"
+_DELETE_GRACE_S = 5  # a hung pod's SIGTERM -> SIGKILL, as LocalLauncher.stop
+_FIRST_LIST_TIMEOUT_S = 30.0
+
+
+def statefulset(pool: str) -> str:
+    return f"dyad-{pool}"
+
+
+class KubernetesError(RuntimeError):
+    """A Kubernetes API call failed: what was asked, and the API server's status and reason."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class PodState:
+    """What the watch knows of one pool pod; the worker container is the pod's first."""
+
+    pool: str
+    uid: str
+    phase: str
+    ready: bool
+    restarts: int  # the worker container's restartCount
+    running: bool  # its container is running now
+    exited: bool  # its container exited and waits to be restarted (restartCount grows then)
+    last_exit: str  # how its container last ended, e.g. "OOMKilled (exit code 137)"
+    deleted: bool  # deleted, or being deleted
+
+    @classmethod
+    def of(cls, pod: dict, deleted: bool = False) -> PodState:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        worker = ((pod.get("spec") or {}).get("containers") or [{}])[0].get("name")
+        container = next(
+            (c for c in status.get("containerStatuses") or [] if c.get("name") == worker), {}
+        )
+        state, last = container.get("state") or {}, container.get("lastState") or {}
+        ended = state.get("terminated") or last.get("terminated") or {}
+        return cls(
+            pool=(meta.get("labels") or {}).get(_COMPONENT_LABEL, ""),
+            uid=meta.get("uid", ""),
+            phase=status.get("phase", "Pending"),
+            ready=any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in status.get("conditions") or []
+            ),
+            restarts=container.get("restartCount", 0),
+            running=state.get("running") is not None,
+            exited=state.get("terminated") is not None
+            or (state.get("waiting") is not None and last.get("terminated") is not None),
+            last_exit=f"{ended.get('reason', 'exited')} (exit code {ended.get('exitCode')})"
+            if ended else "",
+            deleted=deleted or bool(meta.get("deletionTimestamp")),
+        )
+
+
+@dataclass
+class _Expected:
+    """A pod the router expects to keep running: which one (its uid; None until the
+    StatefulSet has created it, then the first one seen that is not `retired`) and its
+    container's restart count meanwhile."""
+
+    pool: str
+    ordinal: int
+    uid: str | None
+    restarts: int
+    retired: str = ""  # the uid of the pod it replaces, which may still show for a while
+
+
+class KubernetesLauncher(Launcher):
+    def __init__(
+        self,
+        namespace: str = "default",
+        api_client: client.ApiClient | None = None,
+        *,
+        watch_timeout_s: int = 300,
+        request_timeout_s: float = 30.0,
+        backoff_s: tuple[float, float] = (0.5, 30.0),
+    ):
+        if api_client is None:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            api_client = client.ApiClient()
+        self.namespace = namespace
+        self._core = client.CoreV1Api(api_client)
+        self._apps = client.AppsV1Api(api_client)
+        self._watch_timeout_s = watch_timeout_s
+        self._request_timeout_s = request_timeout_s
+        self._backoff_s = backoff_s
+        self._cond = threading.Condition()
+        self._pods: dict[str, PodState] = {}  # pod name -> state, from the watch
+        self._expected: dict[str, _Expected] = {}  # pods whose workers must keep running
+        self._stopped: dict[str, _Expected] = {}  # pods told to stop: their next life
+        self._per_pod: dict[str, int] = {}  # pool -> workers per pod
+        self._watcher: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._listed = threading.Event()
+        self._list_error = ""
+        self._response = None
+        self._version: str | None = None  # where the pod watch goes on from
+
+    # ------------------------------------------------------------------ Launcher
+
+    def rendezvous(self, pools: Iterable[str]) -> dict[str, str]:
+        """Rank 0 of a pool runs on the StatefulSet's pod 0, named by its headless Service."""
+        return {
+            pool: f"{_pod(pool, 0)}.{statefulset(pool)}.{self.namespace}.svc:{RENDEZVOUS_PORT}"
+            for pool in pools
+        }
+
+    def start(self, run_id, router_address, workers, log_dir, env=None) -> None:
+        """Scale each pool's StatefulSet to hold `workers`' ranks. The pods' manifest, not this
+        call, gives them the router's address and the join token."""
+        self._ensure_watching()
+        replicas = {}
+        for pool in sorted({spec.pool for spec in workers}):
+            size = 1 + max(spec.rank for spec in workers if spec.pool == pool)
+            per_pod = self.gpus_per_pod(pool)
+            if size % per_pod:
+                raise ValueError(
+                    f"the {pool} pool has {size} ranks, not a multiple of the "
+                    f"{per_pod} workers per pod of statefulset {statefulset(pool)}"
+                )
+            replicas[pool] = size // per_pod
+        for pool, count in replicas.items():
+            self.scale(pool, count)
+            with self._cond:
+                for name in [n for n, e in self._expected.items() if e.pool == pool]:
+                    del self._expected[name]
+                for ordinal in range(count):
+                    self._expected[_pod(pool, ordinal)] = self._expectation(pool, ordinal)
+
+    def dead(self) -> list[tuple[WorkerSpec, str]]:
+        found = []
+        with self._cond:
+            for name, expected in self._expected.items():
+                reason = _lost(self._pods.get(name), expected)
+                if reason:
+                    per_pod = self._per_pod.get(expected.pool, 1)
+                    first = expected.ordinal * per_pod
+                    found += [
+                        (WorkerSpec(expected.pool, rank), f"(pod {name}) {reason}")
+                        for rank in range(first, first + per_pod)
+                    ]
+        return found
+
+    def stop(self, pools: Iterable[str] | None = None, timeout_s: float = 10.0) -> None:
+        """The workers of `pools` were told to stop, so their pods' containers exit and restart:
+        wait up to `timeout_s` for that, then delete the pods whose containers did not exit
+        (their StatefulSet recreates them). `pools=None`, the end of the run: scale every pool
+        to 0 and stop watching."""
+        if pools is None:
+            self._end()
+            return
+        pools = set(pools)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            for name in [n for n, e in self._expected.items() if e.pool in pools]:
+                del self._expected[name]
+            before = {n: p for n, p in self._pods.items() if p.pool in pools and not p.deleted}
+            while True:
+                hung = [n for n, p in before.items() if not _exited(self._pods.get(n), p)]
+                left = deadline - time.monotonic()
+                if not hung or left <= 0:
+                    break
+                self._cond.wait(min(left, 0.5))
+            for name, pod in before.items():  # how each will look when its workers run again
+                if name in hung:  # a new pod
+                    self._stopped[name] = _Expected(pod.pool, _ordinal(name), None, 0, pod.uid)
+                else:  # its container restarted once more, unless it never ran
+                    restarts = pod.restarts + (1 if pod.running or pod.exited else 0)
+                    self._stopped[name] = _Expected(pod.pool, _ordinal(name), pod.uid, restarts)
+        for name in hung:
+            log.warning(
+                "pod %s: its workers did not exit within %gs of being told to stop; deleting it",
+                name, timeout_s,
+            )
+            self._delete_pod(name)
+
+    def adopt(self, spec: WorkerSpec, pid: int) -> None:
+        """Nothing to do: a pid means nothing outside its pod, and the pods outlive routers."""
+
+    def pods(self) -> dict[str, PodState]:
+        """The pool pods as the watch knows them (deleted ones too)."""
+        with self._cond:
+            return dict(self._pods)
+
+    def close(self) -> None:
+        """Stop watching (the thread ends with its current request)."""
+        self._closing.set()
+        response = self._response
+        if response is not None and hasattr(response, "shutdown"):  # urllib3 >= 2.3
+            response.shutdown()
+
+    # ------------------------------------------------------------------ API calls
+
+    def gpus_per_pod(self, pool: str) -> int:
+        """Workers per pod of the pool's StatefulSet: its worker container's DYAD_GPUS_PER_POD,
+        else its nvidia.com/gpu limit, else 1."""
+        name = statefulset(pool)
+        body = self._call(
+            f"read statefulset {name}",
+            self._apps.read_namespaced_stateful_set, name, self.namespace,
+        )
+        container = body["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in container.get("env") or []}
+        limits = (container.get("resources") or {}).get("limits") or {}
+        per_pod = int(env.get("DYAD_GPUS_PER_POD") or limits.get("nvidia.com/gpu") or 1)
+        with self._cond:
+            self._per_pod[pool] = per_pod
+        return per_pod
+
+    def scale(self, pool: str, replicas: int) -> None:
+        name = statefulset(pool)
+        scale = self._call(
+            f"read the scale of statefulset {name}",
+            self._apps.read_namespaced_stateful_set_scale, name, self.namespace,
+        )
+        current = (scale.get("spec") or {}).get("replicas", 0)
+        if current == replicas:
+            return
+        log.info("statefulset %s/%s: replicas %d -> %d", self.namespace, name, current, replicas)
+        self._call(
+            f"scale statefulset {name} to {replicas}",
+            self._apps.patch_namespaced_stateful_set_scale, name, self.namespace,
+            {"spec": {"replicas": replicas}},  # sent as a strategic merge patch
+        )
+
+    def _delete_pod(self, name: str) -> None:
+        try:
+            self._call(
+                f"delete pod {name}", self._core.delete_namespaced_pod, name, self.namespace,
+                grace_period_seconds=_DELETE_GRACE_S,
+            )
+        except KubernetesError as error:
+            if error.status != HTTPStatus.NOT_FOUND:
+                raise
+            log.info("pod %s was gone already", name)
+
+    def _call(self, action: str, method, *args, **kwargs) -> dict:
+        """One API call's JSON answer, or KubernetesError saying what failed and why."""
+        try:
+            response = method(
+                *args, _preload_content=False, _request_timeout=self._request_timeout_s, **kwargs
+            )
+        except ApiException as error:
+            raise KubernetesError(
+                f"{action} in namespace {self.namespace}: {_describe(error)}", error.status
+            ) from error
+        except urllib3.exceptions.HTTPError as error:
+            raise KubernetesError(f"{action} in namespace {self.namespace}: {error}") from error
+        return json.loads(response.data or b"{}")
+
+    def _end(self) -> None:
+        with self._cond:
+            self._expected.clear()
+            self._stopped.clear()
+        for pool in POOLS:
+            try:
+                self.scale(pool, 0)
+            except KubernetesError as error:  # the run is over either way: say what is left
+                log.error("could not scale the %s pool to 0 at the end of the run: %s", pool, error)
+        self.close()
+
+    def _expectation(self, pool: str, ordinal: int) -> _Expected:
+        """How the pod must look while its workers run (called under the lock)."""
+        name = _pod(pool, ordinal)
+        pod = self._pods.get(name)
+        stopped = self._stopped.pop(name, None)
+        if stopped is not None:
+            if stopped.uid is None or pod is not None and pod.uid == stopped.uid:
+                return stopped
+            return _Expected(pool, ordinal, None, 0, stopped.uid)  # replaced while it stopped
+        if pod is None or pod.deleted:  # the StatefulSet creates a new one
+            return _Expected(pool, ordinal, None, 0, pod.uid if pod else "")
+        return _Expected(pool, ordinal, pod.uid, pod.restarts + (1 if pod.exited else 0))
+
+    # ------------------------------------------------------------------ the pod watch
+
+    def _ensure_watching(self) -> None:
+        """Follow the pods from a thread (one at a time); the first list must succeed."""
+        if self._watcher is not None and self._closing.is_set():
+            self._watcher.join()  # closed: it ends with its current request
+        if self._watcher is None or not self._watcher.is_alive():
+            self._closing.clear()
+            self._listed.clear()
+            self._list_error = ""
+            self._watcher = threading.Thread(
+                target=self._follow_pods, name=f"k8s-pods-{self.namespace}", daemon=True
+            )
+            self._watcher.start()
+        action = f"list pods in namespace {self.namespace}"
+        if not self._listed.wait(_FIRST_LIST_TIMEOUT_S):
+            raise KubernetesError(f"{action}: no answer within {_FIRST_LIST_TIMEOUT_S:g}s")
+        if self._list_error:
+            raise KubernetesError(f"{action}: {self._list_error}")
+
+    def _follow_pods(self) -> None:
+        self._version, delay = None, self._backoff_s[0]
+        while not self._closing.is_set():
+            try:
+                if self._version is None:
+                    self._list()
+                self._follow()
+            except ApiException as error:
+                if error.status == HTTPStatus.GONE:
+                    log.info(
+                        "pod watch: resourceVersion %s expired (410 Gone); listing again",
+                        self._version,
+                    )
+                    self._version = None
+                    continue
+                problem = _describe(error)
+            # dropped, reset, timed out; or a garbled answer (bad JSON, no resourceVersion)
+            except (urllib3.exceptions.HTTPError, OSError, ValueError, KeyError) as error:
+                problem = f"{type(error).__name__}: {error}"
+            else:
+                delay = self._backoff_s[0]  # the server ended the stream: watch on
+                continue
+            if self._closing.is_set():
+                return
+            if not self._listed.is_set():
+                self._list_error = problem
+                self._listed.set()
+            log.warning(
+                "pod watch in namespace %s: %s; watching again from resourceVersion %s in %.1fs",
+                self.namespace, problem, self._version, delay,
+            )
+            self._closing.wait(delay)
+            delay = min(2 * delay, self._backoff_s[1])
+
+    def _list(self) -> None:
+        """Replace what is known of the pods by a fresh list, and watch from its version."""
+        response = self._core.list_namespaced_pod(
+            self.namespace, label_selector=POD_SELECTOR,
+            _preload_content=False, _request_timeout=self._request_timeout_s,
+        )
+        body = json.loads(response.data)
+        pods = {p["metadata"]["name"]: PodState.of(p) for p in body.get("items") or []}
+        with self._cond:
+            for name, old in self._pods.items():  # gone while nobody watched
+                pods.setdefault(name, replace(old, deleted=True))
+            self._pods = pods
+            self._cond.notify_all()
+        self._version = body["metadata"]["resourceVersion"]
+        self._list_error = ""
+        self._listed.set()
+
+    def _follow(self) -> None:
+        """Apply watch events after `self._version` (moving it on) until the stream ends."""
+        response = self._core.list_namespaced_pod(
+            self.namespace, label_selector=POD_SELECTOR, watch=True,
+            resource_version=self._version, allow_watch_bookmarks=True,
+            timeout_seconds=self._watch_timeout_s, _preload_content=False,
+            # the server ends the stream after timeout_seconds; a silent one is a dead connection
+            _request_timeout=(self._request_timeout_s, self._watch_timeout_s + 30),
+        )
+        self._response = response
+        try:
+            for line in iter_resp_lines(response):
+                if self._closing.is_set():
+                    break
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                kind, pod = event["type"], event["object"]
+                if kind == "ERROR":  # a Status, e.g. 410 Expired when the history is compacted
+                    raise ApiException(
+                        status=pod.get("code"), reason=f"{pod.get('reason')}: {pod.get('message')}"
+                    )
+                self._version = pod["metadata"]["resourceVersion"]
+                if kind == "BOOKMARK":
+                    continue
+                with self._cond:
+                    name = pod["metadata"]["name"]
+                    self._pods[name] = PodState.of(pod, deleted=kind == "DELETED")
+                    self._cond.notify_all()
+        finally:
+            self._response = None
+            response.close()
+            response.release_conn()
+
+
+def _exited(pod: PodState | None, before: PodState) -> bool:
+    """Whether the pod's workers, running as `before`, are gone."""
+    return (
+        pod is None or pod.deleted or pod.uid != before.uid
+        or pod.restarts > before.restarts or not pod.running
+    )
+
+
+def _lost(pod: PodState | None, expected: _Expected) -> str:
+    """Why the workers of a pod expected to run are gone, or "" (called under the lock)."""
+    if pod is None:
+        return ""  # not created yet
+    if expected.uid is None:
+        if pod.deleted or pod.uid == expected.retired:
+            return ""  # the previous pod of that name, going away
+        expected.uid = pod.uid
+    if pod.uid != expected.uid:
+        return "was deleted and created again"
+    if pod.deleted:
+        return "was deleted"
+    if pod.phase == "Failed":
+        return "failed"
+    if pod.restarts > expected.restarts:
+        ended = f"; it ended: {pod.last_exit}" if pod.last_exit else ""
+        return f"container restarted (restartCount {expected.restarts} -> {pod.restarts}){ended}"
+    return ""
+
+
+def _pod(pool: str, ordinal: int) -> str:
+    return f"{statefulset(pool)}-{ordinal}"
+
+
+def _ordinal(pod_name: str) -> int:
+    return int(pod_name.rpartition("-")[2])
+
+
+def _describe(error: ApiException) -> str:
+    """"403 Forbidden: <the API server's message>"."""
+    text = f"{error.status} {error.reason}"
+    try:
+        message = json.loads(error.body or "")["message"]
+    except (ValueError, TypeError, KeyError):
+        return text
+    return f"{text}: {message}"

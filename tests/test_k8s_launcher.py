@@ -1,0 +1,529 @@
+"""KubernetesLauncher against a fake API server (stdlib HTTP in a thread) that answers the calls
+the launcher makes the way the API server does: the scale subresource, StatefulSet reads, pod
+list and watch (chunked JSON lines, resourceVersions, 410 Gone for compacted history), pod
+deletion, plus a StatefulSet controller's part (pods created and deleted with the replicas).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from kubernetes import client
+
+from dyad.router.k8s import KubernetesError, KubernetesLauncher
+from dyad.router.launcher import WorkerSpec
+
+NS = "ns"
+SELECTOR = "app.kubernetes.io/name=dyad,app.kubernetes.io/component in (encoder,llm)"
+
+
+def _statefulset(name: str, env: dict[str, str], gpus: int | None) -> dict:
+    resources = {"limits": {"nvidia.com/gpu": str(gpus)}} if gpus else {}
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": name, "namespace": NS, "resourceVersion": "1"},
+        "spec": {
+            "replicas": 0, "serviceName": name,
+            "selector": {"matchLabels": {"app.kubernetes.io/name": "dyad"}},
+            "template": {"spec": {"containers": [{
+                "name": "worker", "image": "dyad:test",
+                "env": [{"name": k, "value": v} for k, v in env.items()],
+                "resources": resources,
+            }]}},
+        },
+    }
+
+
+class FakeApiServer:
+    """The API server's state (pods with an event history) and its HTTP face."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.version = 100
+        self.history: list[tuple[int, str, dict]] = []  # (resourceVersion, type, pod)
+        self.compacted = 0  # watches from a version at or below this get 410 Gone
+        self.gone_as_status = False  # answer such a watch with HTTP 410, not an ERROR event
+        self.expiries = 0  # bumped: open watches send an ERROR 410 event and end
+        self.drops = 0  # bumped: open watches lose their connection mid-event
+        self.delete_delay_s = 0.0  # a deleted pod's grace period: it shows until then
+        self.closing = False
+        self.pods: dict[str, dict] = {}
+        self.statefulsets = {
+            "dyad-encoder": _statefulset("dyad-encoder", {}, gpus=None),
+            "dyad-llm": _statefulset("dyad-llm", {"DYAD_GPUS_PER_POD": "2"}, gpus=2),
+        }
+        self.requests: list[dict] = []
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self):
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def calls(self, method: str, path: str) -> list[dict]:
+        with self.cond:
+            return [r for r in self.requests if r["method"] == method and r["path"] == path]
+
+    # ------------------------------------------------------------------ the cluster's side
+
+    def _record(self, kind: str, pod: dict, silently: bool = False) -> None:
+        self.version += 1
+        pod["metadata"]["resourceVersion"] = str(self.version)
+        if not silently:
+            self.history.append((self.version, kind, json.loads(json.dumps(pod))))
+        self.cond.notify_all()
+
+    def _create_pod(self, name: str, silently: bool = False) -> None:
+        pool = name.split("-")[1]
+        self.pods[name] = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {
+                "name": name, "namespace": NS, "uid": str(uuid.uuid4()),
+                "labels": {"app.kubernetes.io/name": "dyad", "app.kubernetes.io/component": pool},
+            },
+            "spec": {"containers": [{"name": "worker", "image": "dyad:test"}]},
+            "status": {
+                "phase": "Running",
+                "conditions": [{"type": "Ready", "status": "True"}],
+                "containerStatuses": [{
+                    "name": "worker", "image": "dyad:test", "imageID": "sha256:0",
+                    "ready": True, "restartCount": 0,
+                    "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}},
+                }],
+            },
+        }
+        self._record("ADDED", self.pods[name], silently)
+
+    def _delete_pod(self, name: str, silently: bool = False) -> dict:
+        pod = self.pods.pop(name)
+        self._record("DELETED", pod, silently)
+        return pod
+
+    def _control(self, name: str, silently: bool = False) -> None:
+        """The StatefulSet controller: one pod per ordinal below replicas."""
+        replicas = self.statefulsets[name]["spec"]["replicas"]
+        for pod in sorted(p for p in self.pods if p.rpartition("-")[0] == name):
+            if int(pod.rpartition("-")[2]) >= replicas:
+                self._delete_pod(pod, silently)
+        for ordinal in range(replicas):
+            if f"{name}-{ordinal}" not in self.pods:
+                self._create_pod(f"{name}-{ordinal}", silently)
+
+    def change(self, name: str, silently: bool = False, **status) -> None:
+        """Set a pod's worker-container fields (restartCount, state) or its phase."""
+        with self.cond:
+            pod = self.pods[name]
+            if "phase" in status:
+                pod["status"]["phase"] = status.pop("phase")
+            pod["status"]["containerStatuses"][0].update(status)
+            self._record("MODIFIED", pod, silently)
+
+    def restart(self, name: str, silently: bool = False) -> None:
+        """The kubelet restarted the pod's container: its workers had exited."""
+        container = self.pods[name]["status"]["containerStatuses"][0]
+        self.change(
+            name, silently, restartCount=container["restartCount"] + 1,
+            state={"running": {"startedAt": "2026-01-01T00:01:00Z"}},
+            lastState={"terminated": {"exitCode": 137, "reason": "OOMKilled"}},
+        )
+
+    def exit(self, name: str) -> None:
+        """The pod's container exited; the kubelet restarts it after a back-off."""
+        self.change(name, state={"terminated": {"exitCode": 0, "reason": "Completed"}})
+
+    def delete(self, name: str) -> None:
+        """Someone (a node drain, a person) deleted the pod; the controller recreates it."""
+        with self.cond:
+            self._delete_pod(name)
+            self._control(name.rpartition("-")[0])
+
+    def expire(self, change=None) -> None:
+        """History compacted: `change()` happens while no watch sees it, and open watches
+        get an ERROR 410 event."""
+        with self.cond:
+            if change:
+                change()
+            self.compacted = self.version
+            self.expiries += 1
+            self.cond.notify_all()
+
+    def drop(self, compact: bool = False) -> None:
+        """Open watch connections break in the middle of an event."""
+        with self.cond:
+            self.drops += 1
+            if compact:
+                self.compacted = self.version
+            self.cond.notify_all()
+
+
+def _handler(api: FakeApiServer):
+    scale_path = re.compile(r"/apis/apps/v1/namespaces/([^/]+)/statefulsets/([^/]+)/scale")
+    statefulset_path = re.compile(r"/apis/apps/v1/namespaces/([^/]+)/statefulsets/([^/]+)")
+    pods_path = re.compile(r"/api/v1/namespaces/([^/]+)/pods")
+    pod_path = re.compile(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)")
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def _request(self):
+            url = urlsplit(self.path)
+            query = {k: v[0] for k, v in parse_qs(url.query).items()}
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length)) if length else None
+            with api.cond:
+                api.requests.append({
+                    "method": self.command, "path": url.path, "query": query, "body": body,
+                    "content_type": self.headers.get("Content-Type"),
+                })
+            return url.path, query, body
+
+        def _json(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _not_found(self, what: str, name: str) -> None:
+            self._json(404, {
+                "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound",
+                "message": f'{what} "{name}" not found', "code": 404,
+            })
+
+        def _scale(self, name: str) -> dict:
+            replicas = api.statefulsets[name]["spec"]["replicas"]
+            return {
+                "apiVersion": "autoscaling/v1", "kind": "Scale",
+                "metadata": {"name": name, "namespace": NS},
+                "spec": {"replicas": replicas}, "status": {"replicas": replicas},
+            }
+
+        def do_GET(self):
+            path, query, _ = self._request()
+            if m := scale_path.fullmatch(path):
+                with api.cond:
+                    if m[2] not in api.statefulsets:
+                        return self._not_found("statefulsets.apps", m[2])
+                    return self._json(200, self._scale(m[2]))
+            if m := statefulset_path.fullmatch(path):
+                with api.cond:
+                    if m[2] not in api.statefulsets:
+                        return self._not_found("statefulsets.apps", m[2])
+                    return self._json(200, api.statefulsets[m[2]])
+            if pods_path.fullmatch(path):
+                assert query.get("labelSelector") == SELECTOR, query
+                if query.get("watch", "").lower() == "true":  # Go's ParseBool takes True too
+                    return self._watch(int(query["resourceVersion"]), int(query["timeoutSeconds"]))
+                with api.cond:
+                    return self._json(200, {
+                        "apiVersion": "v1", "kind": "PodList",
+                        "metadata": {"resourceVersion": str(api.version)},
+                        "items": [api.pods[name] for name in sorted(api.pods)],
+                    })
+            self._not_found("path", path)
+
+        def do_PATCH(self):
+            path, _, body = self._request()
+            m = scale_path.fullmatch(path)
+            with api.cond:
+                if not m or m[2] not in api.statefulsets:
+                    return self._not_found("statefulsets.apps", path)
+                api.statefulsets[m[2]]["spec"]["replicas"] = body["spec"]["replicas"]
+                api._control(m[2])
+                return self._json(200, self._scale(m[2]))
+
+        def do_DELETE(self):
+            path, _, _ = self._request()
+            m = pod_path.fullmatch(path)
+            with api.cond:
+                if not m or m[2] not in api.pods:
+                    return self._not_found("pods", path)
+                pod = api.pods[m[2]]
+            threading.Timer(api.delete_delay_s, api.delete, [m[2]]).start()
+            return self._json(200, pod)
+
+        def _chunk(self, data: bytes) -> None:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+
+        def _watch(self, since: int, timeout_s: int) -> None:
+            with api.cond:
+                expiries, drops = api.expiries, api.drops
+                gone = since <= api.compacted
+                if gone and api.gone_as_status:
+                    return self._json(410, {
+                        "kind": "Status", "apiVersion": "v1", "status": "Failure",
+                        "reason": "Expired", "message": "too old resource version", "code": 410,
+                    })
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            deadline = time.monotonic() + timeout_s
+            while not gone:
+                with api.cond:
+                    api.cond.wait_for(
+                        lambda since=since: api.closing or api.expiries != expiries
+                        or api.drops != drops or api.history[-1:] and api.history[-1][0] > since,
+                        timeout=max(0.0, deadline - time.monotonic()),
+                    )
+                    events = [e for e in api.history if e[0] > since]
+                    dropped, gone = api.drops != drops, api.expiries != expiries
+                    ended = api.closing or time.monotonic() >= deadline
+                for version, kind, pod in events:
+                    self._chunk(json.dumps({"type": kind, "object": pod}).encode() + b"\n")
+                    since = version
+                if dropped:  # half an event, then the connection is gone
+                    self.wfile.write(b"60\r\n{\"type\": \"MODIFIED\", \"obj")
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+                    return
+                if ended:
+                    break
+            if gone:
+                self._chunk(json.dumps({"type": "ERROR", "object": {
+                    "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Expired",
+                    "message": "too old resource version", "code": 410,
+                }}).encode() + b"\n")
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+
+    return Handler
+
+
+@pytest.fixture
+def api():
+    server = FakeApiServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def launcher(api):
+    configuration = client.Configuration(host=api.url)
+    launcher = KubernetesLauncher(
+        NS, client.ApiClient(configuration),
+        watch_timeout_s=5, request_timeout_s=5, backoff_s=(0.05, 0.2),
+    )
+    yield launcher
+    launcher.close()
+
+
+def eventually(predicate, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"not true within {timeout_s}s: {predicate.__doc__ or predicate}")
+
+
+def start(launcher, llm: int = 4, encoder: int = 2, tmp_path=None) -> None:
+    workers = [WorkerSpec("encoder", r) for r in range(encoder)]
+    workers += [WorkerSpec("llm", r) for r in range(llm)]
+    launcher.start("run", "router:50051", workers, tmp_path)
+
+
+def dead_ranks(launcher) -> list[tuple[str, int]]:
+    return sorted((spec.pool, spec.rank) for spec, _ in launcher.dead())
+
+
+def _is_watch(request: dict) -> bool:
+    return request["query"].get("watch", "").lower() == "true"
+
+
+def watches(api) -> list[dict]:
+    return [r for r in api.calls("GET", f"/api/v1/namespaces/{NS}/pods") if _is_watch(r)]
+
+
+def lists(api) -> list[dict]:
+    return [r for r in api.calls("GET", f"/api/v1/namespaces/{NS}/pods") if not _is_watch(r)]
+
+
+# ---------------------------------------------------------------------- scaling
+
+
+def test_start_scales_statefulsets_through_the_scale_subresource(api, launcher, tmp_path):
+    assert launcher.rendezvous(["llm"]) == {"llm": "dyad-llm-0.dyad-llm.ns.svc:29500"}
+    start(launcher, llm=4, encoder=3, tmp_path=tmp_path)
+
+    llm_scale = f"/apis/apps/v1/namespaces/{NS}/statefulsets/dyad-llm/scale"
+    patches = api.calls("PATCH", llm_scale)
+    assert [(p["body"], p["content_type"]) for p in patches] == [
+        ({"spec": {"replicas": 2}}, "application/strategic-merge-patch+json")  # 4 ranks, 2 a pod
+    ]
+    encoder = api.calls("PATCH", f"/apis/apps/v1/namespaces/{NS}/statefulsets/dyad-encoder/scale")
+    assert [p["body"] for p in encoder] == [{"spec": {"replicas": 3}}]  # 1 per pod
+    assert api.calls("GET", f"/apis/apps/v1/namespaces/{NS}/statefulsets/dyad-llm")
+
+    start(launcher, llm=4, encoder=3, tmp_path=tmp_path)  # nothing to change: no patch
+    assert api.calls("PATCH", llm_scale) == patches
+
+    with pytest.raises(ValueError, match="llm pool has 3 ranks, not a multiple of the 2 workers"):
+        start(launcher, llm=3, encoder=3, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("env, gpus, expected", [
+    ({"DYAD_GPUS_PER_POD": "4"}, 8, 4), ({}, 2, 2), ({}, None, 1),
+])
+def test_workers_per_pod_from_the_pod_template(api, launcher, env, gpus, expected):
+    api.statefulsets["dyad-llm"] = _statefulset("dyad-llm", env, gpus)
+    assert launcher.gpus_per_pod("llm") == expected
+
+
+def test_api_errors_name_the_call_status_and_reason(api, launcher, tmp_path):
+    del api.statefulsets["dyad-llm"]
+    with pytest.raises(KubernetesError, match=(
+        r'read statefulset dyad-llm in namespace ns: 404 Not Found: '
+        r'statefulsets.apps "dyad-llm" not found'
+    )):
+        start(launcher, tmp_path=tmp_path)
+
+
+def test_end_of_run_scales_every_pool_to_zero(api, launcher, tmp_path):
+    start(launcher, tmp_path=tmp_path)
+    launcher.stop(timeout_s=1.0)
+    for name in ("dyad-encoder", "dyad-llm"):
+        patches = api.calls("PATCH", f"/apis/apps/v1/namespaces/{NS}/statefulsets/{name}/scale")
+        assert patches[-1]["body"] == {"spec": {"replicas": 0}}
+    assert not api.pods and launcher.dead() == []
+    eventually(lambda: not launcher._watcher.is_alive())
+
+
+# ---------------------------------------------------------------------- the pod watch and dead()
+
+
+def test_a_container_restart_or_a_lost_pod_is_a_dead_worker(api, launcher, tmp_path):
+    start(launcher, tmp_path=tmp_path)
+    pods = eventually(lambda: len(launcher.pods()) == 4 and launcher.pods())
+    assert {n: (p.pool, p.phase, p.ready, p.restarts, p.deleted) for n, p in pods.items()} == {
+        "dyad-encoder-0": ("encoder", "Running", True, 0, False),
+        "dyad-encoder-1": ("encoder", "Running", True, 0, False),
+        "dyad-llm-0": ("llm", "Running", True, 0, False),
+        "dyad-llm-1": ("llm", "Running", True, 0, False),
+    }
+    assert launcher.dead() == []
+
+    api.restart("dyad-llm-1")  # both of its ranks are gone
+    dead = eventually(launcher.dead)
+    assert sorted((s.pool, s.rank) for s, _ in dead) == [("llm", 2), ("llm", 3)]
+    assert "(pod dyad-llm-1) container restarted (restartCount 0 -> 1)" in dead[0][1]
+    assert "OOMKilled (exit code 137)" in dead[0][1]
+
+    api.delete("dyad-encoder-0")  # and created again by its StatefulSet
+    eventually(lambda: ("encoder", 0) in dead_ranks(launcher))
+    api.change("dyad-encoder-1", phase="Failed")
+    eventually(lambda: ("encoder", 1) in dead_ranks(launcher))
+    reasons = {s: r for s, r in launcher.dead()}
+    assert reasons[WorkerSpec("encoder", 0)] == "(pod dyad-encoder-0) was deleted and created again"
+    assert reasons[WorkerSpec("encoder", 1)] == "(pod dyad-encoder-1) failed"
+
+
+def test_a_410_gone_mid_watch_lists_again_and_goes_on(api, launcher, tmp_path):
+    start(launcher, tmp_path=tmp_path)
+    eventually(lambda: len(watches(api)) == 1)
+    assert len(lists(api)) == 1
+
+    # While the history is compacted away, llm-0's container restarts and encoder-1 is deleted
+    # (its StatefulSet did not recreate it yet): only a new list shows it.
+    def unseen():
+        api.restart("dyad-llm-0", silently=True)
+        api._delete_pod("dyad-encoder-1", silently=True)
+
+    api.expire(unseen)
+    eventually(lambda: dead_ranks(launcher) == [("encoder", 1), ("llm", 0), ("llm", 1)])
+    assert len(lists(api)) == 2
+    pods = launcher.pods()
+    assert pods["dyad-encoder-1"].deleted and pods["dyad-llm-0"].restarts == 1
+    eventually(lambda: len(watches(api)) == 2)
+    assert watches(api)[-1]["query"]["resourceVersion"] == str(api.version)
+
+    api.restart("dyad-encoder-0")  # the new watch delivers events
+    eventually(lambda: ("encoder", 0) in dead_ranks(launcher))
+
+
+@pytest.mark.parametrize("gone_as_status", [False, True], ids=["error-event", "http-410"])
+def test_a_410_gone_on_reconnect_lists_again(api, launcher, tmp_path, gone_as_status):
+    api.gone_as_status = gone_as_status
+    start(launcher, tmp_path=tmp_path)
+    eventually(lambda: len(watches(api)) == 1)
+    api.drop(compact=True)  # the reconnect's resourceVersion is too old by then
+    eventually(lambda: len(lists(api)) == 2)
+    api.restart("dyad-llm-1")
+    eventually(lambda: dead_ranks(launcher) == [("llm", 2), ("llm", 3)])
+
+
+def test_a_dropped_connection_watches_again_from_the_last_resource_version(api, launcher, tmp_path):
+    start(launcher, tmp_path=tmp_path)
+    eventually(lambda: len(watches(api)) == 1)
+    api.restart("dyad-llm-0")
+    eventually(lambda: dead_ranks(launcher) == [("llm", 0), ("llm", 1)])
+    seen = api.version
+
+    api.drop()  # mid-event: the half event is not applied, and no event is lost
+    eventually(lambda: len(watches(api)) == 2)
+    assert watches(api)[-1]["query"]["resourceVersion"] == str(seen)
+    assert len(lists(api)) == 1  # watched again, not listed again
+
+    api.restart("dyad-encoder-0")
+    eventually(lambda: ("encoder", 0) in dead_ranks(launcher))
+
+
+# ---------------------------------------------------------------------- stop
+
+
+def test_stop_waits_for_containers_to_exit_and_deletes_the_hung_pods(api, launcher, tmp_path):
+    api.delete_delay_s = 0.3  # the hung pod still shows when the next generation starts
+    start(launcher, tmp_path=tmp_path)
+    eventually(lambda: len(launcher.pods()) == 4)
+    llm_0, llm_1 = (api.pods[f"dyad-llm-{i}"]["metadata"]["uid"] for i in (0, 1))
+    threading.Timer(0.1, api.exit, ["dyad-llm-0"]).start()  # dyad-llm-1 never exits
+
+    started = time.monotonic()
+    launcher.stop(["llm"], timeout_s=1.5)
+    assert 1.5 <= time.monotonic() - started < 5.0
+    deletions = api.calls("DELETE", f"/api/v1/namespaces/{NS}/pods/dyad-llm-1")
+    assert [r["query"] for r in deletions] == [{"gracePeriodSeconds": "5"}]
+    assert not api.calls("DELETE", f"/api/v1/namespaces/{NS}/pods/dyad-llm-0")
+    assert launcher.dead() == []  # stopped workers are not dead
+
+    # The next generation: llm-0's container comes back (restart 1), llm-1 is a new pod.
+    start(launcher, tmp_path=tmp_path)
+    assert launcher.dead() == []  # the old llm-1 shows, still running
+    api.restart("dyad-llm-0")
+    eventually(lambda: launcher.pods()["dyad-llm-0"].restarts == 1)
+    eventually(lambda: launcher.pods()["dyad-llm-1"].uid != llm_1)
+    assert launcher.dead() == []
+    assert api.pods["dyad-llm-0"]["metadata"]["uid"] == llm_0
+
+    # Told to stop again, both exit at once: no deletion, no waiting out the timeout.
+    for name in ("dyad-llm-0", "dyad-llm-1"):
+        threading.Timer(0.1, api.exit, [name]).start()
+    started = time.monotonic()
+    launcher.stop(["llm"], timeout_s=5.0)
+    assert time.monotonic() - started < 4.0
+    assert len(api.calls("DELETE", f"/api/v1/namespaces/{NS}/pods/dyad-llm-1")) == 1
+
+    start(launcher, tmp_path=tmp_path)
+    api.restart("dyad-llm-0")  # the restart stop asked for
+    api.restart("dyad-llm-0")  # and one it did not: a crash
+    eventually(lambda: dead_ranks(launcher) == [("llm", 0), ("llm", 1)])
