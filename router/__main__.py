@@ -92,9 +92,14 @@ def run(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
     stopping.wait()
-    for run_id in state.active_run_ids():
-        state.get(run_id).stop_requested.set()
-    state.wait_idle(30)
+    if args.state_db:
+        # A router with a state store is restarted, not retired (a pod rescheduled, a rollout):
+        # its active runs stay as they are, and the next router on this store resumes them.
+        logging.info("leaving runs %s to the next router", state.active_run_ids() or "(none)")
+    else:
+        for run_id in state.active_run_ids():
+            state.get(run_id).stop_requested.set()
+        state.wait_idle(30)
     server.stop(grace=2).wait()
 
 

@@ -177,11 +177,14 @@ class RunDriver:
         seconds it took."""
         started = time.perf_counter()
         restarting = tuple(restarting)
+        # The new generation begins before the old workers are told to stop, so a worker
+        # restarted quickly (a pod's container) registers into it, never into the old one.
+        leaving = self.run.registered(restarting)
+        generation = self.run.new_generation(restarting, self.launcher.rendezvous(restarting))
         if restarting:
-            self.run.send(pb.WorkerCommand(stop=pb.StopCommand(reason="restart")), restarting)
+            for channel in leaving.values():
+                channel.commands.put(pb.WorkerCommand(stop=pb.StopCommand(reason="restart")))
             self.launcher.stop(restarting, timeout_s=self.config.router.stop_grace_s)
-        rendezvous = self.launcher.rendezvous(restarting)
-        generation = self.run.new_generation(restarting, rendezvous)
         specs = [
             WorkerSpec(pool, rank) for pool in restarting for rank in range(self.run.pool_sizes[pool])
         ]

@@ -32,10 +32,11 @@ class RouterState:
     """Runs known to this router (at most one active at a time), persisted in `state_db` when
     given so that a restarted router resumes them."""
 
-    def __init__(self, launcher_factory=LocalLauncher, state_db: str | None = None):
+    def __init__(self, launcher_factory=LocalLauncher, state_db: str | None = None, observer=None):
         self.address = ""
         self.credentials = None  # set by `serve`; its join token goes to launched workers
         self._launcher_factory = launcher_factory
+        self._observer = observer  # e.g. the Prometheus metrics (router/metrics.py)
         self._store = open_store(state_db)
         self._runs: dict[str, Run] = {}
         self._drivers: dict[str, threading.Thread] = {}
@@ -65,7 +66,7 @@ class RouterState:
                 raise FailedPrecondition(
                     f"run {active[0].run_id} is still active; stop it before starting another"
                 )
-            run = Run(run_id, config, self._store)
+            run = Run(run_id, config, self._store, self._observer)
             self._runs[run_id] = run
         run.persist()
         self._drive(run, dataset, resumed=False)
@@ -74,7 +75,7 @@ class RouterState:
     def resume_runs(self) -> None:
         """Load the runs of the store; drive again those that had not finished."""
         for record in self._store.runs():
-            run = Run.restored(record, self._store)
+            run = Run.restored(record, self._store, self._observer)
             with self._lock:
                 self._runs[run.run_id] = run
             if not run.finished:
