@@ -25,7 +25,7 @@ CREDENTIALS = Credentials(client_token="test-client-token", join_token="test-joi
 BASE = [
     "train.steps=8", "train.warmup_steps=2", "train.global_batch=8", "train.microbatches=2",
     "checkpoint.interval_steps=2", "router.heartbeat_interval_s=0.5",
-    "router.worker_timeout_s=20", "router.stop_grace_s=5",
+    "router.worker_timeout_s=20", "router.stop_grace_s=5", "router.step_timeout_s=120",
 ]
 
 
