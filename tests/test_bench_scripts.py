@@ -13,7 +13,7 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
-@pytest.mark.parametrize("script", ["moe_layer.py", "boundary_bandwidth.py"])
+@pytest.mark.parametrize("script", ["moe_layer.py", "boundary_bandwidth.py", "llm_step.py"])
 def test_bench_script_runs_at_toy_size(tmp_path, script):
     out = tmp_path / "result.json"
     result = subprocess.run(

@@ -1,0 +1,124 @@
+"""The LLM service's training step on one GPU: a ~1B-active-parameter MoE decoder on a fused
+image + text sequence of 4,096 tokens (576 image rows spliced in), forward + backward + AdamW,
+bf16 compute with float32 master weights and optimizer state. Reports model FLOPs utilisation.
+
+    python bench/llm_step.py --out $OUT/llm_step.json [--profile-dir $OUT]
+    python bench/llm_step.py --toy                       # CPU, tiny (CI)
+
+MFU = (6 x active non-embedding parameters + 12 x layers x dim x sequence) x tokens / step time /
+peak, with the peak 989 TFLOP/s (H100/H200 dense bf16, as the issue counts). Active parameters:
+attention, norms, router, top-k experts of each MoE layer, dense FFN layers, and the output
+projection (the input embedding is a lookup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from dyad.llm_service.model import LLMConfig, MoELM
+from dyad.llm_service.moe import MoEConfig
+from dyad.optim import build_optimizer
+
+PEAK_TFLOPS = 989.0
+
+CONFIGS = {
+    "1b-active": dict(
+        llm=LLMConfig(vocab_size=32000, dim=2048, n_layers=20, n_heads=16, n_kv_heads=4,
+                      dense_ffn_dim=5632, dense_layers=(0,), max_seq_len=4096,
+                      moe=MoEConfig(num_experts=16, top_k=4, expert_dim=1408, aux_loss_coef=0.01)),
+        seq=4096, image_rows=576,
+    ),
+    "toy": dict(
+        llm=LLMConfig(vocab_size=100, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, dense_ffn_dim=128,
+                      dense_layers=(0,), max_seq_len=64,
+                      moe=MoEConfig(num_experts=4, top_k=2, expert_dim=32)),
+        seq=64, image_rows=8,
+    ),
+}
+
+
+def active_parameters(cfg: LLMConfig) -> int:
+    D, L = cfg.dim, cfg.n_layers
+    attention = D * cfg.n_heads * cfg.head_dim * 2 + D * cfg.n_kv_heads * cfg.head_dim * 2
+    moe = cfg.moe
+    moe_layer = moe.top_k * 3 * D * moe.expert_dim + D * moe.num_experts + 3 * D * moe.shared_expert_dim
+    dense_layer = 3 * D * cfg.dense_ffn_dim
+    n_dense = len(cfg.dense_layers)
+    per_layer_norms = 2 * D
+    return L * (attention + per_layer_norms) + n_dense * dense_layer + (L - n_dense) * moe_layer + D * cfg.vocab_size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--toy", action="store_true")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out")
+    parser.add_argument("--profile-dir")
+    args = parser.parse_args()
+    device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
+    spec = CONFIGS["toy" if device == "cpu" else "1b-active"]
+    cfg, S, N = spec["llm"], spec["seq"], spec["image_rows"]
+    torch.manual_seed(0)
+    model = MoELM(cfg).to(device)
+    train = argparse.Namespace(weight_decay=0.01, beta1=0.9, beta2=0.95, eps=1e-8, lr=1e-4)
+    optimizer = build_optimizer(model, train)
+    ids = torch.randint(cfg.vocab_size, (1, S), device=device)
+    targets = torch.randint(cfg.vocab_size, (1, S), device=device)
+    positions = torch.arange(8, 8 + N, device=device)
+    rows = torch.randn(N, cfg.dim, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
+
+    def step():
+        with autocast:
+            logits, aux = model(ids, rows, positions)
+            loss = model.loss_sum(logits, targets) / S + aux
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(args.iters):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    active = active_parameters(cfg)
+    flops_per_token = 6 * active + 12 * cfg.n_layers * cfg.dim * S
+    tflops = flops_per_token * S / seconds / 1e12
+    result = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+        "active_params": active, "total_params": sum(p.numel() for p in model.parameters()),
+        "seq": S, "image_rows": N, "step_s": seconds, "tokens_per_s": S / seconds,
+        "model_tflops": tflops, "mfu": tflops / PEAK_TFLOPS,
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0,
+    }
+    print(f"active {active / 1e9:.2f}B of {result['total_params'] / 1e9:.2f}B params, seq {S}: "
+          f"{seconds * 1e3:.1f} ms/step, {S / seconds:,.0f} tok/s, {tflops:.0f} TFLOP/s, "
+          f"MFU {tflops / PEAK_TFLOPS:.1%}, peak memory {result['peak_memory_gb']:.1f} GB")
+    if args.profile_dir and device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+        with open(f"{args.profile_dir}/llm_step_profile.txt", "w") as f:
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
