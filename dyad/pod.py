@@ -8,7 +8,9 @@ code, so the container restarts as a whole and its workers register again; the r
 router's Kubernetes backend watches then says what happened.
 
 Environment: `DYAD_ROUTER` (host:port), `DYAD_JOIN_TOKEN`, `POD_NAME`, `POD_IP`,
-`DYAD_GPUS_PER_POD` (default 1), optional `DYAD_RUN_ID` (default: the router's active run).
+`DYAD_GPUS_PER_POD` (default 1), optional `DYAD_RUN_ID` (default: the router's active run). In a
+LeaderWorkerSet group (experimental `k8s/overlays/lws`) the ordinal comes from
+`DYAD_LWS_GROUP_INDEX`, `LWS_GROUP_SIZE` and `LWS_WORKER_INDEX` instead of the pod name.
 """
 
 from __future__ import annotations
@@ -40,6 +42,19 @@ def pod_ranks(pod_name: str, gpus_per_pod: int) -> list[int]:
     return list(range(first, first + gpus_per_pod))
 
 
+def pod_ordinal_name(environ) -> str:
+    """`$POD_NAME`, or for a LeaderWorkerSet replica (`$LWS_GROUP_SIZE` set) a StatefulSet-like
+    name whose ordinal is group_index * group_size + worker_index."""
+    if environ.get("LWS_GROUP_SIZE"):
+        ordinal = int(environ["DYAD_LWS_GROUP_INDEX"]) * int(environ["LWS_GROUP_SIZE"]) + int(
+            environ.get("LWS_WORKER_INDEX", "0")
+        )
+        return f"lws-{ordinal}"
+    if not environ.get("POD_NAME"):
+        raise ValueError("$POD_NAME must be set (see dyad/pod.py)")
+    return environ["POD_NAME"]
+
+
 def _env(name: str) -> str:
     value = os.environ.get(name, "")
     if not value:
@@ -60,7 +75,7 @@ def _serve_health(port: int) -> grpc.Server:
 
 def run_pod(pool: str, health_port: int = HEALTH_PORT) -> int:
     """Start the pod's workers; return the exit code of the first one to exit."""
-    ranks = pod_ranks(_env("POD_NAME"), int(os.environ.get("DYAD_GPUS_PER_POD", "1")))
+    ranks = pod_ranks(pod_ordinal_name(os.environ), int(os.environ.get("DYAD_GPUS_PER_POD", "1")))
     router = _env("DYAD_ROUTER")
     _env("DYAD_JOIN_TOKEN")  # the workers read it; refuse early when it is missing
     run_id = os.environ.get("DYAD_RUN_ID", "")

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dyad.pod import pod_ranks
+from dyad.pod import pod_ordinal_name, pod_ranks
 from tests.resilience import CREDENTIALS, job_config
 from tests.test_router import NoWorkers
 
@@ -27,6 +27,13 @@ def test_ranks_come_from_the_ordinal():
             pod_ranks(name, 1)
     with pytest.raises(ValueError, match="DYAD_GPUS_PER_POD"):
         pod_ranks("dyad-llm-0", 0)
+
+
+def test_a_leaderworkerset_pod_counts_its_group():
+    environ = {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1", "DYAD_LWS_GROUP_INDEX": "3",
+               "POD_NAME": "dyad-llm-3-1"}
+    assert pod_ranks(pod_ordinal_name(environ), 4) == [28, 29, 30, 31]  # ordinal 3*2+1 = 7
+    assert pod_ordinal_name({"POD_NAME": "dyad-llm-5"}) == "dyad-llm-5"
 
 
 def _free_port() -> int:
