@@ -92,9 +92,12 @@ class RunDriver:
                 self._recover(lost)
             self.run.set_state(pb.RUN_STATE_RUNNING)
             total = self.config.train.steps
-            while self.step < total:
+            while self.committed is None or self.committed.step != total:
                 self._check_stop()
                 try:
+                    if self.step == total:  # the final checkpoint (a recovery rewinds the step)
+                        self._commit()
+                        continue
                     self._between_steps()
                     metrics = self._train_step(self.step)
                 except WorkerLost as lost:
@@ -110,8 +113,6 @@ class RunDriver:
                 interval = self.config.checkpoint.interval_steps
                 if interval and self.step % interval == 0 and self.step < total:
                     self._commit_or_recover()
-            while self.committed is None or self.committed.step != total:
-                self._commit_or_recover()
 
     def _write(self, record: dict) -> None:
         self._metrics_file.write(json.dumps(record) + "\n")

@@ -61,12 +61,11 @@ def test_a_killed_worker_is_recovered_from_the_last_checkpoint(tmp_path, uninter
     killed = []
 
     with in_process_router() as (client, state):
-        def act(metrics):
-            run_id = state.active_run_ids()[0]
+        def act(metrics):  # the run may have ended by the last step's event: look it up only to act
             if metrics.step == 1:
-                client.checkpoint(run_id)
+                client.checkpoint(state.active_run_ids()[0])
             if metrics.step == 4 and not killed:
-                killed.append(state.get(run_id).pids[f"{pool}/0"])
+                killed.append(state.get(state.active_run_ids()[0]).pids[f"{pool}/0"])
                 kill(killed[0])
 
         config = job_config(tmp_path, "checkpoint.interval_steps=0", *KILL_LAYOUTS[pool])
@@ -104,9 +103,8 @@ def test_pools_resized_mid_run_keep_the_math(tmp_path, uninterrupted):
 
     with in_process_router() as (client, state):
         def resize(metrics):
-            run_id = state.active_run_ids()[0]
             if metrics.step in requests:
-                client.scale_pool(run_id, *requests.pop(metrics.step))
+                client.scale_pool(state.active_run_ids()[0], *requests.pop(metrics.step))
 
         run = run_followed(client, job_config(tmp_path), resize)
     resizes = [n for n in run.notices if n.kind == "resize"]
