@@ -81,6 +81,24 @@ class ParallelConfig:
     encoder: EncoderLayout = field(default_factory=EncoderLayout)
     llm: LLMLayout = field(default_factory=LLMLayout)
     sequence_parallel: bool = False  # LLM pool: split the residual stream over tp (needs tp > 1)
+    # Local processes on one GPU host: the GPUs each pool's ranks use, in rank order (rank r on
+    # devices[r % len]). Empty: rank r on GPU r % count, so the pools share the GPUs (colocated);
+    # e.g. encoder_devices [0] and llm_devices [1] put the pools on disjoint GPUs.
+    encoder_devices: tuple[int, ...] = ()
+    llm_devices: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("encoder_devices", "llm_devices"):
+            if any(index < 0 for index in getattr(self, name)):
+                raise ValueError(f"parallel.{name} must hold GPU indices >= 0, got {getattr(self, name)}")
+
+    def local_gpu(self, pool: str, rank: int, gpu_count: int) -> int:
+        """The local GPU index of `pool`'s `rank`."""
+        devices = getattr(self, f"{pool}_devices")
+        index = devices[rank % len(devices)] if devices else rank % gpu_count
+        if index >= gpu_count:
+            raise ValueError(f"parallel.{pool}_devices names GPU {index}, this host has {gpu_count}")
+        return index
 
 
 @dataclass(kw_only=True)

@@ -58,9 +58,9 @@ def transfer_segments(transfer: pb.Transfer, device) -> RowSegments:
     return RowSegments([(s.src_row, s.dst_row, s.length) for s in transfer.segments], device=device)
 
 
-def pool_device(config: RunConfig, rank: int) -> torch.device:
+def pool_device(config: RunConfig, pool: str, rank: int) -> torch.device:
     if config.train.device == "cuda":
-        return torch.device("cuda", rank % torch.cuda.device_count())
+        return torch.device("cuda", config.parallel.local_gpu(pool, rank, torch.cuda.device_count()))
     return torch.device("cpu")
 
 
@@ -74,7 +74,7 @@ class PoolService(ABC):
         self.transport = transport
         self.rank = rank
         self.run_id = run_id
-        self.device = pool_device(config, rank)
+        self.device = pool_device(config, self.pool, rank)
         self.dataset = make_dataset(config.data)
         self.layout = getattr(config.parallel, self.pool)
         self.groups = ProcessGroups.build(self.layout)

@@ -135,7 +135,7 @@ class WorkerRuntime:
     def _join_pool(self, config, dist_address: str) -> None:
         backend = "nccl" if config.train.device == "cuda" else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(self.rank % torch.cuda.device_count())
+            torch.cuda.set_device(config.parallel.local_gpu(self.pool, self.rank, torch.cuda.device_count()))
         dist.init_process_group(
             backend,
             init_method=f"tcp://{dist_address}",

@@ -13,11 +13,16 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
-@pytest.mark.parametrize("script", ["moe_layer.py", "boundary_bandwidth.py", "llm_step.py"])
-def test_bench_script_runs_at_toy_size(tmp_path, script):
+@pytest.mark.parametrize("script,args", [
+    ("moe_layer.py", ["--iters", "2"]),
+    ("boundary_bandwidth.py", ["--iters", "2"]),
+    ("llm_step.py", ["--iters", "2"]),
+    ("e2e_hetero.py", []),
+])
+def test_bench_script_runs_at_toy_size(tmp_path, script, args):
     out = tmp_path / "result.json"
     result = subprocess.run(
-        [sys.executable, str(BENCH / script), "--toy", "--iters", "2", "--out", str(out)],
+        [sys.executable, str(BENCH / script), "--toy", *args, "--out", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -281,3 +281,18 @@ def test_validate_encoder_layout_messages(tp, cfg, message):
 
 def test_validate_encoder_layout_accepts_a_fitting_layout():
     validate_encoder_layout(EncoderLayout(dp=2, tp=4), EncoderConfig(dim=64, heads=4, out_dim=64))
+
+
+def test_pool_placement_on_local_gpus():
+    """parallel.<pool>_devices pins a pool's ranks to GPUs; empty shares them (rank % count)."""
+    from dyad import config as config_lib
+
+    config = config_lib.load(None, ["parallel.encoder_devices=[0]", "parallel.llm_devices=[1, 2]"])
+    assert [config.parallel.local_gpu("encoder", r, 4) for r in range(2)] == [0, 0]
+    assert [config.parallel.local_gpu("llm", r, 4) for r in range(3)] == [1, 2, 1]
+    shared = config_lib.load(None, [])
+    assert [shared.parallel.local_gpu("llm", r, 2) for r in range(3)] == [0, 1, 0]
+    with pytest.raises(ValueError, match="parallel.llm_devices names GPU 2"):
+        config.parallel.local_gpu("llm", 1, 2)
+    with pytest.raises(ValueError, match="parallel.encoder_devices"):
+        config_lib.load(None, ["parallel.encoder_devices=[-1]"])

@@ -1,0 +1,115 @@
+"""End to end on one host's GPUs: the same vision-heavy job (a ViT-L-class encoder, hundreds of
+image tokens per sample, the ~1B-active MoE LLM of bench/llm_step.py), run
+  (a) homogeneous, colocated: both pools on both GPUs with one layout (encoder dp=2, LLM dp=2,
+      rank r of each pool on GPU r), and
+  (b) heterogeneous, non-colocated: the encoder pool on GPU 0, the LLM pool on GPU 1.
+Same global batch, same microbatches (so the same math). Reports tokens/s, model TFLOP/s per GPU,
+and the LLM's exposed boundary wait as a share of the step; keeps each run's metrics.
+
+    python bench/e2e_hetero.py --out $OUT/e2e.json --work $OUT/runs
+    python bench/e2e_hetero.py --toy                  # CPU, tiny, one process per pool (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from dyad import config as config_lib
+from dyad.data import make_dataset
+from dyad.jobs import run_job
+
+VISION_HEAVY = [
+    "train.device=cuda", "train.dtype=bfloat16", "train.global_batch=16", "train.warmup_steps=2",
+    "checkpoint.interval_steps=0", "data.image_size=224", "data.multi_image_fraction=0.5",
+    "data.max_images_per_sample=2", "encoder.patch_size=14", "encoder.dim=1024",
+    "encoder.depth=24", "encoder.heads=16", "llm.dim=2048", "llm.n_layers=20", "llm.n_heads=16",
+    "llm.n_kv_heads=4", "llm.dense_ffn_dim=5632", "llm.max_seq_len=1024",
+    "llm.moe.num_experts=16", "llm.moe.top_k=4", "llm.moe.expert_dim=1408",
+    "router.step_timeout_s=600",
+]
+TOY = ["train.global_batch=8", "train.device=cpu"]
+
+LAYOUTS = {  # name: (overrides, GPUs used)
+    "homogeneous-colocated": (["parallel.encoder.dp=2", "parallel.llm.dp=2", "train.microbatches=1"], 2),
+    "heterogeneous": (["parallel.encoder_devices=[0]", "parallel.llm_devices=[1]", "train.microbatches=2"], 2),
+}
+TOY_LAYOUTS = {"toy": (["train.microbatches=2"], 1)}
+
+
+def encoder_flops_per_image(cfg) -> float:
+    """Forward + backward (x3) of the ViT's matmuls and attention, per image."""
+    tokens = (cfg.image_size // cfg.patch_size) ** 2
+    mlp = int(cfg.dim * cfg.mlp_ratio)
+    per_token_params = cfg.depth * (4 * cfg.dim * cfg.dim + 2 * cfg.dim * mlp) + cfg.dim * cfg.out_dim * 2
+    return 6 * tokens * per_token_params + 12 * cfg.depth * cfg.dim * tokens * tokens
+
+
+def llm_flops_per_token(cfg, seq_len: float) -> float:
+    from llm_step import active_parameters  # beside this script
+
+    return 6 * active_parameters(cfg) + 12 * cfg.n_layers * cfg.dim * seq_len
+
+
+def summarize(config, job, gpus: int, skip: int) -> dict:
+    resolved = config_lib.resolve(config, vocab_size=make_dataset(config.data).tokenizer.vocab_size)
+    dataset = make_dataset(config.data)
+    samples = {}
+    for line in (Path(config.out_dir) / "samples.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        samples[record["step"]] = record["samples"]
+    rows = []
+    for metrics in job.metrics[skip:]:
+        shapes = [dataset.shape(s, resolved.encoder.tokens_per_image) for s in samples[metrics["step"]]]
+        images = sum(shape.n_images for shape in shapes)
+        mean_seq = statistics.mean(shape.seq_len for shape in shapes)
+        flops = images * encoder_flops_per_image(resolved.encoder) + metrics["tokens"] * llm_flops_per_token(
+            resolved.llm, mean_seq)
+        rows.append({
+            "step_s": metrics["step_time_s"], "tokens_per_s": metrics["tokens_per_s"],
+            "tflops_per_gpu": flops / metrics["step_time_s"] / gpus / 1e12,
+            "llm_wait_share": metrics["llm_wait_s"] / metrics["step_time_s"],
+            "encoder_wait_share": metrics["encoder_wait_s"] / metrics["step_time_s"],
+            "images": images, "tokens": metrics["tokens"],
+        })
+    return {name: statistics.median(r[name] for r in rows) for name in rows[0]} | {"steps_measured": len(rows)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--toy", action="store_true")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the medians")
+    parser.add_argument("--work", help="run directories (default: a temporary one)")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    base, layouts = (TOY, TOY_LAYOUTS) if args.toy else (VISION_HEAVY, LAYOUTS)
+    steps, skip = (3, 1) if args.toy else (args.steps, args.skip)
+    work = Path(args.work or tempfile.mkdtemp(prefix="dyad-e2e-"))
+    results = {}
+    for name, (overrides, gpus) in layouts.items():
+        config = config_lib.load(None, [*base, *overrides, f"train.steps={steps}"])
+        config = dataclasses.replace(config, out_dir=str((work / name).resolve()))
+        job = run_job(config, progress=False)
+        if not job.succeeded:
+            results[name] = {"error": job.info.message}
+            print(f"{name}: FAILED {job.info.message[:500]}")
+            continue
+        results[name] = summarize(config, job, gpus, skip)
+    print(f"{'layout':24s} {'step s':>7s} {'tokens/s':>9s} {'TFLOP/s/GPU':>12s} {'LLM wait':>9s} {'enc wait':>9s}")
+    for name, r in results.items():
+        if "error" not in r:
+            print(f"{name:24s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['tflops_per_gpu']:12.1f} "
+                  f"{r['llm_wait_share']:9.1%} {r['encoder_wait_share']:9.1%}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": "cpu" if args.toy else "gpu", "layouts": results,
+                       "config": base}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
