@@ -25,7 +25,8 @@ from dyad.jobs import run_job
 
 VISION_HEAVY = [
     "train.device=cuda", "train.dtype=bfloat16", "train.global_batch=16", "train.warmup_steps=2",
-    "checkpoint.interval_steps=0", "data.image_size=224", "data.multi_image_fraction=0.5",
+    "checkpoint.interval_steps=0", "data.image_size=224", "encoder.image_size=224",
+    "data.multi_image_fraction=0.5",
     "data.max_images_per_sample=2", "encoder.patch_size=14", "encoder.dim=1024",
     "encoder.depth=24", "encoder.heads=16", "llm.dim=2048", "llm.n_layers=20", "llm.n_heads=16",
     "llm.n_kv_heads=4", "llm.dense_ffn_dim=5632", "llm.max_seq_len=1024",
