@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -87,6 +88,8 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the medians")
     parser.add_argument("--work", help="run directories (default: a temporary one)")
     parser.add_argument("--out")
+    parser.add_argument("--profile-step", type=int, help="every worker writes a kernel table of this step")
+    parser.add_argument("--profile-dir", help="where the kernel tables go (a folder per layout)")
     args = parser.parse_args()
     base, layouts = (TOY, TOY_LAYOUTS) if args.toy else (VISION_HEAVY, LAYOUTS)
     steps, skip = (3, 1) if args.toy else (args.steps, args.skip)
@@ -95,6 +98,10 @@ def main() -> None:
     for name, (overrides, gpus) in layouts.items():
         config = config_lib.load(None, [*base, *overrides, f"train.steps={steps}"])
         config = dataclasses.replace(config, out_dir=str((work / name).resolve()))
+        if args.profile_step is not None:  # read by the workers (dyad/worker.py)
+            profile_dir = Path(args.profile_dir or work) / f"profile-{name}"
+            profile_dir.mkdir(parents=True, exist_ok=True)
+            os.environ.update(DYAD_PROFILE_DIR=str(profile_dir), DYAD_PROFILE_STEP=str(args.profile_step))
         job = run_job(config, progress=False)
         if not job.succeeded:
             results[name] = {"error": job.info.message}

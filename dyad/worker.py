@@ -18,6 +18,7 @@ Kubernetes) starts a fresh one. When the router goes away, it registers again (f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -155,7 +156,8 @@ class WorkerRuntime:
                 if kind == "setup":
                     self.generation = command.setup.generation
                 try:
-                    result = getattr(service, kind)(getattr(command, kind))
+                    with _profiled(self.pool, self.rank, command):
+                        result = getattr(service, kind)(getattr(command, kind))
                 except Exception:  # noqa: BLE001 - reported to the router, then this worker exits
                     self._report(error=traceback.format_exc())
                     raise
@@ -182,6 +184,37 @@ class WorkerRuntime:
                     return
             except grpc.RpcError as error:
                 log.debug("heartbeat failed: %s", error.code())
+
+
+def _profiled(pool: str, rank: int, command: pb.WorkerCommand):
+    """Profile the step named in $DYAD_PROFILE_STEP (and its apply) into $DYAD_PROFILE_DIR as a
+    kernel table per worker: where each pool's time goes, for bench/e2e_hetero.py."""
+    directory, step = os.environ.get("DYAD_PROFILE_DIR"), os.environ.get("DYAD_PROFILE_STEP")
+    kind = command.WhichOneof("command")
+    if not directory or kind not in ("step", "apply") or getattr(command, kind).step != int(step or -1):
+        return contextlib.nullcontext()
+    return _ProfileToFile(f"{directory}/{pool}-{rank}-{kind}{step}.txt")
+
+
+class _ProfileToFile(contextlib.AbstractContextManager):
+    def __init__(self, path: str):
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.path, self.profile = path, profile(activities=activities)
+
+    def __enter__(self):
+        self.profile.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.profile.__exit__(*exc_info)
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        with open(self.path, "w") as f:
+            f.write(self.profile.key_averages().table(sort_by=sort, row_limit=25))
+        return False
 
 
 def _world_size(config, pool: str) -> int:
