@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the medians")
     parser.add_argument("--work", help="run directories (default: a temporary one)")
     parser.add_argument("--out")
+    parser.add_argument("--layouts", nargs="*", help="run only these layouts (default: all)")
     parser.add_argument("--profile-step", type=int, help="every worker writes a kernel table of this step")
     parser.add_argument("--profile-dir", help="where the kernel tables go (a folder per layout)")
     args = parser.parse_args()
@@ -96,6 +97,8 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-e2e-"))
     results = {}
     for name, (overrides, gpus) in layouts.items():
+        if args.layouts and name not in args.layouts:
+            continue
         config = config_lib.load(None, [*base, *overrides, f"train.steps={steps}"])
         config = dataclasses.replace(config, out_dir=str((work / name).resolve()))
         if args.profile_step is not None:  # read by the workers (dyad/worker.py)
