@@ -7,6 +7,7 @@ Each pool's worker (`encoder_service.worker`, `llm_service.worker`) adds its own
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from abc import ABC, abstractmethod
 
@@ -23,6 +24,8 @@ from dyad.parallel.gradients import pool_grad_sq_norm, reduce_gradients
 from dyad.parallel.groups import ProcessGroups
 from dyad.transport import Transport
 from dyad.wire import pb
+
+log = logging.getLogger(__name__)
 
 # Each pool's weights come from its own stream of the run seed, whatever the layout.
 _POOL_SEED_OFFSET = {"encoder": 1, "llm": 2}
@@ -106,7 +109,12 @@ class PoolService(ABC):
         self.transport.authorize(
             self.run_secret, {p.data_address for p in command.peers if p.worker.pool != own}
         )
-        restored = self.restore(command.restore_path) if command.restore_path else -1
+        restored = -1
+        if command.restore_path:
+            log.info("generation %d: restoring %s", command.generation, command.restore_path)
+            restored = self.restore(command.restore_path)
+        log.info("generation %d: set up in %.1fs (restored step %d)", command.generation,
+                 time.perf_counter() - started, restored)
         return pb.SetupResult(
             generation=command.generation,
             restored_step=restored,

@@ -67,6 +67,7 @@ class Run:
         self.observer = observer or RunObserver()
         self.secret = secrets.token_bytes(32)
         self.rendezvous: dict[str, str] = {}
+        self.formed_at: dict[str, int] = {}  # pool -> the generation its processes joined
         self.pids: dict[str, int] = {}
         self.results: queue.Queue[pb.WorkerResult] = queue.Queue()
         self.stop_requested = threading.Event()
@@ -90,6 +91,7 @@ class Run:
         run._info = pb.RunInfo.FromString(record.info)
         run.secret = bytes.fromhex(record.secret)
         run.rendezvous = dict(record.rendezvous)
+        run.formed_at = dict(record.formed_at)
         run.pids = dict(record.pids)
         run._events = store.events(record.run_id)
         return run
@@ -119,6 +121,7 @@ class Run:
                 info=self._info.SerializeToString(),
                 secret=self.secret.hex(),
                 rendezvous=dict(self.rendezvous),
+                formed_at=dict(self.formed_at),
                 pids=dict(self.pids),
             )
         self.store.save_run(record)
@@ -235,6 +238,8 @@ class Run:
         with self._lock:
             self._info.generation += 1
             self.rendezvous.update(rendezvous)
+            for pool in restarting:
+                self.formed_at[pool] = self._info.generation
             for key in list(self._workers):
                 if key[0] in restarting or key[1] >= self.pool_sizes[key[0]]:
                     del self._workers[key]
@@ -259,15 +264,27 @@ class Run:
             )
         return pool, rank
 
-    def register(self, worker: pb.WorkerId, data_address: str, pid: int) -> pb.RegisterReply:
+    def register(
+        self, worker: pb.WorkerId, data_address: str, pid: int, generation: int = 0
+    ) -> pb.RegisterReply:
+        """A new process (generation 0), or one of the pool's current processes registering
+        again (after a router restart). A process of a pool that has re-formed since it joined
+        is refused: it must exit, and its replacement registers."""
         key = self._check_worker(worker)
         if not data_address:
             raise ValueError("data_address must be set (the worker's UCX listener host:port)")
+        if generation < 0:
+            raise ValueError(f"generation must be >= 0, got {generation}")
         if self.finished:
             raise FailedPrecondition(f"run {self.run_id} has already finished")
         with self._lock:
             if key[0] not in self.rendezvous:
                 raise FailedPrecondition(f"the {key[0]} pool of run {self.run_id} is not starting yet")
+            if 0 < generation < self.formed_at.get(key[0], 0):
+                raise FailedPrecondition(
+                    f"the {key[0]} pool re-formed at generation {self.formed_at[key[0]]}; a process "
+                    f"of generation {generation} must exit and be replaced"
+                )
             self._workers[key] = WorkerChannel(address=data_address, pid=pid)
             self.pids[f"{key[0]}/{key[1]}"] = pid
             reply = pb.RegisterReply(

@@ -157,7 +157,7 @@ class CoordinatorService(rpc.CoordinatorServicer):
 
     def Register(self, request, context):
         run = self.state.get(request.run_id) if request.run_id else self.state.active()
-        return run.register(request.worker, request.data_address, request.pid)
+        return run.register(request.worker, request.data_address, request.pid, request.generation)
 
     def Heartbeat(self, request, context):
         return pb.HeartbeatReply(stop=self.state.get(request.run_id).heartbeat(request.worker))

@@ -38,6 +38,7 @@ class RunRecord:
     info: bytes = b""  # serialized pb.RunInfo
     secret: str = ""  # hex of the per-run data-plane secret
     rendezvous: dict[str, str] = field(default_factory=dict)  # pool -> torch.distributed address
+    formed_at: dict[str, int] = field(default_factory=dict)  # pool -> generation it re-formed at
     pids: dict[str, int] = field(default_factory=dict)  # "pool/rank" -> pid (local processes)
 
 

@@ -204,3 +204,21 @@ def test_scale_requests_are_validated_before_they_are_queued(router):
     client.stop_run(run.run_id)
     for call in (lambda: client.checkpoint(run.run_id), lambda: client.scale_pool(run.run_id, "encoder", 2)):
         assert _error(call).code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_process_of_a_pool_that_reformed_cannot_register_into_the_new_generation(tmp_path):
+    """An old worker registering again (e.g. after its result was refused) must not take the
+    place its replacement is about to register into: the router would set up a dead process."""
+    from dyad import config as config_lib
+    from dyad.router.errors import FailedPrecondition
+    from dyad.router.run import Run
+
+    run = Run("r", config_lib.load(None, ["parallel.llm.dp=2", "train.microbatches=1"]))
+    run.new_generation(["encoder", "llm"], {"encoder": "h:1", "llm": "h:2"})  # generation 1
+    run.new_generation(["llm"], {"llm": "h:3"})  # the LLM pool re-forms: generation 2
+    llm1 = pb.WorkerId(pool=pb.POOL_LLM, rank=1)
+    with pytest.raises(FailedPrecondition, match="re-formed at generation 2"):
+        run.register(llm1, "127.0.0.1:9", pid=1, generation=1)
+    assert run.register(llm1, "127.0.0.1:9", pid=2, generation=0).dist_address == "h:3"  # a new process
+    encoder = pb.WorkerId(pool=pb.POOL_ENCODER, rank=0)
+    assert run.register(encoder, "127.0.0.1:8", pid=3, generation=1).generation == 2  # kept pool
