@@ -14,9 +14,7 @@ from typing import Iterator
 
 from dyad.channels import open_channel
 from dyad.router.auth import CLIENT_TOKEN_ENV, JOIN_TOKEN_ENV
-from dyad.wire import pb, rpc
-
-POOLS = {"encoder": pb.POOL_ENCODER, "llm": pb.POOL_LLM}
+from dyad.wire import POOL_ENUMS, pb, rpc
 
 
 class RouterClient:
@@ -48,9 +46,9 @@ class RouterClient:
         return self.stub.WatchRun(pb.WatchRunRequest(run_id=run_id, from_step=from_step))
 
     def scale_pool(self, run_id: str, pool: str, replicas: int) -> pb.RunInfo:
-        if pool not in POOLS:
-            raise ValueError(f"pool must be one of {sorted(POOLS)}, got {pool!r}")
-        request = pb.ScalePoolRequest(run_id=run_id, pool=POOLS[pool], replicas=replicas)
+        if pool not in POOL_ENUMS:
+            raise ValueError(f"pool must be one of {sorted(POOL_ENUMS)}, got {pool!r}")
+        request = pb.ScalePoolRequest(run_id=run_id, pool=POOL_ENUMS[pool], replicas=replicas)
         return self.stub.ScalePool(request, timeout=60)
 
     def checkpoint(self, run_id: str) -> pb.RunInfo:

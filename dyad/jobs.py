@@ -13,7 +13,7 @@ from tqdm import tqdm
 from dyad import config as config_lib
 from dyad.client import RouterClient, local_router
 from dyad.config import RunConfig
-from dyad.wire import pb
+from dyad.wire import as_dict, pb
 
 
 @dataclass
@@ -50,7 +50,7 @@ def _follow(client: RouterClient, config: RunConfig, progress: bool) -> JobResul
         for event in client.watch(info.run_id):
             kind = event.WhichOneof("event")
             if kind == "step":
-                record = _as_dict(event.step)
+                record = as_dict(event.step)
                 by_step[record["step"]] = record
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 bar.n = record["step"] + 1
@@ -68,10 +68,6 @@ def _follow(client: RouterClient, config: RunConfig, progress: bool) -> JobResul
         bar.close()
     metrics = [by_step[step] for step in sorted(by_step)]
     return JobResult(info=client.get_run(info.run_id), metrics=metrics)
-
-
-def _as_dict(step: pb.StepMetrics) -> dict:
-    return {field.name: getattr(step, field.name) for field in step.DESCRIPTOR.fields}
 
 
 def append_record(out_dir: Path, record: dict) -> None:

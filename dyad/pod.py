@@ -50,13 +50,11 @@ def pod_ordinal_name(environ) -> str:
             environ.get("LWS_WORKER_INDEX", "0")
         )
         return f"lws-{ordinal}"
-    if not environ.get("POD_NAME"):
-        raise ValueError("$POD_NAME must be set (see dyad/pod.py)")
-    return environ["POD_NAME"]
+    return _env("POD_NAME", environ)
 
 
-def _env(name: str) -> str:
-    value = os.environ.get(name, "")
+def _env(name: str, environ=os.environ) -> str:
+    value = environ.get(name, "")
     if not value:
         raise ValueError(f"${name} must be set (see dyad/pod.py)")
     return value

@@ -23,7 +23,7 @@ from dyad.optim import apply_update, build_optimizer
 from dyad.parallel.gradients import pool_grad_sq_norm, reduce_gradients
 from dyad.parallel.groups import ProcessGroups
 from dyad.transport import Transport
-from dyad.wire import pb
+from dyad.wire import POOL_ENUMS, pb
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +105,9 @@ class PoolService(ABC):
         started = time.perf_counter()
         self.generation = command.generation
         self.peers = {(p.worker.pool, p.worker.rank): p.data_address for p in command.peers}
-        own = {"encoder": pb.POOL_ENCODER, "llm": pb.POOL_LLM}[self.pool]
         self.transport.authorize(
-            self.run_secret, {p.data_address for p in command.peers if p.worker.pool != own}
+            self.run_secret,
+            {p.data_address for p in command.peers if p.worker.pool != POOL_ENUMS[self.pool]},
         )
         restored = -1
         if command.restore_path:

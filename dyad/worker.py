@@ -34,10 +34,9 @@ from dyad import config as config_lib
 from dyad.channels import open_channel
 from dyad.router.auth import load_token
 from dyad.transport import UcxTransport
-from dyad.wire import pb, rpc
+from dyad.wire import POOL_ENUMS, pb, rpc
 
 log = logging.getLogger("dyad.worker")
-POOL_ENUMS = {"encoder": pb.POOL_ENCODER, "llm": pb.POOL_LLM}
 _RETRY_S = 1.0
 _WAIT_FOR_RUN_S = 5.0
 

@@ -16,13 +16,13 @@ from pathlib import Path
 from dyad.router import checkpoints
 from dyad.router.checkpoints import Committed
 from dyad.router.launcher import Launcher, WorkerSpec
-from dyad.router.run import POOL_ENUMS, Run, worker_key
+from dyad.router.run import Run, worker_key
 from dyad.router.sampler import Cursor
 from dyad.router.steps import StepPlanner, step_command
 
 from dyad import config as config_lib
 from dyad.optim import clip_scale
-from dyad.wire import pb
+from dyad.wire import POOL_ENUMS, as_dict, pb
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
@@ -99,13 +99,13 @@ class RunDriver:
                         self._commit()
                         continue
                     self._between_steps()
-                    metrics = self._train_step(self.step)
+                    metrics, samples = self._train_step(self.step)
                 except WorkerLost as lost:
                     self._recover(lost)
                     continue
-                self._write(_metrics_record(metrics, self.run.generation))
+                self._write(as_dict(metrics) | {"generation": self.run.generation})
                 self._samples_file.write(json.dumps(
-                    {"step": self.step, "generation": self.run.generation, "samples": self._samples}
+                    {"step": self.step, "generation": self.run.generation, "samples": samples}
                 ) + "\n")
                 self._samples_file.flush()
                 self.run.record_step(metrics)
@@ -266,10 +266,10 @@ class RunDriver:
 
     # ------------------------------------------------------------------ one step
 
-    def _train_step(self, step: int) -> pb.StepMetrics:
+    def _train_step(self, step: int) -> tuple[pb.StepMetrics, list[int]]:
+        """The step's metrics, and the samples it trained on."""
         started = time.perf_counter()
         spec = self.planner.next(step)
-        self._samples = [s for microbatch in spec.microbatches for s in microbatch]
         plan = self.planner.boundary_plan(spec)
         command = step_command(spec, plan, self.config.encoder.tokens_per_image)
         self.run.send(pb.WorkerCommand(step=command))
@@ -301,7 +301,7 @@ class RunDriver:
             encoder_wait_s=max((r.boundary_wait_s for r in encoder), default=0.0),
             llm_wait_s=max((r.boundary_wait_s for r in llm), default=0.0),
             encoder_imbalance=plan.encoder_imbalance,
-        )
+        ), [s for microbatch in spec.microbatches for s in microbatch]
 
     # ------------------------------------------------------------------ waiting
 
@@ -355,14 +355,3 @@ class RunDriver:
                     f"worker {pool}/{rank} silent for more than "
                     f"router.worker_timeout_s={self.config.router.worker_timeout_s}"
                 )
-
-
-_METRIC_FIELDS = (
-    "step", "loss", "lm_loss", "aux_loss", "tokens", "target_tokens", "grad_norm", "lr",
-    "step_time_s", "tokens_per_s", "boundary_bytes_fwd", "boundary_bytes_bwd",
-    "encoder_wait_s", "llm_wait_s", "encoder_imbalance",
-)
-
-
-def _metrics_record(metrics: pb.StepMetrics, generation: int) -> dict:
-    return {name: getattr(metrics, name) for name in _METRIC_FIELDS} | {"generation": generation}

@@ -92,7 +92,7 @@ class LocalLauncher(Launcher):
         self._logs: dict[WorkerSpec, Path] = {}
 
     def rendezvous(self, pools):
-        return {pool: f"127.0.0.1:{port}" for pool, port in zip(pools, _free_ports(len(pools)))}
+        return {pool: f"127.0.0.1:{port}" for pool, port in zip(pools, free_ports(len(pools)))}
 
     def start(self, run_id, router_address, workers, log_dir, env=None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -155,7 +155,7 @@ def _is_zombie(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] == "Z"
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
     """Distinct free ports (held open together, so the kernel cannot hand one out twice)."""
     sockets = [socket.socket() for _ in range(count)]
     try:

@@ -18,21 +18,18 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from dyad.router.errors import FailedPrecondition
-from dyad.router.store import NullStore, RunRecord
-
 from dyad import config as config_lib
 from dyad.config import RunConfig, to_yaml
-from dyad.wire import pb
+from dyad.router.errors import FailedPrecondition
+from dyad.router.store import NullStore, RunRecord
+from dyad.wire import POOL_NAMES, pb
 
-POOLS = {pb.POOL_ENCODER: "encoder", pb.POOL_LLM: "llm"}
-POOL_ENUMS = {name: enum for enum, name in POOLS.items()}
 TERMINAL = (pb.RUN_STATE_SUCCEEDED, pb.RUN_STATE_FAILED, pb.RUN_STATE_STOPPED)
 _STREAM_POLL_S = 0.5
 
 
 def worker_key(worker: pb.WorkerId) -> tuple[str, int]:
-    return POOLS[worker.pool], worker.rank
+    return POOL_NAMES[worker.pool], worker.rank
 
 
 def pool_sizes(config: RunConfig) -> dict[str, int]:
@@ -63,6 +60,7 @@ class Run:
     ):
         self.run_id = run_id
         self.config = config
+        self.config_yaml = to_yaml(config)  # what workers and the store get; kept with `config`
         self.store = store or NullStore()
         self.observer = observer or RunObserver()
         self.secret = secrets.token_bytes(32)
@@ -95,10 +93,6 @@ class Run:
         run.pids = dict(record.pids)
         run._events = store.events(record.run_id)
         return run
-
-    @property
-    def config_yaml(self) -> str:
-        return to_yaml(self.config)
 
     @property
     def pool_sizes(self) -> dict[str, int]:
@@ -209,9 +203,9 @@ class Run:
     # ------------------------------------------------------------------ requests between steps
 
     def request_scale(self, pool: int, replicas: int) -> None:
-        if pool not in POOLS:
+        if pool not in POOL_NAMES:
             raise ValueError(f"pool must be POOL_ENCODER or POOL_LLM, got {pool}")
-        name = POOLS[pool]
+        name = POOL_NAMES[pool]
         with self._lock:
             if self._info.state in TERMINAL:
                 raise FailedPrecondition(f"run {self.run_id} has already finished")
@@ -226,6 +220,7 @@ class Run:
     def resize(self, config: RunConfig) -> None:
         with self._lock:
             self.config = config
+            self.config_yaml = to_yaml(config)
             self._set_sizes()
         self.observer.resize(self)
 
@@ -252,7 +247,7 @@ class Run:
         return generation
 
     def _check_worker(self, worker: pb.WorkerId) -> tuple[str, int]:
-        if worker.pool not in POOLS:
+        if worker.pool not in POOL_NAMES:
             raise ValueError(f"worker.pool must be POOL_ENCODER or POOL_LLM, got {worker.pool}")
         pool, rank = worker_key(worker)
         size = self.pool_sizes[pool]

@@ -43,6 +43,8 @@ class RunRecord:
 
 
 class NullStore:
+    """A router without `--state-db`: runs live in memory only, and die with the router."""
+
     def save_run(self, record: RunRecord) -> None:
         pass
 

@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dyad.pod import pod_ordinal_name, pod_ranks
+from dyad.router.launcher import free_ports
 from tests.resilience import CREDENTIALS, job_config
 from tests.test_router import NoWorkers
 
@@ -36,14 +37,6 @@ def test_a_leaderworkerset_pod_counts_its_group():
     assert pod_ordinal_name({"POD_NAME": "dyad-llm-5"}) == "dyad-llm-5"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_pod_joins_the_active_run_with_its_ranks_and_reports_health(tmp_path):
     from dyad import config as config_lib
     from dyad.client import RouterClient
@@ -51,7 +44,7 @@ def test_a_pod_joins_the_active_run_with_its_ranks_and_reports_health(tmp_path):
 
     server, state = serve(launcher_factory=NoWorkers, credentials=CREDENTIALS)
     client = RouterClient(state.address, token=CREDENTIALS.client_token)
-    health_port = _free_port()
+    health_port = free_ports(1)[0]
     pod = None
     try:
         config = job_config(tmp_path / "run", "parallel.llm.dp=4", "train.microbatches=1")

@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 from dyad.router.checkpoints import MANIFEST
+from dyad.router.launcher import free_ports
 
 from dyad import config as config_lib
 from dyad.client import RouterClient
@@ -154,14 +154,8 @@ def _start_router(tmp_path, port: int, name: str) -> subprocess.Popen:
     return proc
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_restarted_router_finishes_the_run(tmp_path, uninterrupted):
-    port = _free_port()
+    port = free_ports(1)[0]
     first = _start_router(tmp_path, port, "router-1")
     client = RouterClient(f"127.0.0.1:{port}", token=CREDENTIALS.client_token)
     second = None
