@@ -8,6 +8,7 @@ exits, as `start` does here).
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -33,7 +34,11 @@ class Launcher(ABC):
 
     @abstractmethod
     def start(
-        self, run_id: str, router_address: str, workers: list[WorkerSpec], log_dir: Path,
+        self,
+        run_id: str,
+        router_address: str,
+        workers: list[WorkerSpec],
+        log_dir: Path,
         env: dict[str, str] | None = None,
     ) -> None:
         """Make sure each of `workers` has a running process (start those that have none)."""
@@ -92,7 +97,10 @@ class LocalLauncher(Launcher):
         self._logs: dict[WorkerSpec, Path] = {}
 
     def rendezvous(self, pools):
-        return {pool: f"127.0.0.1:{port}" for pool, port in zip(pools, free_ports(len(pools)))}
+        return {
+            pool: f"127.0.0.1:{port}"
+            for pool, port in zip(pools, free_ports(len(pools)))
+        }
 
     def start(self, run_id, router_address, workers, log_dir, env=None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -102,13 +110,24 @@ class LocalLauncher(Launcher):
                 continue
             log_path = log_dir / f"{spec.pool}-{spec.rank}.log"
             command = [
-                sys.executable, "-m", "dyad.worker",
-                "--router", router_address, "--run-id", run_id,
-                "--pool", spec.pool, "--rank", str(spec.rank),
+                sys.executable,
+                "-m",
+                "dyad.worker",
+                "--router",
+                router_address,
+                "--run-id",
+                run_id,
+                "--pool",
+                spec.pool,
+                "--rank",
+                str(spec.rank),
             ]
             with open(log_path, "ab") as log:
                 self._procs[spec] = subprocess.Popen(
-                    command, stdout=log, stderr=subprocess.STDOUT, env=os.environ | (env or {})
+                    command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=os.environ | (env or {}),
                 )
             self._logs[spec] = log_path
 
@@ -135,13 +154,21 @@ class LocalLauncher(Launcher):
         deadline = time.monotonic() + timeout_s
         for spec in chosen:
             proc = self._procs.pop(spec)
-            for signal_it, wait_s in ((None, None), (proc.terminate, 5.0), (proc.kill, 30.0)):
+            for signal_it, wait_s in (
+                (None, None),
+                (proc.terminate, 5.0),
+                (proc.kill, 30.0),
+            ):
                 if proc.poll() is not None:
                     break
                 if signal_it:
                     signal_it()
                 try:
-                    proc.wait(timeout=wait_s if wait_s else max(0.0, deadline - time.monotonic()))
+                    proc.wait(
+                        timeout=wait_s
+                        if wait_s
+                        else max(0.0, deadline - time.monotonic())
+                    )
                 except subprocess.TimeoutExpired:
                     continue
 
@@ -155,8 +182,49 @@ def _is_zombie(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] == "Z"
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_LISTEN_PORT = 10000
+
+
 def free_ports(count: int) -> list[int]:
-    """Distinct free ports (held open together, so the kernel cannot hand one out twice)."""
+    """Distinct ports nothing listens on, chosen below the kernel's ephemeral range.
+
+    A port the kernel hands out for `bind(0)` is released before the worker binds it, and in that
+    gap any outgoing connection or `bind(0)` on the machine (UCX listeners, gRPC clients) may be
+    given the same number. Ports below the ephemeral range are never handed out by the kernel,
+    so only another explicit choice can collide with ours.
+    """
+    low, high = _LOWEST_LISTEN_PORT, _ephemeral_start()
+    if count == 0:
+        return []
+    if high - low < 10 * count:
+        return _kernel_chosen_ports(count)
+    chosen: list[int] = []
+    for port in random.sample(range(low, high), min(high - low, 50 * count)):
+        if port not in chosen and _bindable(port):
+            chosen.append(port)
+            if len(chosen) == count:
+                return chosen
+    raise RuntimeError(f"no {count} free ports between {low} and {high}")
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def _kernel_chosen_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     try:
         for s in sockets:
