@@ -1,6 +1,9 @@
 """The LLM service's training step on one GPU: a ~1B-active-parameter MoE decoder on a fused
 image + text sequence of 4,096 tokens (576 image rows spliced in), forward + backward + AdamW,
-bf16 compute with float32 master weights and optimizer state. Reports model FLOPs utilisation.
+bf16 compute with float32 master weights and optimizer state. Reports model FLOPs utilisation
+for each variant: one sequence per optimizer step, eight (gradients accumulated, as a real
+global batch does), and eight with float8 GEMMs (llm.fp8; its FLOPs counted against the same
+bf16 peak).
 
     python bench/llm_step.py --out $OUT/llm_step.json [--profile-dir $OUT]
     python bench/llm_step.py --toy                       # CPU, tiny (CI)
@@ -20,6 +23,7 @@ import time
 
 import torch
 
+from dyad.llm_service.fp8 import convert_to_fp8
 from dyad.llm_service.model import LLMConfig, MoELM
 from dyad.llm_service.moe import MoEConfig
 from dyad.optim import build_optimizer
@@ -53,38 +57,48 @@ def active_parameters(cfg: LLMConfig) -> int:
     return L * (attention + per_layer_norms) + n_dense * dense_layer + (L - n_dense) * moe_layer + D * cfg.vocab_size
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--toy", action="store_true")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--out")
-    parser.add_argument("--profile-dir")
-    args = parser.parse_args()
-    device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
-    spec = CONFIGS["toy" if device == "cpu" else "1b-active"]
-    cfg, S, N = spec["llm"], spec["seq"], spec["image_rows"]
+VARIANTS = {  # name: (microbatches per optimizer step, float8 GEMMs)
+    "bf16-1mb": (1, False),
+    "bf16-8mb": (8, False),
+    "fp8-8mb": (8, True),
+}
+
+
+def build(cfg: LLMConfig, device: str, fp8: bool):
     torch.manual_seed(0)
-    model = MoELM(cfg).to(device)
+    model = MoELM(cfg)
+    if fp8:
+        convert_to_fp8(model)
+    model = model.to(device)
     train = argparse.Namespace(weight_decay=0.01, beta1=0.9, beta2=0.95, eps=1e-8, lr=1e-4)
-    optimizer = build_optimizer(model, train)
-    ids = torch.randint(cfg.vocab_size, (1, S), device=device)
-    targets = torch.randint(cfg.vocab_size, (1, S), device=device)
+    return model, build_optimizer(model, train)
+
+
+def make_step(model, optimizer, cfg: LLMConfig, S: int, N: int, microbatches: int, device: str):
+    """One optimizer step over `microbatches` sequences of S tokens (gradients accumulated)."""
+    ids = torch.randint(cfg.vocab_size, (microbatches, 1, S), device=device)
+    targets = torch.randint(cfg.vocab_size, (microbatches, 1, S), device=device)
     positions = torch.arange(8, 8 + N, device=device)
     rows = torch.randn(N, cfg.dim, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
 
     def step():
-        with autocast:
-            logits, aux = model(ids, rows, positions)
-            loss = model.loss_sum(logits, targets) / S + aux
-        loss.backward()
+        for m in range(microbatches):
+            with autocast:
+                logits, aux = model(ids[m], rows, positions)
+                loss = (model.loss_sum(logits, targets[m]) / S + aux) / microbatches
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(3):
+    return step
+
+
+def time_step(step, iters: int, device: str) -> float:
+    for _ in range(2):
         step()
     times = []
-    for _ in range(args.iters):
+    for _ in range(iters):
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -92,29 +106,67 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
+    return statistics.median(times)
+
+
+def profile_step(step, path: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--toy", action="store_true")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from VARIANTS")
+    parser.add_argument("--out")
+    parser.add_argument("--profile-dir", help="GPU: a kernel table of each variant's step is written here")
+    args = parser.parse_args()
+    device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
+    spec = CONFIGS["toy" if device == "cpu" else "1b-active"]
+    cfg, S, N = spec["llm"], spec["seq"], spec["image_rows"]
     active = active_parameters(cfg)
     flops_per_token = 6 * active + 12 * cfg.n_layers * cfg.dim * S
-    tflops = flops_per_token * S / seconds / 1e12
     result = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-        "active_params": active, "total_params": sum(p.numel() for p in model.parameters()),
-        "seq": S, "image_rows": N, "step_s": seconds, "tokens_per_s": S / seconds,
-        "model_tflops": tflops, "mfu": tflops / PEAK_TFLOPS,
-        "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0,
+        "active_params": active, "seq": S, "image_rows": N, "variants": {},
     }
-    print(f"active {active / 1e9:.2f}B of {result['total_params'] / 1e9:.2f}B params, seq {S}: "
-          f"{seconds * 1e3:.1f} ms/step, {S / seconds:,.0f} tok/s, {tflops:.0f} TFLOP/s, "
-          f"MFU {tflops / PEAK_TFLOPS:.1%}, peak memory {result['peak_memory_gb']:.1f} GB")
-    if args.profile_dir and device == "cuda":
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(2):
-                step()
-            torch.cuda.synchronize()
-        with open(f"{args.profile_dir}/llm_step_profile.txt", "w") as f:
-            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    for name in args.variants.split(","):
+        microbatches, fp8 = VARIANTS[name]
+        model, optimizer = build(cfg, device, fp8)
+        result["total_params"] = sum(p.numel() for p in model.parameters())
+        step = make_step(model, optimizer, cfg, S, N, microbatches, device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            seconds = time_step(step, args.iters, device)
+        except RuntimeError as error:  # one variant failing must not lose the others' numbers
+            result["variants"][name] = {"error": str(error)[:2000]}
+            print(f"{name:9s} failed: {str(error)[:300]}")
+            del model, optimizer, step
+            continue
+        tokens = S * microbatches
+        tflops = flops_per_token * tokens / seconds / 1e12
+        entry = {
+            "microbatches": microbatches, "fp8": fp8, "step_s": seconds, "tokens_per_step": tokens,
+            "tokens_per_s": tokens / seconds, "model_tflops": tflops, "mfu": tflops / PEAK_TFLOPS,
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0,
+        }
+        result["variants"][name] = entry
+        print(f"{name:9s} active {active / 1e9:.2f}B of {result['total_params'] / 1e9:.2f}B params, "
+              f"{tokens} tokens/step: {seconds * 1e3:.1f} ms/step, {tokens / seconds:,.0f} tok/s, "
+              f"{tflops:.0f} TFLOP/s, MFU {tflops / PEAK_TFLOPS:.1%}, peak memory {entry['peak_memory_gb']:.1f} GB")
+        if args.profile_dir and device == "cuda":
+            profile_step(step, f"{args.profile_dir}/llm_step_profile_{name}.txt")
+        del model, optimizer, step
+        if device == "cuda":
+            torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

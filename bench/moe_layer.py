@@ -1,4 +1,4 @@
-"""MoE layer forward+backward on one GPU: dyad's `MoELayer` beside torchtitan 0.3.0's MoE module
+"""MoE layer forward+backward on one GPU: dyad's `MoELayer` (bf16, and with float8 expert GEMMs) beside torchtitan 0.3.0's MoE module
 and Hugging Face transformers' Qwen3-MoE sparse block, same shapes, same run, bf16.
 
     python bench/moe_layer.py --out $OUT/moe_layer.json          # on a GPU host
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dyad.kernels.fp8 import forget_quantized, fp8_grouped_mm
 from dyad.kernels.grouped_mm import grouped_mm
 from dyad.llm_service.moe import MoEConfig, MoELayer
 
@@ -60,6 +61,12 @@ def dyad_layer(dim, hidden, experts, top_k):
     return MoELayer(dim, cfg)
 
 
+def dyad_fp8_layer(dim, hidden, experts, top_k):
+    layer = dyad_layer(dim, hidden, experts, top_k)
+    layer.expert_matmul = fp8_grouped_mm
+    return layer
+
+
 def titan_layer(dim, hidden, experts, top_k):
     from torchtitan.models.common.config_utils import (
         make_moe_config,
@@ -89,7 +96,7 @@ def hf_layer(dim, hidden, experts, top_k):
     return Qwen3MoeSparseMoeBlock(config)
 
 
-LAYERS = {"dyad": dyad_layer, "torchtitan-0.3.0": titan_layer, "hf-grouped_mm": hf_layer}
+LAYERS = {"dyad": dyad_layer, "dyad-fp8": dyad_fp8_layer, "torchtitan-0.3.0": titan_layer, "hf-grouped_mm": hf_layer}
 
 
 def time_layer(make, shape, device, dtype, iters) -> float:
@@ -103,6 +110,7 @@ def time_layer(make, shape, device, dtype, iters) -> float:
 
     def step():
         if is_dyad:
+            forget_quantized(layer)  # each step quantizes its weights once, as after an optimizer step
             y, aux = layer(x)
             torch.autograd.backward([y, aux], [grad, torch.ones_like(aux)])
         else:
@@ -180,6 +188,10 @@ def main() -> None:
             except ImportError as error:
                 entry[layer_name] = {"error": f"not installed: {error}"}
                 print(f"{name:13s} {layer_name:18s} not installed ({error})")
+                continue
+            except RuntimeError as error:  # one layer failing must not lose the others' numbers
+                entry[layer_name] = {"error": str(error)[:2000]}
+                print(f"{name:13s} {layer_name:18s} failed: {str(error)[:300]}")
                 continue
             entry[layer_name] = {"ms": ms, "expert_tflops": flops / ms / 1e9}
             print(f"{name:13s} {layer_name:18s} {ms:8.2f} {flops / ms / 1e9:15.1f} {ceiling_ms / ms:11.2f}")

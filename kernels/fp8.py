@@ -1,0 +1,252 @@
+"""Float8 matmuls for training: forward and input-gradient GEMMs in e4m3, weight gradients in the
+compute dtype (bfloat16).
+
+Legend: M rows (tokens), K contraction dim, N output dim; for grouped: E experts, D input dim,
+F output dim, rows of x grouped by expert with int32 cumulative ends offs_E.
+
+Scaling is per row: every row of the left operand and every output column of the right operand
+gets its own power-of-two scale, so that its largest magnitude lands just under e4m3's maximum
+(448). Powers of two make scaling and unscaling exact: the only error is e4m3's rounding
+(3 mantissa bits). Weight gradients contract over tokens, whose per-row scales would differ
+inside one sum, so they stay in the compute dtype.
+
+Weights are quantized once per version of the parameter (the optimizer's in-place update bumps
+it), so the microbatches of one step and a layer's forward and backward share one quantization.
+
+Fast paths: `torch._scaled_mm` (CUDA sm89+, CPU) and `torch._scaled_grouped_mm` (CUDA sm90; on
+other devices a loop of `_scaled_mm` over the groups). References: dequantize to float32 and
+multiply with plain matmuls (`linear_reference`, `grouped_mm_reference`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max
+_TINY = 1e-12  # all-zero rows get scale 2^k for amax _TINY; their codes are zeros either way
+_CACHE_ATTR = "_dyad_fp8_cache"
+
+
+def quantize(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes in e4m3, inverse scales) with one power-of-two scale per slice along `dim`:
+    t ~= codes.float() * inverse_scales, inverse scales float32 with `dim` kept as size 1."""
+    amax = torch.linalg.vector_norm(t.detach(), ord=math.inf, dim=dim, keepdim=True).float().clamp(min=_TINY)
+    scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
+    scale = torch.where(scale * amax > E4M3_MAX, scale / 2, scale)  # log2's rounding at a boundary
+    # scale * amax <= 448 and multiplying by a power of two is exact, so no value exceeds e4m3's
+    # range: no clamp pass over the tensor is needed before the cast.
+    codes = (t.detach() * scale.to(t.dtype)).to(E4M3)
+    return codes, scale.reciprocal()
+
+
+def dequantize(codes: torch.Tensor, inverse_scales: torch.Tensor) -> torch.Tensor:
+    return codes.float() * inverse_scales
+
+
+def cached_per_version(w: torch.Tensor, key, make):
+    """make(w), computed once per in-place version of `w` and kept on the tensor."""
+    version, entries = getattr(w, _CACHE_ATTR, (None, None))
+    if version != w._version:
+        version, entries = w._version, {}
+        setattr(w, _CACHE_ATTR, (version, entries))
+    if key not in entries:
+        entries[key] = make(w)
+    return entries[key]
+
+
+def forget_quantized(module: torch.nn.Module) -> None:
+    """Drop the cached weight codes of `module`'s parameters (benchmarks that time a step's
+    quantization without an optimizer step in between call this)."""
+    for p in module.parameters():
+        p.__dict__.pop(_CACHE_ATTR, None)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a plain matmul of `x` would produce: autocast's when it is on, else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+# ---- dense: y = x @ w.T ----------------------------------------------------------------------------
+
+
+def _scaled_mm(a_MK, a_inv_M1, b_NK, b_inv_N1, out_dtype):
+    """a @ b.T from e4m3 codes with row scales on both sides."""
+    return torch._scaled_mm(
+        a_MK,
+        b_NK.t(),
+        scale_a=a_inv_M1,
+        scale_b=b_inv_N1.t(),
+        out_dtype=out_dtype,
+        use_fast_accum=True,
+    )
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK, w_NK, out_dtype):
+        x_codes, x_inv = quantize(x_MK, dim=1)
+        w_codes, w_inv = cached_per_version(w_NK, "rows", lambda w: quantize(w, dim=1))
+        ctx.save_for_backward(x_MK, w_NK)
+        ctx.out_dtype = out_dtype
+        return _scaled_mm(x_codes, x_inv, w_codes, w_inv, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_MN):
+        x_MK, w_NK = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # grad_x = grad @ w: rows of w.T scaled over N
+            g_codes, g_inv = quantize(grad_MN, dim=1)
+            wt_codes, wt_inv = _transposed_codes(w_NK)
+            grad_x = _scaled_mm(g_codes, g_inv, wt_codes, wt_inv, ctx.out_dtype).to(
+                x_MK.dtype
+            )
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad_MN.t() @ x_MK.to(grad_MN.dtype)).to(w_NK.dtype)
+        return grad_x, grad_w, None
+
+
+def _transposed_codes(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w.T as row-major codes [K, N] with one scale per row (over N), cached with the weight."""
+
+    def make(w):
+        codes, inv = quantize(w, dim=0)
+        return codes.t().contiguous(), inv.t()
+
+    return cached_per_version(w_NK, "columns", make)
+
+
+def fp8_linear(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) (no bias) with e4m3 forward and input-gradient GEMMs."""
+    out_dtype = compute_dtype(x)
+    x_MK = x.reshape(-1, x.shape[-1])
+    with torch.autocast(x.device.type, enabled=False):
+        y_MN = _Fp8Linear.apply(x_MK, w_NK, out_dtype)
+    return y_MN.view(*x.shape[:-1], w_NK.shape[0])
+
+
+def linear_reference(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """What `fp8_linear` computes forward, in plain PyTorch: quantize, dequantize, matmul."""
+    x_MK = x.reshape(-1, x.shape[-1])
+    y_MN = dequantize(*quantize(x_MK, 1)) @ dequantize(*quantize(w_NK, 1)).t()
+    return y_MN.to(compute_dtype(x)).view(*x.shape[:-1], w_NK.shape[0])
+
+
+# ---- grouped: y[rows of e] = x[rows of e] @ w[e] ------------------------------------------------
+
+
+def _grouped_scaled_mm(x_codes_ND, x_inv_N1, w_codes_EFD, w_inv_EF1, offs_E, out_dtype):
+    """Row block e of x times w[e] (given as w[e].T row-major codes [F, D]) from e4m3 codes."""
+    if x_codes_ND.device.type == "cuda":
+        return torch._scaled_grouped_mm(
+            x_codes_ND,
+            w_codes_EFD.transpose(1, 2),
+            x_inv_N1.squeeze(1),
+            w_inv_EF1.squeeze(2),
+            offs=offs_E,
+            out_dtype=out_dtype,
+            use_fast_accum=True,
+        )
+    out_NF = x_codes_ND.new_empty(
+        (x_codes_ND.shape[0], w_codes_EFD.shape[1]), dtype=out_dtype
+    )
+    start = 0
+    for e, end in enumerate(offs_E.tolist()):
+        if end > start:
+            out_NF[start:end] = _scaled_mm(
+                x_codes_ND[start:end],
+                x_inv_N1[start:end],
+                w_codes_EFD[e],
+                w_inv_EF1[e],
+                out_dtype,
+            )
+        start = end
+    return out_NF
+
+
+def _expert_codes(
+    w_EDF: torch.Tensor, contract_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes of w[e] as row-major [out, contraction] with one scale per output row, cached.
+    contract_dim 1: forward (contract over D, out F); 2: input gradient (contract over F, out D)."""
+
+    def make(w):
+        codes, inv = quantize(w, dim=contract_dim)
+        if contract_dim == 1:  # [E, D, F] scaled over D -> [E, F, D] rows
+            return codes.transpose(1, 2).contiguous(), inv.transpose(1, 2)
+        return (
+            codes,
+            inv,
+        )  # [E, D, F] scaled over F is already [E, out D, contraction F]
+
+    return cached_per_version(w_EDF, ("experts", contract_dim), make)
+
+
+class _Fp8GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND, w_EDF, offs_E, out_dtype):
+        x_codes, x_inv = quantize(x_ND, dim=1)
+        w_codes, w_inv = _expert_codes(w_EDF, contract_dim=1)
+        ctx.save_for_backward(x_ND, w_EDF, offs_E)
+        ctx.out_dtype = out_dtype
+        return _grouped_scaled_mm(x_codes, x_inv, w_codes, w_inv, offs_E, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_NF):
+        x_ND, w_EDF, offs_E = ctx.saved_tensors
+        grad_NF = grad_NF.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            g_codes, g_inv = quantize(grad_NF, dim=1)
+            wt_codes, wt_inv = _expert_codes(w_EDF, contract_dim=2)
+            grad_x = _grouped_scaled_mm(
+                g_codes, g_inv, wt_codes, wt_inv, offs_E, ctx.out_dtype
+            ).to(x_ND.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = _grouped_weight_grad(x_ND.to(grad_NF.dtype), grad_NF, offs_E).to(
+                w_EDF.dtype
+            )
+        return grad_x, grad_w, None, None
+
+
+def _grouped_weight_grad(x_ND, grad_NF, offs_E):
+    """grad_w[e] = x[rows of e].T @ grad[rows of e] in the compute dtype (zero for empty groups)."""
+    if getattr(F, "grouped_mm", None) is not None and (
+        x_ND.device.type == "cpu" or x_ND.dtype == torch.bfloat16
+    ):
+        return F.grouped_mm(x_ND.t(), grad_NF, offs=offs_E)
+    grad_w = grad_NF.new_zeros((offs_E.numel(), x_ND.shape[1], grad_NF.shape[1]))
+    start = 0
+    for e, end in enumerate(offs_E.tolist()):
+        grad_w[e] = x_ND[start:end].t() @ grad_NF[start:end]
+        start = end
+    return grad_w
+
+
+def fp8_grouped_mm(
+    x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor
+) -> torch.Tensor:
+    """`kernels.grouped_mm.grouped_mm` with e4m3 forward and input-gradient GEMMs."""
+    out_dtype = compute_dtype(x_ND)
+    with torch.autocast(x_ND.device.type, enabled=False):
+        return _Fp8GroupedMM.apply(
+            x_ND.contiguous(), w_EDF, offs_E.to(torch.int32), out_dtype
+        )
+
+
+def grouped_mm_reference(
+    x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor
+) -> torch.Tensor:
+    """What `fp8_grouped_mm` computes forward, in plain PyTorch: quantize, dequantize, matmul."""
+    x = dequantize(*quantize(x_ND, 1))
+    w = dequantize(*quantize(w_EDF, 1))
+    blocks, start = [], 0
+    for e, end in enumerate(offs_E.tolist()):
+        blocks.append(x[start:end] @ w[e])
+        start = end
+    return torch.cat(blocks).to(compute_dtype(x_ND))

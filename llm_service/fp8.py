@@ -1,0 +1,61 @@
+"""Float8 training for the LLM, applied from outside the single-device model.
+
+`convert_to_fp8(model)` puts the attention projections, the dense and shared-expert SwiGLUs and
+the routed experts on the e4m3 GEMMs of `kernels/fp8.py` (forward and input gradient in float8,
+weight gradients in bf16). The token router stays in float32 and the output head and embeddings
+in bf16, as in the usual float8 recipes: they are small and the loss is sensitive to them.
+Parameters keep their names and objects, so initialisation, checkpoints and the optimizer see
+the same model.
+"""
+
+from __future__ import annotations
+
+import torch
+from dyad.kernels.fp8 import fp8_grouped_mm, fp8_linear
+from dyad.llm_service.model import Attention
+from dyad.llm_service.moe import MoELayer, SwiGLU
+from torch import nn
+
+_ALIGN = 16  # the float8 GEMMs need both matrix dims divisible by 16
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear whose matmul runs in float8 (see kernels/fp8.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = fp8_linear(x, self.weight)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def convert_to_fp8(model: nn.Module) -> nn.Module:
+    """Swap the model's attention and feed-forward matmuls for float8 ones, in place."""
+    for module in list(model.modules()):
+        if isinstance(module, MoELayer):
+            _check_aligned(module, "w1_EDF", module.w1_EDF.shape[1:])
+            _check_aligned(module, "w2_EFD", module.w2_EFD.shape[1:])
+            module.expert_matmul = fp8_grouped_mm
+        if isinstance(module, (Attention, SwiGLU)):
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear:
+                    _check_aligned(module, name, child.weight.shape)
+                    setattr(module, name, _as_fp8(child))
+    return model
+
+
+def _as_fp8(linear: nn.Linear) -> Fp8Linear:
+    fp8 = Fp8Linear(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        device="meta",
+    )
+    fp8.weight, fp8.bias = linear.weight, linear.bias
+    return fp8
+
+
+def _check_aligned(module: nn.Module, name: str, shape) -> None:
+    if any(d % _ALIGN for d in shape):
+        raise ValueError(
+            f"llm.fp8: {type(module).__name__}.{name} has shape {tuple(shape)}; float8 GEMMs need every "
+            f"dim divisible by {_ALIGN} (check llm.dim, llm.dense_ffn_dim, llm.moe.expert_dim, heads)"
+        )

@@ -1,0 +1,235 @@
+"""Float8 GEMMs (kernels/fp8.py) against their plain-PyTorch references and exact matmuls, and
+the LLM's float8 conversion (llm_service/fp8.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from dyad.kernels import fp8
+from dyad.llm_service.fp8 import Fp8Linear, convert_to_fp8
+from dyad.llm_service.model import LLMConfig, MoELM
+from dyad.llm_service.moe import MoEConfig
+
+from dyad import config as config_lib
+
+E4M3_STEP = 2.0**-3  # e4m3 keeps 3 mantissa bits: relative rounding error <= 2^-4
+
+
+def bf16_autocast(device="cpu"):
+    return torch.autocast(device, dtype=torch.bfloat16)
+
+
+def relative_error(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_quantize_uses_power_of_two_row_scales_and_rounds_within_e4m3_precision():
+    t = torch.randn(16, 64) * torch.logspace(-3, 3, 16).unsqueeze(1)
+    codes, inverse = fp8.quantize(t, dim=1)
+    assert codes.dtype == fp8.E4M3 and inverse.shape == (16, 1)
+    assert torch.equal(
+        torch.log2(inverse), torch.round(torch.log2(inverse))
+    )  # powers of two
+    assert codes.float().abs().amax() <= fp8.E4M3_MAX
+    # each row's largest value lands in e4m3's top binade, so no row underflows
+    assert (codes.float().abs().amax(dim=1) >= fp8.E4M3_MAX / 2).all()
+    back = fp8.dequantize(codes, inverse)
+    big = t.abs() > t.abs().amax(dim=1, keepdim=True) / 8  # normal range of the row
+    assert ((back - t).abs()[big] <= t.abs()[big] * E4M3_STEP / 2 * 1.0001).all()
+
+
+def test_rows_at_the_edge_of_a_binade_never_overflow_e4m3():
+    edges = torch.tensor([448.0, 224.0, 3.5, 1.0]).unsqueeze(1)
+    t = edges * torch.tensor([1 - 2**-20, 1.0, 1 + 2**-20]).repeat_interleave(4).view(1, 12)
+    codes, inverse = fp8.quantize(t, dim=1)
+    assert torch.isfinite(codes.float()).all() and codes.float().abs().amax() <= fp8.E4M3_MAX
+
+
+def test_an_all_zero_row_quantizes_to_zeros():
+    codes, inverse = fp8.quantize(torch.zeros(2, 32), dim=1)
+    assert torch.equal(fp8.dequantize(codes, inverse), torch.zeros(2, 32))
+
+
+def test_fp8_linear_forward_matches_its_reference_and_is_close_to_the_exact_matmul():
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 40, 64), torch.randn(48, 64)
+    with bf16_autocast():
+        y, reference = fp8.fp8_linear(x, w), fp8.linear_reference(x, w)
+    assert y.dtype == torch.bfloat16 and y.shape == (8, 40, 48)
+    torch.testing.assert_close(y, reference, rtol=1e-2, atol=1e-2)
+    assert relative_error(y, x @ w.t()) < 0.06
+
+
+def test_fp8_linear_gradients_input_in_fp8_weight_in_bf16():
+    torch.manual_seed(1)
+    x = torch.randn(40, 64, requires_grad=True)
+    w = torch.randn(48, 64, requires_grad=True)
+    grad = torch.randn(40, 48)
+    with bf16_autocast():
+        y = fp8.fp8_linear(x, w)
+    y.backward(grad.to(y.dtype))
+    g_bf16 = grad.to(torch.bfloat16)
+    expected_x = fp8.dequantize(*fp8.quantize(g_bf16, 1)) @ fp8.dequantize(
+        *fp8.quantize(w, 0)
+    )
+    torch.testing.assert_close(x.grad, expected_x, rtol=2e-2, atol=2e-2)
+    expected_w = (g_bf16.t() @ x.detach().to(torch.bfloat16)).float()
+    torch.testing.assert_close(w.grad, expected_w, rtol=0, atol=0)
+    assert relative_error(x.grad, grad @ w.detach()) < 0.06
+
+
+def test_fp8_grouped_mm_matches_its_reference_with_an_empty_group():
+    torch.manual_seed(2)
+    x, w = torch.randn(30, 64), torch.randn(4, 64, 32)
+    offs = torch.tensor([5, 5, 20, 30], dtype=torch.int32)  # expert 1 gets no rows
+    with bf16_autocast():
+        y, reference = (
+            fp8.fp8_grouped_mm(x, w, offs),
+            fp8.grouped_mm_reference(x, w, offs),
+        )
+    torch.testing.assert_close(y, reference, rtol=1e-2, atol=1e-2)
+    exact = torch.cat([x[0:5] @ w[0], x[5:20] @ w[2], x[20:30] @ w[3]])
+    assert relative_error(y, exact) < 0.06
+
+
+def test_fp8_grouped_mm_gradients_per_expert():
+    torch.manual_seed(3)
+    x = torch.randn(30, 64, requires_grad=True)
+    w = torch.randn(4, 64, 32, requires_grad=True)
+    offs = torch.tensor([5, 5, 20, 30], dtype=torch.int32)
+    grad = torch.randn(30, 32)
+    with bf16_autocast():
+        y = fp8.fp8_grouped_mm(x, w, offs)
+    y.backward(grad.to(y.dtype))
+    g, xb = grad.to(torch.bfloat16), x.detach().to(torch.bfloat16)
+    wt = fp8.dequantize(
+        *fp8.quantize(w.detach(), 2)
+    )  # each expert's rows scaled over F
+    ends = [0, 5, 5, 20, 30]
+    for e in range(4):
+        rows = slice(ends[e], ends[e + 1])
+        torch.testing.assert_close(
+            w.grad[e],
+            (g[rows].t().float() @ xb[rows].float()).t(),
+            rtol=1e-2,
+            atol=1e-2,
+        )
+        expected_x = fp8.dequantize(*fp8.quantize(g[rows], 1)) @ wt[e].t()
+        torch.testing.assert_close(x.grad[rows], expected_x, rtol=2e-2, atol=2e-2)
+    assert torch.equal(w.grad[1], torch.zeros(64, 32))
+
+
+def test_weights_are_quantized_once_per_version():
+    w = torch.randn(32, 64, requires_grad=True)
+    calls = []
+
+    def make(t):
+        calls.append(1)
+        return fp8.quantize(t, 1)
+
+    first = fp8.cached_per_version(w, "rows", make)
+    assert fp8.cached_per_version(w, "rows", make) is first and len(calls) == 1
+    with torch.no_grad():
+        w.mul_(2)  # what an optimizer step does: an in-place update
+    second = fp8.cached_per_version(w, "rows", make)
+    assert len(calls) == 2 and torch.equal(second[1], first[1] * 2)
+
+
+def _tiny_llm(**overrides) -> MoELM:
+    fields = dict(
+        vocab_size=96,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        dense_ffn_dim=128,
+        max_seq_len=64,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_dim=32, shared_expert_dim=32),
+    )
+    torch.manual_seed(0)
+    return MoELM(LLMConfig(**{**fields, **overrides}))
+
+
+def test_conversion_keeps_parameters_and_skips_router_head_and_embeddings():
+    model = _tiny_llm()
+    before = dict(model.named_parameters())
+    convert_to_fp8(model)
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    converted = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert (
+        "layers.0.attention.wq" in converted
+        and "layers.1.feed_forward.shared_expert.w2" in converted
+    )
+    assert not any("router" in n or "output" in n for n in converted)
+    assert model.layers[1].feed_forward.expert_matmul is fp8.fp8_grouped_mm
+
+
+def test_a_float8_training_step_stays_close_to_the_bf16_one():
+    bf16, f8 = _tiny_llm(), convert_to_fp8(_tiny_llm())
+    ids, targets = torch.randint(96, (2, 32)), torch.randint(96, (2, 32))
+    positions, rows = torch.arange(2, 6), torch.randn(4, 64)
+    losses = []
+    for model in (bf16, f8):
+        with bf16_autocast():
+            logits, aux = model(ids, rows, positions)
+            loss = model.loss_sum(logits, targets) / ids.numel() + aux
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2)
+    for (name, a), (_, b) in zip(bf16.named_parameters(), f8.named_parameters()):
+        if a.grad is not None and a.grad.norm() > 0:
+            assert relative_error(b.grad, a.grad) < 0.15, name
+
+
+def test_config_names_what_fp8_needs():
+    with pytest.raises(ValueError, match="llm.fp8 needs train.dtype 'bfloat16'"):
+        config_lib.resolve(config_lib.load(None, ["llm.fp8=true"]), vocab_size=32)
+    tp2 = ["llm.fp8=true", "train.dtype=bfloat16", "parallel.llm.tp=2"]
+    with pytest.raises(ValueError, match="llm.fp8 needs parallel.llm.tp == 1"):
+        config_lib.resolve(config_lib.load(None, tp2), vocab_size=32)
+
+
+def test_misaligned_dims_are_refused_with_the_fields_to_change():
+    model = _tiny_llm(dense_ffn_dim=100)
+    with pytest.raises(ValueError, match="llm.dense_ffn_dim"):
+        convert_to_fp8(model)
+
+
+def test_dict_state_of_a_converted_model_loads_into_a_plain_one():
+    f8 = convert_to_fp8(_tiny_llm())
+    plain = _tiny_llm()
+    plain.load_state_dict(copy.deepcopy(f8.state_dict()))
+
+
+needs_sm90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="no CUDA device of compute capability 9.0+ here: the float8 CUDA kernels are not exercised",
+)
+
+
+@needs_sm90
+def test_cuda_grouped_kernel_matches_the_reference():
+    torch.manual_seed(4)
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(8, 512, 256, device="cuda") * 0.05
+    counts = torch.tensor([0, 700, 300, 1000, 96, 1200, 0, 800])
+    offs = counts.cumsum(0).to(torch.int32).cuda()
+    with bf16_autocast("cuda"):
+        y, reference = (
+            fp8.fp8_grouped_mm(x, w, offs),
+            fp8.grouped_mm_reference(x, w, offs),
+        )
+    torch.testing.assert_close(y, reference, rtol=2e-2, atol=2e-2)
+
+
+@needs_sm90
+def test_cuda_linear_kernel_matches_the_reference():
+    torch.manual_seed(5)
+    x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(768, 1024, device="cuda") * 0.05
+    with bf16_autocast("cuda"):
+        y, reference = fp8.fp8_linear(x, w), fp8.linear_reference(x, w)
+    torch.testing.assert_close(y, reference, rtol=2e-2, atol=2e-2)
