@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from dyad.kernels.fp8 import compile_quantization
 from dyad.llm_service.fp8 import convert_to_fp8
 from dyad.llm_service.model import LLMConfig, MoELM
 from dyad.llm_service.moe import MoEConfig
@@ -57,18 +58,21 @@ def active_parameters(cfg: LLMConfig) -> int:
     return L * (attention + per_layer_norms) + n_dense * dense_layer + (L - n_dense) * moe_layer + D * cfg.vocab_size
 
 
-VARIANTS = {  # name: (microbatches per optimizer step, float8 GEMMs)
-    "bf16-1mb": (1, False),
-    "bf16-8mb": (8, False),
-    "fp8-8mb": (8, True),
+VARIANTS = {  # name: (microbatches per optimizer step, float8 GEMMs: no / eager / compiled quantization)
+    "bf16-1mb": (1, None),
+    "bf16-8mb": (8, None),
+    "fp8-8mb": (8, "eager"),
+    "fp8c-8mb": (8, "compiled"),
 }
 
 
-def build(cfg: LLMConfig, device: str, fp8: bool):
+def build(cfg: LLMConfig, device: str, fp8: str | None):
     torch.manual_seed(0)
     model = MoELM(cfg)
     if fp8:
         convert_to_fp8(model)
+    if fp8 == "compiled":
+        compile_quantization()
     model = model.to(device)
     train = argparse.Namespace(weight_decay=0.01, beta1=0.9, beta2=0.95, eps=1e-8, lr=1e-4)
     return model, build_optimizer(model, train)
@@ -124,7 +128,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--toy", action="store_true")
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from VARIANTS")
+    parser.add_argument("--variants", help="comma-separated names from VARIANTS (default: all; on CPU the eager ones)")
     parser.add_argument("--out")
     parser.add_argument("--profile-dir", help="GPU: a kernel table of each variant's step is written here")
     args = parser.parse_args()
@@ -137,7 +141,9 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
         "active_params": active, "seq": S, "image_rows": N, "variants": {},
     }
-    for name in args.variants.split(","):
+    eager = [name for name, (_, fp8) in VARIANTS.items() if fp8 != "compiled"]
+    names = args.variants.split(",") if args.variants else list(VARIANTS) if device == "cuda" else eager
+    for name in names:
         microbatches, fp8 = VARIANTS[name]
         model, optimizer = build(cfg, device, fp8)
         result["total_params"] = sum(p.numel() for p in model.parameters())

@@ -7,10 +7,12 @@ arithmetic in the same order.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from dyad.kernels.fp8 import forget_quantized_after_each_step
 
 CLIP_EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_
 
@@ -26,9 +28,11 @@ def build_optimizer(model: nn.Module, train) -> torch.optim.AdamW:
     # On a GPU the fused kernel updates each tensor in one pass over its four float32 arrays
     # (the multi-tensor default makes several): a third of a 1B-active MoE step otherwise.
     on_gpu = any(p.is_cuda for p in model.parameters())
-    return torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(
         groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, fused=on_gpu or None
     )
+    forget_quantized_after_each_step(optimizer)  # float8 weight codes (llm.fp8) follow the update
+    return optimizer
 
 
 def grad_sq_norm(params: Iterable[nn.Parameter]) -> float:

@@ -10,11 +10,13 @@ gets its own power-of-two scale, so that its largest magnitude lands just under 
 (3 mantissa bits). Weight gradients contract over tokens, whose per-row scales would differ
 inside one sum, so they stay in the compute dtype.
 
-Weights are quantized once per version of the parameter (the optimizer's in-place update bumps
-it), so the microbatches of one step and a layer's forward and backward share one quantization.
+Weights are quantized once per optimizer step (`forget_quantized_after_each_step`; the cache
+also follows the tensor's version counter, which in-place updates such as a checkpoint restore
+bump but fused optimizers do not), so the microbatches of one step and a layer's forward and
+backward share one quantization.
 
-Fast paths: `torch._scaled_mm` (CUDA sm89+, CPU) and `torch._scaled_grouped_mm` (CUDA sm90; on
-other devices a loop of `_scaled_mm` over the groups). References: dequantize to float32 and
+Fast paths: `torch._scaled_mm` (CUDA sm89+) and `torch._scaled_grouped_mm` (CUDA sm90); other
+devices multiply the dequantized codes, so CPU runs compute the same function, without speed. References: dequantize to float32 and
 multiply with plain matmuls (`linear_reference`, `grouped_mm_reference`).
 """
 
@@ -43,6 +45,18 @@ def quantize(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale.reciprocal()
 
 
+_quantize = quantize  # what the GEMMs call; `compile_quantization` swaps in a fused one
+
+
+def compile_quantization() -> None:
+    """Have the float8 GEMMs quantize with `torch.compile(quantize)`: the row maximum, scaling
+    and cast fused into few kernels instead of eager passes over the tensor."""
+    global _quantize
+    # one graph per (rank, dtype, reduced dim): activations, gradients, both weight layouts
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    _quantize = torch.compile(quantize, dynamic=True)
+
+
 def dequantize(codes: torch.Tensor, inverse_scales: torch.Tensor) -> torch.Tensor:
     return codes.float() * inverse_scales
 
@@ -58,11 +72,20 @@ def cached_per_version(w: torch.Tensor, key, make):
     return entries[key]
 
 
-def forget_quantized(module: torch.nn.Module) -> None:
-    """Drop the cached weight codes of `module`'s parameters (benchmarks that time a step's
-    quantization without an optimizer step in between call this)."""
-    for p in module.parameters():
+def forget_quantized(params) -> None:
+    """Drop the cached weight codes of `params` (a module's or an iterable of tensors)."""
+    for p in params.parameters() if isinstance(params, torch.nn.Module) else params:
         p.__dict__.pop(_CACHE_ATTR, None)
+
+
+def forget_quantized_after_each_step(optimizer: torch.optim.Optimizer) -> None:
+    """Make every `optimizer.step()` drop its parameters' cached codes. Needed because fused
+    optimizers update weights in place without bumping their version counters."""
+
+    def forget(opt, args, kwargs):
+        forget_quantized(p for group in opt.param_groups for p in group["params"])
+
+    optimizer.register_step_post_hook(forget)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -76,7 +99,10 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _scaled_mm(a_MK, a_inv_M1, b_NK, b_inv_N1, out_dtype):
-    """a @ b.T from e4m3 codes with row scales on both sides."""
+    """a @ b.T from e4m3 codes with row scales on both sides. Off CUDA (where float8 brings no
+    speed, and older CPU builds take only one scale per tensor) from the dequantized codes."""
+    if a_MK.device.type != "cuda":
+        return (dequantize(a_MK, a_inv_M1) @ dequantize(b_NK, b_inv_N1).t()).to(out_dtype)
     return torch._scaled_mm(
         a_MK,
         b_NK.t(),
@@ -90,8 +116,8 @@ def _scaled_mm(a_MK, a_inv_M1, b_NK, b_inv_N1, out_dtype):
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_NK, out_dtype):
-        x_codes, x_inv = quantize(x_MK, dim=1)
-        w_codes, w_inv = cached_per_version(w_NK, "rows", lambda w: quantize(w, dim=1))
+        x_codes, x_inv = _quantize(x_MK, dim=1)
+        w_codes, w_inv = cached_per_version(w_NK, "rows", lambda w: _quantize(w, dim=1))
         ctx.save_for_backward(x_MK, w_NK)
         ctx.out_dtype = out_dtype
         return _scaled_mm(x_codes, x_inv, w_codes, w_inv, out_dtype)
@@ -101,7 +127,7 @@ class _Fp8Linear(torch.autograd.Function):
         x_MK, w_NK = ctx.saved_tensors
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # grad_x = grad @ w: rows of w.T scaled over N
-            g_codes, g_inv = quantize(grad_MN, dim=1)
+            g_codes, g_inv = _quantize(grad_MN, dim=1)
             wt_codes, wt_inv = _transposed_codes(w_NK)
             grad_x = _scaled_mm(g_codes, g_inv, wt_codes, wt_inv, ctx.out_dtype).to(
                 x_MK.dtype
@@ -115,7 +141,7 @@ def _transposed_codes(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w.T as row-major codes [K, N] with one scale per row (over N), cached with the weight."""
 
     def make(w):
-        codes, inv = quantize(w, dim=0)
+        codes, inv = _quantize(w, dim=0)
         return codes.t().contiguous(), inv.t()
 
     return cached_per_version(w_NK, "columns", make)
@@ -176,7 +202,7 @@ def _expert_codes(
     contract_dim 1: forward (contract over D, out F); 2: input gradient (contract over F, out D)."""
 
     def make(w):
-        codes, inv = quantize(w, dim=contract_dim)
+        codes, inv = _quantize(w, dim=contract_dim)
         if contract_dim == 1:  # [E, D, F] scaled over D -> [E, F, D] rows
             return codes.transpose(1, 2).contiguous(), inv.transpose(1, 2)
         return (
@@ -190,7 +216,7 @@ def _expert_codes(
 class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, w_EDF, offs_E, out_dtype):
-        x_codes, x_inv = quantize(x_ND, dim=1)
+        x_codes, x_inv = _quantize(x_ND, dim=1)
         w_codes, w_inv = _expert_codes(w_EDF, contract_dim=1)
         ctx.save_for_backward(x_ND, w_EDF, offs_E)
         ctx.out_dtype = out_dtype
@@ -202,7 +228,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         grad_NF = grad_NF.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            g_codes, g_inv = quantize(grad_NF, dim=1)
+            g_codes, g_inv = _quantize(grad_NF, dim=1)
             wt_codes, wt_inv = _expert_codes(w_EDF, contract_dim=2)
             grad_x = _grouped_scaled_mm(
                 g_codes, g_inv, wt_codes, wt_inv, offs_E, ctx.out_dtype

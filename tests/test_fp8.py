@@ -3,6 +3,7 @@ the LLM's float8 conversion (llm_service/fp8.py)."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 
 import pytest
@@ -13,6 +14,7 @@ from dyad.llm_service.model import LLMConfig, MoELM
 from dyad.llm_service.moe import MoEConfig
 
 from dyad import config as config_lib
+from dyad.optim import build_optimizer
 
 E4M3_STEP = 2.0**-3  # e4m3 keeps 3 mantissa bits: relative rounding error <= 2^-4
 
@@ -42,9 +44,14 @@ def test_quantize_uses_power_of_two_row_scales_and_rounds_within_e4m3_precision(
 
 def test_rows_at_the_edge_of_a_binade_never_overflow_e4m3():
     edges = torch.tensor([448.0, 224.0, 3.5, 1.0]).unsqueeze(1)
-    t = edges * torch.tensor([1 - 2**-20, 1.0, 1 + 2**-20]).repeat_interleave(4).view(1, 12)
-    codes, inverse = fp8.quantize(t, dim=1)
-    assert torch.isfinite(codes.float()).all() and codes.float().abs().amax() <= fp8.E4M3_MAX
+    t = edges * torch.tensor([1 - 2**-20, 1.0, 1 + 2**-20]).repeat_interleave(4).view(
+        1, 12
+    )
+    codes, _inverse = fp8.quantize(t, dim=1)
+    assert (
+        torch.isfinite(codes.float()).all()
+        and codes.float().abs().amax() <= fp8.E4M3_MAX
+    )
 
 
 def test_an_all_zero_row_quantizes_to_zeros():
@@ -137,17 +144,47 @@ def test_weights_are_quantized_once_per_version():
     assert len(calls) == 2 and torch.equal(second[1], first[1] * 2)
 
 
-def _tiny_llm(**overrides) -> MoELM:
-    fields = dict(
-        vocab_size=96,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        dense_ffn_dim=128,
-        max_seq_len=64,
-        moe=MoEConfig(num_experts=4, top_k=2, expert_dim=32, shared_expert_dim=32),
+def test_a_fused_optimizer_step_drops_the_cached_codes():
+    """Fused AdamW updates in place without bumping the version: the step hook must forget."""
+    w = torch.nn.Parameter(torch.randn(32, 64))
+    optimizer = torch.optim.AdamW([w], lr=0.5, fused=True)
+    fp8.forget_quantized_after_each_step(optimizer)
+    before = fp8.cached_per_version(w, "rows", lambda t: fp8.quantize(t, 1))
+    version = w._version
+    w.grad = torch.randn_like(w)
+    optimizer.step()
+    after = fp8.cached_per_version(w, "rows", lambda t: fp8.quantize(t, 1))
+    assert after is not before
+    torch.testing.assert_close(fp8.dequantize(*after), w.detach(), rtol=2**-4, atol=0)
+    assert w._version == version  # why the hook exists
+
+
+def test_build_optimizer_installs_the_hook():
+    model = torch.nn.Linear(64, 32, bias=False)
+    optimizer = build_optimizer(
+        model,
+        argparse.Namespace(weight_decay=0.0, beta1=0.9, beta2=0.95, eps=1e-8, lr=0.1),
     )
+    first = fp8.cached_per_version(model.weight, "rows", lambda t: fp8.quantize(t, 1))
+    model.weight.grad = torch.ones_like(model.weight)
+    optimizer.step()
+    assert (
+        fp8.cached_per_version(model.weight, "rows", lambda t: fp8.quantize(t, 1))
+        is not first
+    )
+
+
+def _tiny_llm(**overrides) -> MoELM:
+    fields = {
+        "vocab_size": 96,
+        "dim": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "dense_ffn_dim": 128,
+        "max_seq_len": 64,
+        "moe": MoEConfig(num_experts=4, top_k=2, expert_dim=32, shared_expert_dim=32),
+    }
     torch.manual_seed(0)
     return MoELM(LLMConfig(**{**fields, **overrides}))
 
@@ -233,3 +270,40 @@ def test_cuda_linear_kernel_matches_the_reference():
     with bf16_autocast("cuda"):
         y, reference = fp8.fp8_linear(x, w), fp8.linear_reference(x, w)
     torch.testing.assert_close(y, reference, rtol=2e-2, atol=2e-2)
+
+
+@needs_sm90
+def test_cuda_grouped_gradients_match_the_reference():
+    torch.manual_seed(6)
+    x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(4, 256, 512, device="cuda") * 0.05).requires_grad_()
+    offs = torch.tensor([512, 512, 1536, 2048], dtype=torch.int32, device="cuda")
+    grad = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16)
+    with bf16_autocast("cuda"):
+        y = fp8.fp8_grouped_mm(x, w, offs)
+    y.backward(grad)
+    wt = fp8.dequantize(*fp8.quantize(w.detach(), 2))
+    g_codes = fp8.dequantize(*fp8.quantize(grad, 1))
+    ends = [0, *offs.tolist()]
+    for e in range(4):
+        rows = slice(ends[e], ends[e + 1])
+        torch.testing.assert_close(
+            x.grad[rows].float(), g_codes[rows] @ wt[e].t(), rtol=2e-2, atol=2e-2
+        )
+        expected_w = x.detach()[rows].float().t() @ grad[rows].float()
+        torch.testing.assert_close(w.grad[e], expected_w, rtol=2e-2, atol=5e-2)
+
+
+@needs_sm90
+def test_compiled_quantization_is_bitwise_the_eager_one():
+    torch.manual_seed(7)
+    compiled = torch.compile(fp8.quantize, dynamic=True)
+    for t, dim in (
+        (torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16), 1),
+        (torch.randn(4, 256, 512, device="cuda"), 1),
+        (torch.randn(4, 256, 512, device="cuda"), 2),
+    ):
+        codes, inverse = compiled(t, dim)
+        expected_codes, expected_inverse = fp8.quantize(t, dim)
+        assert torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
+        assert torch.equal(inverse, expected_inverse)
