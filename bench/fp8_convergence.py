@@ -26,16 +26,40 @@ from dyad.optim import build_optimizer
 
 SETUPS = {
     "gpu": dict(
-        llm=LLMConfig(vocab_size=4096, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, dense_ffn_dim=2816,
-                      dense_layers=(0,), max_seq_len=1024,
-                      moe=MoEConfig(num_experts=16, top_k=4, expert_dim=512, aux_loss_coef=0.01)),
-        batch=8, seq=1024, steps=200, seeds=3, lr=1e-3,
+        llm=LLMConfig(
+            vocab_size=4096,
+            dim=1024,
+            n_layers=8,
+            n_heads=16,
+            n_kv_heads=4,
+            dense_ffn_dim=2816,
+            dense_layers=(0,),
+            max_seq_len=1024,
+            moe=MoEConfig(num_experts=16, top_k=4, expert_dim=512, aux_loss_coef=0.01),
+        ),
+        batch=8,
+        seq=1024,
+        steps=200,
+        seeds=3,
+        lr=1e-3,
     ),
     "toy": dict(
-        llm=LLMConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, dense_ffn_dim=128,
-                      dense_layers=(0,), max_seq_len=64,
-                      moe=MoEConfig(num_experts=4, top_k=2, expert_dim=32)),
-        batch=4, seq=32, steps=6, seeds=2, lr=1e-3,
+        llm=LLMConfig(
+            vocab_size=64,
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            dense_ffn_dim=128,
+            dense_layers=(0,),
+            max_seq_len=64,
+            moe=MoEConfig(num_experts=4, top_k=2, expert_dim=32),
+        ),
+        batch=4,
+        seq=32,
+        steps=6,
+        seeds=2,
+        lr=1e-3,
     ),
 }
 SUCCESSORS = 4
@@ -99,20 +123,32 @@ def main() -> None:
         for precision in runs:
             losses = train(cfg, batches, seed, precision == "fp8", setup["lr"], device)
             runs[precision].append(losses)
-            print(f"seed {seed} {precision}: first {losses[0]:.3f}, last-{TAIL} mean "
-                  f"{statistics.mean(losses[-TAIL:]):.4f}")
+            print(
+                f"seed {seed} {precision}: first {losses[0]:.3f}, last-{TAIL} mean "
+                f"{statistics.mean(losses[-TAIL:]):.4f}"
+            )
     tail = {p: [statistics.mean(losses[-TAIL:]) for losses in runs[p]] for p in runs}
     gap = statistics.mean(f - b for f, b in zip(tail["fp8"], tail["bf16"]))
     spread = max(tail["bf16"]) - min(tail["bf16"])
     within = abs(gap) <= spread
     print(f"chain entropy (loss floor) {entropy:.3f}, start ~ln(V) = {math.log(cfg.vocab_size):.3f}")
-    print(f"fp8 - bf16 over the last {TAIL} steps: {gap:+.4f}; bf16 seed spread {spread:.4f}: "
-          f"{'within' if within else 'NOT within'} bf16 noise")
+    print(
+        f"fp8 - bf16 over the last {TAIL} steps: {gap:+.4f}; bf16 seed spread {spread:.4f}: "
+        f"{'within' if within else 'NOT within'} bf16 noise"
+    )
     result = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-        "steps": setup["steps"], "seeds": setup["seeds"], "tokens_per_step": setup["batch"] * setup["seq"],
-        "entropy_floor": entropy, "tail_steps": TAIL, "tail_mean": tail, "fp8_minus_bf16": gap,
-        "bf16_seed_spread": spread, "within_bf16_noise": within, "losses": runs,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "steps": setup["steps"],
+        "seeds": setup["seeds"],
+        "tokens_per_step": setup["batch"] * setup["seq"],
+        "entropy_floor": entropy,
+        "tail_steps": TAIL,
+        "tail_mean": tail,
+        "fp8_minus_bf16": gap,
+        "bf16_seed_spread": spread,
+        "within_bf16_noise": within,
+        "losses": runs,
     }
     if args.out:
         with open(args.out, "w") as f:

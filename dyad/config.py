@@ -17,12 +17,7 @@ import yaml
 
 from dyad.data import DataConfig
 from dyad.encoder_service.model import EncoderConfig
-from dyad.layout import (
-    EncoderLayout,
-    LLMLayout,
-    validate_encoder_layout,
-    validate_llm_layout,
-)
+from dyad.layout import EncoderLayout, LLMLayout, validate_encoder_layout, validate_llm_layout
 from dyad.llm_service.model import LLMConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "digits.yaml"
@@ -47,9 +42,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "microbatches"):
             if getattr(self, name) < 1:
-                raise ValueError(
-                    f"train.{name} must be >= 1, got {getattr(self, name)}"
-                )
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.microbatches > self.global_batch:
             raise ValueError(
                 f"train.microbatches ({self.microbatches}) must be <= train.global_batch "
@@ -58,52 +51,36 @@ class TrainConfig:
         if not self.lr > 0:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(
-                f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"
-            )
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps < 0:
-            raise ValueError(
-                f"train.warmup_steps must be >= 0, got {self.warmup_steps}"
-            )
+            raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not self.grad_clip > 0:
             raise ValueError(f"train.grad_clip must be > 0, got {self.grad_clip}")
         if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(
-                f"train.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}"
-            )
+            raise ValueError(f"train.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
-            raise ValueError(
-                f"train.device must be 'cpu' or 'cuda', got {self.device!r}"
-            )
+            raise ValueError(f"train.device must be 'cpu' or 'cuda', got {self.device!r}")
 
 
 @dataclass(kw_only=True)
 class BoundaryConfig:
-    prefetch_depth: int = (
-        2  # rounds (one microbatch per LLM dp lane) the encoder works ahead
-    )
+    prefetch_depth: int = 2  # rounds (one microbatch per LLM dp lane) the encoder works ahead
     # "broadcast": the LLM tp rank 0 receives and broadcasts inside the pool; "direct": every tp
     # rank receives its rows over UCX. Broadcast measured faster (docs/boundary.md).
     tp_delivery: str = "broadcast"
 
     def __post_init__(self) -> None:
         if self.prefetch_depth < 1:
-            raise ValueError(
-                f"boundary.prefetch_depth must be >= 1, got {self.prefetch_depth}"
-            )
+            raise ValueError(f"boundary.prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if self.tp_delivery not in ("direct", "broadcast"):
-            raise ValueError(
-                f"boundary.tp_delivery must be 'direct' or 'broadcast', got {self.tp_delivery!r}"
-            )
+            raise ValueError(f"boundary.tp_delivery must be 'direct' or 'broadcast', got {self.tp_delivery!r}")
 
 
 @dataclass(kw_only=True)
 class ParallelConfig:
     encoder: EncoderLayout = field(default_factory=EncoderLayout)
     llm: LLMLayout = field(default_factory=LLMLayout)
-    sequence_parallel: bool = (
-        False  # LLM pool: split the residual stream over tp (needs tp > 1)
-    )
+    sequence_parallel: bool = False  # LLM pool: split the residual stream over tp (needs tp > 1)
     # Local processes on one GPU host: the GPUs each pool's ranks use, in rank order (rank r on
     # devices[r % len]). Empty: rank r on GPU r % count, so the pools share the GPUs (colocated);
     # e.g. encoder_devices [0] and llm_devices [1] put the pools on disjoint GPUs.
@@ -113,72 +90,48 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("encoder_devices", "llm_devices"):
             if any(index < 0 for index in getattr(self, name)):
-                raise ValueError(
-                    f"parallel.{name} must hold GPU indices >= 0, got {getattr(self, name)}"
-                )
+                raise ValueError(f"parallel.{name} must hold GPU indices >= 0, got {getattr(self, name)}")
 
     def local_gpu(self, pool: str, rank: int, gpu_count: int) -> int:
         """The local GPU index of `pool`'s `rank`."""
         devices = getattr(self, f"{pool}_devices")
         index = devices[rank % len(devices)] if devices else rank % gpu_count
         if index >= gpu_count:
-            raise ValueError(
-                f"parallel.{pool}_devices names GPU {index}, this host has {gpu_count}"
-            )
+            raise ValueError(f"parallel.{pool}_devices names GPU {index}, this host has {gpu_count}")
         return index
 
 
 @dataclass(kw_only=True)
 class RouterConfig:
     heartbeat_interval_s: float = 1.0
-    worker_timeout_s: float = (
-        60.0  # a worker silent this long is lost (the run recovers)
-    )
+    worker_timeout_s: float = 60.0  # a worker silent this long is lost (the run recovers)
     start_timeout_s: float = 120.0  # all workers must register within this
-    step_timeout_s: float = (
-        900.0  # a step with no result from some worker this long: hung
-    )
-    reconnect_timeout_s: float = (
-        300.0  # a worker that cannot reach its router this long exits
-    )
-    stop_grace_s: float = (
-        10.0  # workers told to stop get this long before they are killed
-    )
+    step_timeout_s: float = 900.0  # a step with no result from some worker this long: hung
+    reconnect_timeout_s: float = 300.0  # a worker that cannot reach its router this long exits
+    stop_grace_s: float = 10.0  # workers told to stop get this long before they are killed
     max_recoveries: int = 3  # recoveries from lost workers before the run fails
 
     def __post_init__(self) -> None:
         for name in (
-            "heartbeat_interval_s",
-            "worker_timeout_s",
-            "start_timeout_s",
-            "step_timeout_s",
-            "reconnect_timeout_s",
-            "stop_grace_s",
+            "heartbeat_interval_s", "worker_timeout_s", "start_timeout_s", "step_timeout_s",
+            "reconnect_timeout_s", "stop_grace_s",
         ):
             if not getattr(self, name) > 0:
-                raise ValueError(
-                    f"router.{name} must be > 0, got {getattr(self, name)}"
-                )
+                raise ValueError(f"router.{name} must be > 0, got {getattr(self, name)}")
         if self.max_recoveries < 0:
-            raise ValueError(
-                f"router.max_recoveries must be >= 0, got {self.max_recoveries}"
-            )
+            raise ValueError(f"router.max_recoveries must be >= 0, got {self.max_recoveries}")
 
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    interval_steps: int = (
-        0  # commit a checkpoint every this many steps (0: only at the end)
-    )
+    interval_steps: int = 0  # commit a checkpoint every this many steps (0: only at the end)
     # Start from a committed checkpoint: its directory, or a run's out_dir (its newest
     # committed one). Any layout or pool sizes: the pools reshard on load.
     resume_from: str = ""
 
     def __post_init__(self) -> None:
         if self.interval_steps < 0:
-            raise ValueError(
-                f"checkpoint.interval_steps must be >= 0, got {self.interval_steps}"
-            )
+            raise ValueError(f"checkpoint.interval_steps must be >= 0, got {self.interval_steps}")
 
 
 @dataclass(kw_only=True)
@@ -220,8 +173,7 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if annotation in (int, float, str, bool) and not (
-        isinstance(value, annotation)
-        and not (annotation is int and isinstance(value, bool))
+        isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
     ):
         raise ValueError(f"{name} must be {annotation.__name__}, got {value!r}")
     return value
@@ -317,13 +269,9 @@ def resolve(config: RunConfig, *, vocab_size: int) -> RunConfig:
     validate_llm_layout(config.parallel.llm, llm)
     validate_encoder_layout(config.parallel.encoder, encoder)
     if config.parallel.sequence_parallel and config.parallel.llm.tp == 1:
-        raise ValueError(
-            "parallel.sequence_parallel needs parallel.llm.tp > 1 (it splits over tp)"
-        )
+        raise ValueError("parallel.sequence_parallel needs parallel.llm.tp > 1 (it splits over tp)")
     if config.llm.fp8 and config.train.dtype != "bfloat16":
-        raise ValueError(
-            f"llm.fp8 needs train.dtype 'bfloat16' (its GEMMs return bf16), got {config.train.dtype!r}"
-        )
+        raise ValueError(f"llm.fp8 needs train.dtype 'bfloat16' (its GEMMs return bf16), got {config.train.dtype!r}")
     if config.llm.fp8 and (config.parallel.llm.tp > 1 or config.parallel.llm.etp > 1):
         raise ValueError(
             f"llm.fp8 needs parallel.llm.tp == 1 and etp == 1 (tensor-parallel linears have no float8 path "
@@ -375,6 +323,4 @@ def scaled(config: RunConfig, pool: str, replicas: int) -> RunConfig:
     else:
         raise ValueError(f"pool must be 'encoder' or 'llm', got {pool!r}")
     parallel = dataclasses.replace(config.parallel, **{pool: layout})
-    return resolve(
-        dataclasses.replace(config, parallel=parallel), vocab_size=config.llm.vocab_size
-    )
+    return resolve(dataclasses.replace(config, parallel=parallel), vocab_size=config.llm.vocab_size)

@@ -7,7 +7,7 @@ arithmetic in the same order.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from typing import Iterable
 
 import torch
 from torch import nn

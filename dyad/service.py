@@ -31,9 +31,7 @@ log = logging.getLogger(__name__)
 _POOL_SEED_OFFSET = {"encoder": 1, "llm": 2}
 
 
-def build_model(
-    config: RunConfig, pool: str, device: str | torch.device | None = None
-) -> nn.Module:
+def build_model(config: RunConfig, pool: str, device: str | torch.device | None = None) -> nn.Module:
     """The pool's single-device model with its layout-independent initial weights."""
     if pool == "encoder":
         from dyad.encoder_service.model import VisionEncoder
@@ -63,16 +61,12 @@ def boundary_dtype(config: RunConfig) -> torch.dtype:
 
 def transfer_segments(transfer: pb.Transfer, device) -> RowSegments:
     """The transfer's row segments, ready to pack and unpack on `device`."""
-    return RowSegments(
-        [(s.src_row, s.dst_row, s.length) for s in transfer.segments], device=device
-    )
+    return RowSegments([(s.src_row, s.dst_row, s.length) for s in transfer.segments], device=device)
 
 
 def pool_device(config: RunConfig, pool: str, rank: int) -> torch.device:
     if config.train.device == "cuda":
-        return torch.device(
-            "cuda", config.parallel.local_gpu(pool, rank, torch.cuda.device_count())
-        )
+        return torch.device("cuda", config.parallel.local_gpu(pool, rank, torch.cuda.device_count()))
     return torch.device("cpu")
 
 
@@ -96,9 +90,7 @@ class PoolService(ABC):
         self.peers: dict[tuple[int, int], str] = {}
         self.lr = config.train.lr
         self.generation = 0
-        self.run_secret = (
-            b""  # the run's data-plane secret, from the router's Register reply
-        )
+        self.run_secret = b""  # the run's data-plane secret, from the router's Register reply
 
     @abstractmethod
     def parallelize(self, model: nn.Module, groups: ProcessGroups):
@@ -115,29 +107,17 @@ class PoolService(ABC):
         committed checkpoint to continue from."""
         started = time.perf_counter()
         self.generation = command.generation
-        self.peers = {
-            (p.worker.pool, p.worker.rank): p.data_address for p in command.peers
-        }
+        self.peers = {(p.worker.pool, p.worker.rank): p.data_address for p in command.peers}
         self.transport.authorize(
             self.run_secret,
-            {
-                p.data_address
-                for p in command.peers
-                if p.worker.pool != POOL_ENUMS[self.pool]
-            },
+            {p.data_address for p in command.peers if p.worker.pool != POOL_ENUMS[self.pool]},
         )
         restored = -1
         if command.restore_path:
-            log.info(
-                "generation %d: restoring %s", command.generation, command.restore_path
-            )
+            log.info("generation %d: restoring %s", command.generation, command.restore_path)
             restored = self.restore(command.restore_path)
-        log.info(
-            "generation %d: set up in %.1fs (restored step %d)",
-            command.generation,
-            time.perf_counter() - started,
-            restored,
-        )
+        log.info("generation %d: set up in %.1fs (restored step %d)", command.generation,
+                 time.perf_counter() - started, restored)
         return pb.SetupResult(
             generation=command.generation,
             restored_step=restored,
@@ -158,14 +138,7 @@ class PoolService(ABC):
     def save(self, command: pb.SaveCommand) -> pb.SaveResult:
         """The pool's checkpoint at `<command.path>/<pool>/`, written by every rank together in
         a form that loads under any layout or pool size (`dyad.checkpoint`)."""
-        path = save_pool(
-            command.path,
-            self.pool,
-            self.model,
-            self.optimizer,
-            self.groups,
-            step=command.step,
-        )
+        path = save_pool(command.path, self.pool, self.model, self.optimizer, self.groups, step=command.step)
         return pb.SaveResult(step=command.step, path=str(path))
 
     def restore(self, path: str) -> int:

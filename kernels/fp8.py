@@ -129,9 +129,7 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # grad_x = grad @ w: rows of w.T scaled over N
             g_codes, g_inv = _quantize(grad_MN, dim=1)
             wt_codes, wt_inv = _transposed_codes(w_NK)
-            grad_x = _scaled_mm(g_codes, g_inv, wt_codes, wt_inv, ctx.out_dtype).to(
-                x_MK.dtype
-            )
+            grad_x = _scaled_mm(g_codes, g_inv, wt_codes, wt_inv, ctx.out_dtype).to(x_MK.dtype)
         if ctx.needs_input_grad[1]:
             grad_w = (grad_MN.t() @ x_MK.to(grad_MN.dtype)).to(w_NK.dtype)
         return grad_x, grad_w, None
@@ -178,9 +176,7 @@ def _grouped_scaled_mm(x_codes_ND, x_inv_N1, w_codes_EFD, w_inv_EF1, offs_E, out
             out_dtype=out_dtype,
             use_fast_accum=True,
         )
-    out_NF = x_codes_ND.new_empty(
-        (x_codes_ND.shape[0], w_codes_EFD.shape[1]), dtype=out_dtype
-    )
+    out_NF = x_codes_ND.new_empty((x_codes_ND.shape[0], w_codes_EFD.shape[1]), dtype=out_dtype)
     start = 0
     for e, end in enumerate(offs_E.tolist()):
         if end > start:
@@ -195,9 +191,7 @@ def _grouped_scaled_mm(x_codes_ND, x_inv_N1, w_codes_EFD, w_inv_EF1, offs_E, out
     return out_NF
 
 
-def _expert_codes(
-    w_EDF: torch.Tensor, contract_dim: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _expert_codes(w_EDF: torch.Tensor, contract_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes of w[e] as row-major [out, contraction] with one scale per output row, cached.
     contract_dim 1: forward (contract over D, out F); 2: input gradient (contract over F, out D)."""
 
@@ -230,21 +224,15 @@ class _Fp8GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             g_codes, g_inv = _quantize(grad_NF, dim=1)
             wt_codes, wt_inv = _expert_codes(w_EDF, contract_dim=2)
-            grad_x = _grouped_scaled_mm(
-                g_codes, g_inv, wt_codes, wt_inv, offs_E, ctx.out_dtype
-            ).to(x_ND.dtype)
+            grad_x = _grouped_scaled_mm(g_codes, g_inv, wt_codes, wt_inv, offs_E, ctx.out_dtype).to(x_ND.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = _grouped_weight_grad(x_ND.to(grad_NF.dtype), grad_NF, offs_E).to(
-                w_EDF.dtype
-            )
+            grad_w = _grouped_weight_grad(x_ND.to(grad_NF.dtype), grad_NF, offs_E).to(w_EDF.dtype)
         return grad_x, grad_w, None, None
 
 
 def _grouped_weight_grad(x_ND, grad_NF, offs_E):
     """grad_w[e] = x[rows of e].T @ grad[rows of e] in the compute dtype (zero for empty groups)."""
-    if getattr(F, "grouped_mm", None) is not None and (
-        x_ND.device.type == "cpu" or x_ND.dtype == torch.bfloat16
-    ):
+    if getattr(F, "grouped_mm", None) is not None and (x_ND.device.type == "cpu" or x_ND.dtype == torch.bfloat16):
         return F.grouped_mm(x_ND.t(), grad_NF, offs=offs_E)
     grad_w = grad_NF.new_zeros((offs_E.numel(), x_ND.shape[1], grad_NF.shape[1]))
     start = 0
@@ -254,20 +242,14 @@ def _grouped_weight_grad(x_ND, grad_NF, offs_E):
     return grad_w
 
 
-def fp8_grouped_mm(
-    x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor
-) -> torch.Tensor:
+def fp8_grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """`kernels.grouped_mm.grouped_mm` with e4m3 forward and input-gradient GEMMs."""
     out_dtype = compute_dtype(x_ND)
     with torch.autocast(x_ND.device.type, enabled=False):
-        return _Fp8GroupedMM.apply(
-            x_ND.contiguous(), w_EDF, offs_E.to(torch.int32), out_dtype
-        )
+        return _Fp8GroupedMM.apply(x_ND.contiguous(), w_EDF, offs_E.to(torch.int32), out_dtype)
 
 
-def grouped_mm_reference(
-    x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor
-) -> torch.Tensor:
+def grouped_mm_reference(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """What `fp8_grouped_mm` computes forward, in plain PyTorch: quantize, dequantize, matmul."""
     x = dequantize(*quantize(x_ND, 1))
     w = dequantize(*quantize(w_EDF, 1))

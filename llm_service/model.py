@@ -30,24 +30,13 @@ class LLMConfig:
     dense_layers: tuple[int, ...] = (0,)  # layers with a dense SwiGLU instead of MoE
     max_seq_len: int = 256
     moe: MoEConfig = field(default_factory=MoEConfig)
-    fp8: bool = (
-        False  # attention, dense FFN and expert GEMMs in float8 (llm_service/fp8.py)
-    )
+    fp8: bool = False  # attention, dense FFN and expert GEMMs in float8 (llm_service/fp8.py)
 
     def __post_init__(self):
         self.dense_layers = tuple(self.dense_layers)
         if self.vocab_size < 0:
-            raise ValueError(
-                f"llm.vocab_size ({self.vocab_size}) must be >= 0 (0: set from the tokenizer)"
-            )
-        for name in (
-            "dim",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "dense_ffn_dim",
-            "max_seq_len",
-        ):
+            raise ValueError(f"llm.vocab_size ({self.vocab_size}) must be >= 0 (0: set from the tokenizer)")
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "dense_ffn_dim", "max_seq_len"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"llm.{name} ({value}) must be >= 1")
@@ -56,44 +45,30 @@ class LLMConfig:
         if self.norm_eps <= 0:
             raise ValueError(f"llm.norm_eps ({self.norm_eps}) must be > 0")
         if self.dim % self.n_heads:
-            raise ValueError(
-                f"llm.n_heads ({self.n_heads}) must divide llm.dim ({self.dim})"
-            )
+            raise ValueError(f"llm.n_heads ({self.n_heads}) must divide llm.dim ({self.dim})")
         if (self.dim // self.n_heads) % 2:
-            raise ValueError(
-                f"llm.dim // llm.n_heads ({self.dim // self.n_heads}) must be even for rotary embeddings"
-            )
+            raise ValueError(f"llm.dim // llm.n_heads ({self.dim // self.n_heads}) must be even for rotary embeddings")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"llm.n_kv_heads ({self.n_kv_heads}) must divide llm.n_heads ({self.n_heads})"
-            )
+            raise ValueError(f"llm.n_kv_heads ({self.n_kv_heads}) must divide llm.n_heads ({self.n_heads})")
         for i in self.dense_layers:
             if not 0 <= i < self.n_layers:
-                raise ValueError(
-                    f"llm.dense_layers entry ({i}) must be in [0, llm.n_layers ({self.n_layers}))"
-                )
+                raise ValueError(f"llm.dense_layers entry ({i}) must be in [0, llm.n_layers ({self.n_layers}))")
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
 
-def rotary_cos_sin(
-    positions_S: torch.Tensor, head_dim: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(positions_S: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos_SDh, sin_SDh in float32 for the rotate-half convention, at the given positions."""
     device = positions_S.device
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
-    )
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(positions_S.to(torch.float32), inv_freq)
     angles_SDh = torch.cat([angles, angles], dim=-1)
     return angles_SDh.cos(), angles_SDh.sin()
 
 
-def apply_rotary(
-    x_BSHDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor
-) -> torch.Tensor:
+def apply_rotary(x_BSHDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
     x = x_BSHDh.float()
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
@@ -104,11 +79,7 @@ def apply_rotary(
 class Attention(nn.Module):
     def __init__(self, cfg: LLMConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = (
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-        )
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -118,11 +89,7 @@ class Attention(nn.Module):
         """Causal attention over the sequence held here. Context parallelism replaces this from
         outside with attention over the whole group's keys, masked by `positions_S`."""
         return F.scaled_dot_product_attention(
-            q_BHSDh,
-            k_BGSDh,
-            v_BGSDh,
-            is_causal=True,
-            enable_gqa=self.n_heads != self.n_kv_heads,
+            q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads
         )
 
     def forward(self, x_BSD, cos_SDh, sin_SDh, positions_S) -> torch.Tensor:
@@ -130,26 +97,13 @@ class Attention(nn.Module):
         # sequence and the projections gather the rest.
         q_BSX, k_BSX, v_BSX = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
         B, S, _ = q_BSX.shape
-        q_BSHDh = apply_rotary(
-            q_BSX.view(B, S, self.n_heads, self.head_dim), cos_SDh, sin_SDh
-        )
-        k_BSGDh = apply_rotary(
-            k_BSX.view(B, S, self.n_kv_heads, self.head_dim), cos_SDh, sin_SDh
-        )
+        q_BSHDh = apply_rotary(q_BSX.view(B, S, self.n_heads, self.head_dim), cos_SDh, sin_SDh)
+        k_BSGDh = apply_rotary(k_BSX.view(B, S, self.n_kv_heads, self.head_dim), cos_SDh, sin_SDh)
         v_BSGDh = v_BSX.view(B, S, self.n_kv_heads, self.head_dim)
-        if (
-            q_BSHDh.numel() == 0
-        ):  # cuDNN attention returns None for an empty batch (torch 2.11)
+        if q_BSHDh.numel() == 0:  # cuDNN attention returns None for an empty batch (torch 2.11)
             return self.wo(q_BSHDh.reshape(B, S, self.n_heads * self.head_dim))
-        out_BHSDh = self.core(
-            q_BSHDh.transpose(1, 2),
-            k_BSGDh.transpose(1, 2),
-            v_BSGDh.transpose(1, 2),
-            positions_S,
-        )
-        return self.wo(
-            out_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)
-        )
+        out_BHSDh = self.core(q_BSHDh.transpose(1, 2), k_BSGDh.transpose(1, 2), v_BSGDh.transpose(1, 2), positions_S)
+        return self.wo(out_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
 
 class DecoderBlock(nn.Module):
@@ -159,9 +113,7 @@ class DecoderBlock(nn.Module):
         self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = (
-            MoELayer(cfg.dim, cfg.moe) if is_moe else SwiGLU(cfg.dim, cfg.dense_ffn_dim)
-        )
+        self.feed_forward = MoELayer(cfg.dim, cfg.moe) if is_moe else SwiGLU(cfg.dim, cfg.dense_ffn_dim)
 
     def forward(
         self,
@@ -174,9 +126,7 @@ class DecoderBlock(nn.Module):
     ):
         """Returns (h_BSD, the MoE layer's scaled aux loss or None for a dense layer)."""
         B, S, D = h_BSD.shape
-        h_BSD = h_BSD + self.attention(
-            self.attn_norm(h_BSD), cos_SDh, sin_SDh, positions_S
-        )
+        h_BSD = h_BSD + self.attention(self.attn_norm(h_BSD), cos_SDh, sin_SDh, positions_S)
         x_TD = self.ffn_norm(h_BSD).reshape(B * S, D)
         if not self.is_moe:
             return h_BSD + self.feed_forward(x_TD).view(B, S, D), None
@@ -184,23 +134,17 @@ class DecoderBlock(nn.Module):
         return h_BSD + y_TD.view(B, S, D), aux_loss
 
 
-def splice_image_embeds(
-    h_BSD: torch.Tensor, image_embeds_ND: torch.Tensor, image_positions_N: torch.Tensor
-) -> torch.Tensor:
+def splice_image_embeds(h_BSD: torch.Tensor, image_embeds_ND: torch.Tensor, image_positions_N: torch.Tensor) -> torch.Tensor:
     """Replace the rows at flat positions (into B*S) by the image embeddings, out of place."""
     B, S, D = h_BSD.shape
     if image_embeds_ND.dim() != 2 or image_embeds_ND.shape[1] != D:
-        raise ValueError(
-            f"image_embeds must have shape [N, {D}], got {list(image_embeds_ND.shape)}"
-        )
+        raise ValueError(f"image_embeds must have shape [N, {D}], got {list(image_embeds_ND.shape)}")
     if image_positions_N.shape != (image_embeds_ND.shape[0],):
         raise ValueError(
             f"image_positions shape {list(image_positions_N.shape)} does not match "
             f"{image_embeds_ND.shape[0]} image embeddings"
         )
-    h_TD = h_BSD.reshape(B * S, D).index_put(
-        (image_positions_N,), image_embeds_ND.to(h_BSD.dtype)
-    )
+    h_TD = h_BSD.reshape(B * S, D).index_put((image_positions_N,), image_embeds_ND.to(h_BSD.dtype))
     return h_TD.view(B, S, D)
 
 
@@ -227,10 +171,7 @@ class MoELM(nn.Module):
             )
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(
-            DecoderBlock(cfg, is_moe=i not in cfg.dense_layers)
-            for i in range(cfg.n_layers)
-        )
+        self.layers = nn.ModuleList(DecoderBlock(cfg, is_moe=i not in cfg.dense_layers) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.sequence = WholeSequence()
@@ -250,9 +191,7 @@ class MoELM(nn.Module):
         padding out of the routing statistics."""
         B, S = input_ids_BS.shape
         if S > self.cfg.max_seq_len:
-            raise ValueError(
-                f"sequence length ({S}) exceeds llm.max_seq_len ({self.cfg.max_seq_len})"
-            )
+            raise ValueError(f"sequence length ({S}) exceeds llm.max_seq_len ({self.cfg.max_seq_len})")
         if (image_embeds_ND is None) != (image_positions_N is None):
             raise ValueError("image_embeds and image_positions must be given together")
         h_BSD = self.tok_embeddings(input_ids_BS)
@@ -260,43 +199,30 @@ class MoELM(nn.Module):
             h_BSD = splice_image_embeds(h_BSD, image_embeds_ND, image_positions_N)
         if position_ids_S is None:
             position_ids_S = torch.arange(S, device=h_BSD.device)
-        cos_SDh, sin_SDh = rotary_cos_sin(
-            position_ids_S, self.cfg.head_dim, self.cfg.rope_theta
-        )
+        cos_SDh, sin_SDh = rotary_cos_sin(position_ids_S, self.cfg.head_dim, self.cfg.rope_theta)
         h_BSD = self.sequence.scatter(h_BSD)
-        valid_T = (
-            None if valid_BS is None else self.sequence.columns(valid_BS).reshape(-1)
-        )
+        valid_T = None if valid_BS is None else self.sequence.columns(valid_BS).reshape(-1)
         seq_ids_BS = torch.arange(B, device=h_BSD.device).unsqueeze(1).expand(B, S)
         seq_ids_T = self.sequence.columns(seq_ids_BS).reshape(-1)
         aux_loss = torch.zeros((), device=h_BSD.device, dtype=torch.float32)
         for layer in self.layers:
-            h_BSD, layer_aux = layer(
-                h_BSD, cos_SDh, sin_SDh, position_ids_S, valid_T, seq_ids_T
-            )
+            h_BSD, layer_aux = layer(h_BSD, cos_SDh, sin_SDh, position_ids_S, valid_T, seq_ids_T)
             if layer_aux is not None:
                 aux_loss = aux_loss + layer_aux
         logits_BSV = self.output(self.sequence.gather(self.norm(h_BSD)))
         return logits_BSV, aux_loss
 
-    def loss_sum(
-        self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor
-    ) -> torch.Tensor:
+    def loss_sum(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
         """Summed caption cross-entropy; tensor parallelism replaces it with the
         vocabulary-parallel version for its sharded logits."""
         return caption_loss_sum(logits_BSV, targets_BS)
 
 
-def caption_loss_sum(
-    logits_BSV: torch.Tensor, targets_BS: torch.Tensor, ignore_index: int = -100
-) -> torch.Tensor:
+def caption_loss_sum(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Sum of float32 cross-entropy over non-ignored targets (targets[b, s] is predicted at s)."""
     V = logits_BSV.shape[-1]
     return F.cross_entropy(
-        logits_BSV.reshape(-1, V).float(),
-        targets_BS.reshape(-1),
-        ignore_index=ignore_index,
-        reduction="sum",
+        logits_BSV.reshape(-1, V).float(), targets_BS.reshape(-1), ignore_index=ignore_index, reduction="sum"
     )
 
 

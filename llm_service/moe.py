@@ -60,10 +60,7 @@ from dyad.kernels.moe_permute import permute, unpermute
 SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSSES = ("micro_batch", "seq", "none")
 DROP_POLICIES = ("probs", "position")
-DISPATCHER_NAMES = (
-    "alltoall",
-    "allgather",
-)  # token dispatchers under expert parallelism
+DISPATCHER_NAMES = ("alltoall", "allgather")  # token dispatchers under expert parallelism
 
 
 @dataclass(kw_only=True)
@@ -90,15 +87,11 @@ class MoEConfig:
         if self.num_experts < 1:
             raise ValueError(f"llm.moe.num_experts ({self.num_experts}) must be >= 1")
         if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(
-                f"llm.moe.top_k ({self.top_k}) must be in [1, llm.moe.num_experts ({self.num_experts})]"
-            )
+            raise ValueError(f"llm.moe.top_k ({self.top_k}) must be in [1, llm.moe.num_experts ({self.num_experts})]")
         if self.expert_dim < 1:
             raise ValueError(f"llm.moe.expert_dim ({self.expert_dim}) must be >= 1")
         if self.shared_expert_dim < 0:
-            raise ValueError(
-                f"llm.moe.shared_expert_dim ({self.shared_expert_dim}) must be >= 0 (0 disables it)"
-            )
+            raise ValueError(f"llm.moe.shared_expert_dim ({self.shared_expert_dim}) must be >= 0 (0 disables it)")
         for name in ("aux_loss_coef", "z_loss_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"llm.moe.{name} ({getattr(self, name)}) must be >= 0")
@@ -110,36 +103,26 @@ class MoEConfig:
         )
         for name, options in choices:
             if getattr(self, name) not in options:
-                raise ValueError(
-                    f"llm.moe.{name} ({getattr(self, name)!r}) must be one of {', '.join(options)}"
-                )
+                raise ValueError(f"llm.moe.{name} ({getattr(self, name)!r}) must be one of {', '.join(options)}")
         if self.topk_before_softmax and self.score_func != "softmax":
             raise ValueError(
                 f"llm.moe.topk_before_softmax needs llm.moe.score_func 'softmax', got {self.score_func!r}"
             )
         if not self.expert_bias_rate > 0:
-            raise ValueError(
-                f"llm.moe.expert_bias_rate ({self.expert_bias_rate}) must be > 0"
-            )
+            raise ValueError(f"llm.moe.expert_bias_rate ({self.expert_bias_rate}) must be > 0")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(
-                f"llm.moe.capacity_factor ({self.capacity_factor}) must be > 0 (or null: dropless)"
-            )
+            raise ValueError(f"llm.moe.capacity_factor ({self.capacity_factor}) must be > 0 (or null: dropless)")
         self._validate_groups()
 
     def _validate_groups(self):
         if self.n_groups < 1 or self.num_experts % self.n_groups:
-            raise ValueError(
-                f"llm.moe.n_groups ({self.n_groups}) must divide llm.moe.num_experts ({self.num_experts})"
-            )
+            raise ValueError(f"llm.moe.n_groups ({self.n_groups}) must divide llm.moe.num_experts ({self.num_experts})")
         if not 1 <= self.topk_groups <= self.n_groups:
             raise ValueError(
                 f"llm.moe.topk_groups ({self.topk_groups}) must be in [1, llm.moe.n_groups ({self.n_groups})]"
             )
         if self.top_k % self.topk_groups:
-            raise ValueError(
-                f"llm.moe.topk_groups ({self.topk_groups}) must divide llm.moe.top_k ({self.top_k})"
-            )
+            raise ValueError(f"llm.moe.topk_groups ({self.topk_groups}) must divide llm.moe.top_k ({self.top_k})")
         per_group = self.num_experts // self.n_groups
         if self.top_k // self.topk_groups > per_group:
             raise ValueError(
@@ -169,17 +152,11 @@ def top_k_indices(key_TE: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(key_TE, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
-def group_limited_mask(
-    key_TE: torch.Tensor, n_groups: int, topk_groups: int, top_k: int
-) -> torch.Tensor:
+def group_limited_mask(key_TE: torch.Tensor, n_groups: int, topk_groups: int, top_k: int) -> torch.Tensor:
     """[T, E] bool: experts of each token's topk_groups strongest groups (strength: sum of the
     group's top (top_k / topk_groups) keys)."""
     T, E = key_TE.shape
-    strength_TG = (
-        key_TE.view(T, n_groups, E // n_groups)
-        .topk(top_k // topk_groups, dim=-1)
-        .values.sum(dim=-1)
-    )
+    strength_TG = key_TE.view(T, n_groups, E // n_groups).topk(top_k // topk_groups, dim=-1).values.sum(dim=-1)
     chosen_TG = torch.zeros(T, n_groups, dtype=torch.bool, device=key_TE.device)
     chosen_TG.scatter_(1, top_k_indices(strength_TG, topk_groups), True)
     return chosen_TG.repeat_interleave(E // n_groups, dim=1)
@@ -206,39 +183,29 @@ def capacity_keep(
     if valid_T is not None:
         is_pad_N = (~valid_T).repeat_interleave(K).to(torch.int8)
         order_N = order_N[torch.argsort(is_pad_N[order_N], stable=True)]
-    order_N = order_N[
-        torch.argsort(flat_expert_N[order_N], stable=True)
-    ]  # expert-major, by preference
+    order_N = order_N[torch.argsort(flat_expert_N[order_N], stable=True)]  # expert-major, by preference
     counts_E = torch.bincount(flat_expert_N, minlength=num_experts)
     starts_E = torch.cumsum(counts_E, dim=0) - counts_E
     slot_N = torch.arange(N, device=order_N.device) - starts_E[flat_expert_N[order_N]]
-    keep_N = torch.empty(N, dtype=torch.bool, device=order_N.device).scatter_(
-        0, order_N, slot_N < capacity
-    )
+    keep_N = torch.empty(N, dtype=torch.bool, device=order_N.device).scatter_(0, order_N, slot_N < capacity)
     return keep_N.view(T, K)
 
 
-def expert_capacity(
-    capacity_factor: float, num_tokens: int, top_k: int, num_experts: int
-) -> int:
+def expert_capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
 
 # ---- statistics and aux losses -------------------------------------------------------------------
 
 
-def _valid_weights(
-    valid_T: torch.Tensor | None, T: int, device: torch.device
-) -> torch.Tensor:
+def _valid_weights(valid_T: torch.Tensor | None, T: int, device: torch.device) -> torch.Tensor:
     """[T] float32: 1 for real tokens, 0 for padding."""
     if valid_T is None:
         return torch.ones(T, device=device)
     return valid_T.to(torch.float32)
 
 
-def assignment_counts(
-    expert_idx_TK: torch.Tensor, valid_T: torch.Tensor | None, num_experts: int
-) -> torch.Tensor:
+def assignment_counts(expert_idx_TK: torch.Tensor, valid_T: torch.Tensor | None, num_experts: int) -> torch.Tensor:
     """[E] long: assignments of real tokens to each expert."""
     K = expert_idx_TK.shape[1]
     weights_N = torch.ones_like(expert_idx_TK).reshape(-1)
@@ -253,17 +220,11 @@ def _sum_over(group, *stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if group is None:
         return stats
     flat = dist_fn.all_reduce(torch.cat([s.reshape(-1) for s in stats]), group=group)
-    return tuple(
-        part.view(s.shape)
-        for part, s in zip(flat.split([s.numel() for s in stats]), stats)
-    )
+    return tuple(part.view(s.shape) for part, s in zip(flat.split([s.numel() for s in stats]), stats))
 
 
 def switch_balance_loss(
-    probs_TE: torch.Tensor,
-    expert_idx_TK: torch.Tensor,
-    valid_T: torch.Tensor | None = None,
-    group=None,
+    probs_TE: torch.Tensor, expert_idx_TK: torch.Tensor, valid_T: torch.Tensor | None = None, group=None
 ) -> torch.Tensor:
     """E * sum_e f_e * P_e over the microbatch's real tokens; f_e = share of assignments, P_e = mean
     probability. Only P carries gradient. With no real token the loss is 0 (still in the graph)."""
@@ -295,24 +256,16 @@ def sequence_balance_loss(
         dist.all_reduce(num_seqs_t, op=dist.ReduceOp.MAX, group=group)
         num_seqs = int(num_seqs_t)
     seqs_S = torch.arange(num_seqs, device=probs_TE.device)
-    member_TS = (seq_ids_T[:, None] == seqs_S).float() * _valid_weights(
-        valid_T, T, probs_TE.device
-    )[:, None]
-    assigned_TE = torch.zeros(T, E, device=probs_TE.device).scatter_(
-        1, expert_idx_TK, 1.0
-    )
-    counts_SE, sums_SE, tokens_S = _sum_over(
-        group, member_TS.T @ assigned_TE, member_TS.T @ probs_TE, member_TS.sum(0)
-    )
+    member_TS = (seq_ids_T[:, None] == seqs_S).float() * _valid_weights(valid_T, T, probs_TE.device)[:, None]
+    assigned_TE = torch.zeros(T, E, device=probs_TE.device).scatter_(1, expert_idx_TK, 1.0)
+    counts_SE, sums_SE, tokens_S = _sum_over(group, member_TS.T @ assigned_TE, member_TS.T @ probs_TE, member_TS.sum(0))
     f_SE = counts_SE / (tokens_S[:, None] * K).clamp_min(1)
     P_SE = sums_SE / tokens_S[:, None].clamp_min(1)
     loss_S = E * (f_SE * P_SE).sum(dim=-1)
     return loss_S.sum() / (tokens_S > 0).sum().clamp_min(1)
 
 
-def router_z_loss(
-    logits_TE: torch.Tensor, valid_T: torch.Tensor | None = None, group=None
-) -> torch.Tensor:
+def router_z_loss(logits_TE: torch.Tensor, valid_T: torch.Tensor | None = None, group=None) -> torch.Tensor:
     """Mean over real tokens of logsumexp(logits)^2 (ST-MoE)."""
     valid_f_T = _valid_weights(valid_T, logits_TE.shape[0], logits_TE.device)
     z_T = torch.logsumexp(logits_TE, dim=-1).square()
@@ -334,22 +287,14 @@ class MoELayer(nn.Module):
         self.w2_EFD = nn.Parameter(torch.empty(E, ffn_dim, dim))
         for w in (self.w1_EDF, self.w3_EDF, self.w2_EFD):
             nn.init.normal_(w, std=0.02)
-        self.shared_expert = (
-            SwiGLU(dim, cfg.shared_expert_dim) if cfg.shared_expert_dim > 0 else None
-        )
+        self.shared_expert = SwiGLU(dim, cfg.shared_expert_dim) if cfg.shared_expert_dim > 0 else None
         # Aux-loss-free balancing: a selection-only bias (checkpointed) and this global batch's
         # counts of real tokens per expert (not checkpointed: zero after every update).
+        self.register_buffer("expert_bias_E", torch.zeros(E) if cfg.expert_bias else None)
         self.register_buffer(
-            "expert_bias_E", torch.zeros(E) if cfg.expert_bias else None
+            "expert_counts_E", torch.zeros(E, dtype=torch.long) if cfg.expert_bias else None, persistent=False
         )
-        self.register_buffer(
-            "expert_counts_E",
-            torch.zeros(E, dtype=torch.long) if cfg.expert_bias else None,
-            persistent=False,
-        )
-        self.stats_group = (
-            None  # set from outside: ranks holding different tokens of one microbatch
-        )
+        self.stats_group = None  # set from outside: ranks holding different tokens of one microbatch
         self.expert_matmul = grouped_mm  # llm_service/fp8.py swaps in the float8 one
         self.last_expert_counts_E: torch.Tensor | None = None
 
@@ -364,60 +309,39 @@ class MoELayer(nn.Module):
         cfg = self.cfg
         logits_TE = self.router_logits(x_TD)
         with torch.autocast(x_TD.device.type, enabled=False):
-            scores_TE = (
-                torch.softmax(logits_TE, dim=-1)
-                if cfg.score_func == "softmax"
-                else torch.sigmoid(logits_TE)
-            )
+            scores_TE = torch.softmax(logits_TE, dim=-1) if cfg.score_func == "softmax" else torch.sigmoid(logits_TE)
             key_TE = logits_TE if cfg.topk_before_softmax else scores_TE
             if self.expert_bias_E is not None:
                 key_TE = key_TE + self.expert_bias_E.float()
             if cfg.n_groups > 1:
-                allowed_TE = group_limited_mask(
-                    key_TE, cfg.n_groups, cfg.topk_groups, cfg.top_k
-                )
+                allowed_TE = group_limited_mask(key_TE, cfg.n_groups, cfg.topk_groups, cfg.top_k)
                 key_TE = key_TE.masked_fill(~allowed_TE, -math.inf)
             expert_idx_TK = top_k_indices(key_TE, cfg.top_k)
             if cfg.topk_before_softmax:
                 gates_TK = torch.softmax(logits_TE.gather(1, expert_idx_TK), dim=-1)
             else:
                 gates_TK = scores_TE.gather(1, expert_idx_TK)
-                if (
-                    cfg.norm_topk_prob
-                ):  # the epsilon only matters for underflowed sigmoid scores
+                if cfg.norm_topk_prob:  # the epsilon only matters for underflowed sigmoid scores
                     gates_TK = gates_TK / (gates_TK.sum(dim=-1, keepdim=True) + 1e-20)
             if cfg.capacity_factor is not None:
-                capacity = expert_capacity(
-                    cfg.capacity_factor, x_TD.shape[0], cfg.top_k, cfg.num_experts
-                )
+                capacity = expert_capacity(cfg.capacity_factor, x_TD.shape[0], cfg.top_k, cfg.num_experts)
                 chosen_scores_TK = scores_TE.gather(1, expert_idx_TK)
                 keep_TK = capacity_keep(
-                    chosen_scores_TK,
-                    expert_idx_TK,
-                    valid_T,
-                    capacity,
-                    cfg.num_experts,
-                    cfg.drop_policy,
+                    chosen_scores_TK, expert_idx_TK, valid_T, capacity, cfg.num_experts, cfg.drop_policy
                 )
                 gates_TK = gates_TK * keep_TK
         return scores_TE, gates_TK, expert_idx_TK
 
-    def experts(
-        self, x_sorted_ND: torch.Tensor, counts_E: torch.Tensor
-    ) -> torch.Tensor:
+    def experts(self, x_sorted_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         offs_E = torch.cumsum(counts_E, dim=0).to(torch.int32)
         h1_NF = self.expert_matmul(x_sorted_ND, self.w1_EDF, offs_E)
         h3_NF = self.expert_matmul(x_sorted_ND, self.w3_EDF, offs_E)
         return self.expert_matmul(F.silu(h1_NF) * h3_NF, self.w2_EFD, offs_E)
 
-    def routed_experts(
-        self, x_TD: torch.Tensor, gates_TK: torch.Tensor, expert_idx_TK: torch.Tensor
-    ) -> torch.Tensor:
+    def routed_experts(self, x_TD: torch.Tensor, gates_TK: torch.Tensor, expert_idx_TK: torch.Tensor) -> torch.Tensor:
         """sum_k gates[t, k] * expert_{idx[t, k]}(x[t]): permute, grouped experts, unpermute.
         Expert parallelism replaces this method."""
-        x_sorted_ND, sorted_order_N, counts_E = permute(
-            x_TD, expert_idx_TK, self.cfg.num_experts
-        )
+        x_sorted_ND, sorted_order_N, counts_E = permute(x_TD, expert_idx_TK, self.cfg.num_experts)
         y_sorted_ND = self.experts(x_sorted_ND, counts_E)
         return unpermute(y_sorted_ND, sorted_order_N, gates_TK)
 
@@ -437,30 +361,17 @@ class MoELayer(nn.Module):
         if cfg.score_func == "sigmoid":
             probs_TE = scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
         if cfg.aux_loss == "micro_batch":
-            aux = aux + cfg.aux_loss_coef * switch_balance_loss(
-                probs_TE, expert_idx_TK, valid_T, group
-            )
+            aux = aux + cfg.aux_loss_coef * switch_balance_loss(probs_TE, expert_idx_TK, valid_T, group)
         elif cfg.aux_loss == "seq":
             if seq_ids_T is None:
-                raise ValueError(
-                    "llm.moe.aux_loss 'seq' needs seq_ids_T (the sequence of each token)"
-                )
-            aux = aux + cfg.aux_loss_coef * sequence_balance_loss(
-                probs_TE, expert_idx_TK, seq_ids_T, valid_T, group
-            )
-        if (
-            cfg.z_loss_coef > 0
-        ):  # recomputes the (small) router matmul rather than widening route()
-            aux = aux + cfg.z_loss_coef * router_z_loss(
-                self.router_logits(x_TD), valid_T, group
-            )
+                raise ValueError("llm.moe.aux_loss 'seq' needs seq_ids_T (the sequence of each token)")
+            aux = aux + cfg.aux_loss_coef * sequence_balance_loss(probs_TE, expert_idx_TK, seq_ids_T, valid_T, group)
+        if cfg.z_loss_coef > 0:  # recomputes the (small) router matmul rather than widening route()
+            aux = aux + cfg.z_loss_coef * router_z_loss(self.router_logits(x_TD), valid_T, group)
         return aux
 
     def forward(
-        self,
-        x_TD: torch.Tensor,
-        valid_T: torch.Tensor | None = None,
-        seq_ids_T: torch.Tensor | None = None,
+        self, x_TD: torch.Tensor, valid_T: torch.Tensor | None = None, seq_ids_T: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (y_TD, aux): aux is already scaled by its coefficients (see the module docstring)."""
         scores_TE, gates_TK, expert_idx_TK = self.route(x_TD, valid_T)
@@ -469,11 +380,7 @@ class MoELayer(nn.Module):
             y_TD = y_TD + self.shared_expert(x_TD)
         counts_E = assignment_counts(expert_idx_TK, valid_T, self.cfg.num_experts)
         self.last_expert_counts_E = counts_E
-        if (
-            self.expert_counts_E is not None
-            and self.training
-            and torch.is_grad_enabled()
-        ):
+        if self.expert_counts_E is not None and self.training and torch.is_grad_enabled():
             self.expert_counts_E += counts_E
         return y_TD, self.aux_loss(x_TD, scores_TE, expert_idx_TK, valid_T, seq_ids_T)
 
@@ -487,9 +394,7 @@ class MoELayer(nn.Module):
         if group is not None:
             dist.all_reduce(self.expert_counts_E, group=group)
         counts_E = self.expert_counts_E.float()
-        self.expert_bias_E += self.cfg.expert_bias_rate * torch.sign(
-            counts_E.mean() - counts_E
-        )
+        self.expert_bias_E += self.cfg.expert_bias_rate * torch.sign(counts_E.mean() - counts_E)
         self.expert_counts_E.zero_()
 
 

@@ -31,9 +31,7 @@ def test_quantize_uses_power_of_two_row_scales_and_rounds_within_e4m3_precision(
     t = torch.randn(16, 64) * torch.logspace(-3, 3, 16).unsqueeze(1)
     codes, inverse = fp8.quantize(t, dim=1)
     assert codes.dtype == fp8.E4M3 and inverse.shape == (16, 1)
-    assert torch.equal(
-        torch.log2(inverse), torch.round(torch.log2(inverse))
-    )  # powers of two
+    assert torch.equal(torch.log2(inverse), torch.round(torch.log2(inverse)))  # powers of two
     assert codes.float().abs().amax() <= fp8.E4M3_MAX
     # each row's largest value lands in e4m3's top binade, so no row underflows
     assert (codes.float().abs().amax(dim=1) >= fp8.E4M3_MAX / 2).all()
@@ -44,14 +42,9 @@ def test_quantize_uses_power_of_two_row_scales_and_rounds_within_e4m3_precision(
 
 def test_rows_at_the_edge_of_a_binade_never_overflow_e4m3():
     edges = torch.tensor([448.0, 224.0, 3.5, 1.0]).unsqueeze(1)
-    t = edges * torch.tensor([1 - 2**-20, 1.0, 1 + 2**-20]).repeat_interleave(4).view(
-        1, 12
-    )
+    t = edges * torch.tensor([1 - 2**-20, 1.0, 1 + 2**-20]).repeat_interleave(4).view(1, 12)
     codes, _inverse = fp8.quantize(t, dim=1)
-    assert (
-        torch.isfinite(codes.float()).all()
-        and codes.float().abs().amax() <= fp8.E4M3_MAX
-    )
+    assert torch.isfinite(codes.float()).all() and codes.float().abs().amax() <= fp8.E4M3_MAX
 
 
 def test_an_all_zero_row_quantizes_to_zeros():
@@ -78,9 +71,7 @@ def test_fp8_linear_gradients_input_in_fp8_weight_in_bf16():
         y = fp8.fp8_linear(x, w)
     y.backward(grad.to(y.dtype))
     g_bf16 = grad.to(torch.bfloat16)
-    expected_x = fp8.dequantize(*fp8.quantize(g_bf16, 1)) @ fp8.dequantize(
-        *fp8.quantize(w, 0)
-    )
+    expected_x = fp8.dequantize(*fp8.quantize(g_bf16, 1)) @ fp8.dequantize(*fp8.quantize(w, 0))
     torch.testing.assert_close(x.grad, expected_x, rtol=2e-2, atol=2e-2)
     expected_w = (g_bf16.t() @ x.detach().to(torch.bfloat16)).float()
     torch.testing.assert_close(w.grad, expected_w, rtol=0, atol=0)
@@ -111,9 +102,7 @@ def test_fp8_grouped_mm_gradients_per_expert():
         y = fp8.fp8_grouped_mm(x, w, offs)
     y.backward(grad.to(y.dtype))
     g, xb = grad.to(torch.bfloat16), x.detach().to(torch.bfloat16)
-    wt = fp8.dequantize(
-        *fp8.quantize(w.detach(), 2)
-    )  # each expert's rows scaled over F
+    wt = fp8.dequantize(*fp8.quantize(w.detach(), 2))  # each expert's rows scaled over F
     ends = [0, 5, 5, 20, 30]
     for e in range(4):
         rows = slice(ends[e], ends[e + 1])
@@ -168,10 +157,7 @@ def test_build_optimizer_installs_the_hook():
     first = fp8.cached_per_version(model.weight, "rows", lambda t: fp8.quantize(t, 1))
     model.weight.grad = torch.ones_like(model.weight)
     optimizer.step()
-    assert (
-        fp8.cached_per_version(model.weight, "rows", lambda t: fp8.quantize(t, 1))
-        is not first
-    )
+    assert fp8.cached_per_version(model.weight, "rows", lambda t: fp8.quantize(t, 1)) is not first
 
 
 def _tiny_llm(**overrides) -> MoELM:
@@ -196,10 +182,7 @@ def test_conversion_keeps_parameters_and_skips_router_head_and_embeddings():
     after = dict(model.named_parameters())
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
     converted = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
-    assert (
-        "layers.0.attention.wq" in converted
-        and "layers.1.feed_forward.shared_expert.w2" in converted
-    )
+    assert "layers.0.attention.wq" in converted and "layers.1.feed_forward.shared_expert.w2" in converted
     assert not any("router" in n or "output" in n for n in converted)
     assert model.layers[1].feed_forward.expert_matmul is fp8.fp8_grouped_mm
 
@@ -287,9 +270,7 @@ def test_cuda_grouped_gradients_match_the_reference():
     ends = [0, *offs.tolist()]
     for e in range(4):
         rows = slice(ends[e], ends[e + 1])
-        torch.testing.assert_close(
-            x.grad[rows].float(), g_codes[rows] @ wt[e].t(), rtol=2e-2, atol=2e-2
-        )
+        torch.testing.assert_close(x.grad[rows].float(), g_codes[rows] @ wt[e].t(), rtol=2e-2, atol=2e-2)
         expected_w = x.detach()[rows].float().t() @ grad[rows].float()
         torch.testing.assert_close(w.grad[e], expected_w, rtol=2e-2, atol=5e-2)
 
@@ -307,3 +288,30 @@ def test_compiled_quantization_is_bitwise_the_eager_one():
         expected_codes, expected_inverse = fp8.quantize(t, dim)
         assert torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
         assert torch.equal(inverse, expected_inverse)
+
+
+def test_a_disaggregated_job_trains_with_llm_fp8(tmp_path):
+    """llm.fp8 reaches the LLM pool's model through the config (CPU: dequantized codes)."""
+    import dataclasses
+    import math
+
+    from dyad.jobs import run_job
+
+    overrides = [
+        "llm.fp8=true",
+        "train.dtype=bfloat16",
+        "train.steps=4",
+        "train.warmup_steps=1",
+        "parallel.llm.dp=2",
+        "parallel.llm.ep=2",
+        "train.global_batch=8",
+    ]
+    config = dataclasses.replace(config_lib.load(None, overrides), out_dir=str(tmp_path / "run"))
+    from dyad.service import build_model
+
+    resolved = config_lib.resolve(config, vocab_size=64)
+    assert isinstance(build_model(resolved, "llm", "cpu").layers[0].attention.wq, Fp8Linear)
+    job = run_job(config, progress=False)
+    assert job.succeeded, job.info.message
+    losses = [m["loss"] for m in job.metrics]
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
