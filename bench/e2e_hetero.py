@@ -25,20 +25,45 @@ from dyad.data import make_dataset
 from dyad.jobs import run_job
 
 VISION_HEAVY = [
-    "train.device=cuda", "train.dtype=bfloat16", "train.global_batch=16", "train.warmup_steps=2",
-    "checkpoint.interval_steps=0", "data.image_size=224", "encoder.image_size=224",
+    "train.device=cuda",
+    "train.dtype=bfloat16",
+    "train.global_batch=16",
+    "train.warmup_steps=2",
+    "checkpoint.interval_steps=0",
+    "data.image_size=224",
+    "encoder.image_size=224",
     "data.multi_image_fraction=0.5",
-    "data.max_images_per_sample=2", "encoder.patch_size=14", "encoder.dim=1024",
-    "encoder.depth=24", "encoder.heads=16", "llm.dim=2048", "llm.n_layers=20", "llm.n_heads=16",
-    "llm.n_kv_heads=4", "llm.dense_ffn_dim=5632", "llm.max_seq_len=1024",
-    "llm.moe.num_experts=16", "llm.moe.top_k=4", "llm.moe.expert_dim=1408",
+    "data.max_images_per_sample=2",
+    "encoder.patch_size=14",
+    "encoder.dim=1024",
+    "encoder.depth=24",
+    "encoder.heads=16",
+    "llm.dim=2048",
+    "llm.n_layers=20",
+    "llm.n_heads=16",
+    "llm.n_kv_heads=4",
+    "llm.dense_ffn_dim=5632",
+    "llm.max_seq_len=1024",
+    "llm.moe.num_experts=16",
+    "llm.moe.top_k=4",
+    "llm.moe.expert_dim=1408",
     "router.step_timeout_s=600",
 ]
 TOY = ["train.global_batch=8", "train.device=cpu"]
 
 LAYOUTS = {  # name: (overrides, GPUs used)
-    "homogeneous-colocated": (["parallel.encoder.dp=2", "parallel.llm.dp=2", "train.microbatches=1"], 2),
-    "heterogeneous": (["parallel.encoder_devices=[0]", "parallel.llm_devices=[1]", "train.microbatches=2"], 2),
+    "homogeneous-colocated": (
+        ["parallel.encoder.dp=2", "parallel.llm.dp=2", "train.microbatches=1"],
+        2,
+    ),
+    "heterogeneous": (
+        [
+            "parallel.encoder_devices=[0]",
+            "parallel.llm_devices=[1]",
+            "train.microbatches=2",
+        ],
+        2,
+    ),
 }
 TOY_LAYOUTS = {"toy": (["train.microbatches=2"], 1)}
 
@@ -57,7 +82,8 @@ def llm_flops_per_token(cfg, seq_len: float) -> float:
     return 6 * active_parameters(cfg) + 12 * cfg.n_layers * cfg.dim * seq_len
 
 
-def summarize(config, job, gpus: int, skip: int) -> dict:
+def summarize(config, records: list[dict], gpus: int, skip: int) -> dict:
+    """Medians over the steps after the first `skip` of `records` (the run's step metrics)."""
     resolved = config_lib.resolve(config, vocab_size=make_dataset(config.data).tokenizer.vocab_size)
     dataset = make_dataset(config.data)
     samples = {}
@@ -65,31 +91,85 @@ def summarize(config, job, gpus: int, skip: int) -> dict:
         record = json.loads(line)
         samples[record["step"]] = record["samples"]
     rows = []
-    for metrics in job.metrics[skip:]:
+    for metrics in records[skip:]:
         shapes = [dataset.shape(s, resolved.encoder.tokens_per_image) for s in samples[metrics["step"]]]
         images = sum(shape.n_images for shape in shapes)
         mean_seq = statistics.mean(shape.seq_len for shape in shapes)
         flops = images * encoder_flops_per_image(resolved.encoder) + metrics["tokens"] * llm_flops_per_token(
-            resolved.llm, mean_seq)
-        rows.append({
-            "step_s": metrics["step_time_s"], "tokens_per_s": metrics["tokens_per_s"],
-            "tflops_per_gpu": flops / metrics["step_time_s"] / gpus / 1e12,
-            "llm_wait_share": metrics["llm_wait_s"] / metrics["step_time_s"],
-            "encoder_wait_share": metrics["encoder_wait_s"] / metrics["step_time_s"],
-            "images": images, "tokens": metrics["tokens"],
-        })
+            resolved.llm, mean_seq
+        )
+        rows.append(
+            {
+                "step_s": metrics["step_time_s"],
+                "tokens_per_s": metrics["tokens_per_s"],
+                "tflops_per_gpu": flops / metrics["step_time_s"] / gpus / 1e12,
+                "llm_wait_share": metrics["llm_wait_s"] / metrics["step_time_s"],
+                "encoder_wait_share": metrics["encoder_wait_s"] / metrics["step_time_s"],
+                "images": images,
+                "tokens": metrics["tokens"],
+            }
+        )
     return {name: statistics.median(r[name] for r in rows) for name in rows[0]} | {"steps_measured": len(rows)}
 
 
-def main() -> None:
+def run_layout(
+    base: list[str],
+    overrides: list[str],
+    name: str,
+    gpus: int,
+    steps: int,
+    skip: int,
+    work: Path,
+) -> dict:
+    """One run of the job under `overrides`, summarized over its steps after the first `skip`, or
+    {"error": ...}. The run is stopped once `steps` steps are done: it never writes its final
+    checkpoint (time, disk, and a full-size gather on every rank that a model needing expert
+    parallelism has no memory for)."""
+    config = config_lib.load(None, [*base, *overrides, f"train.steps={steps + 1}"])
+    config = dataclasses.replace(config, out_dir=str((work / name.replace(" ", "-")).resolve()))
+    job = run_job(config, progress=False, stop_after=steps - 1)
+    measured = [m for m in job.metrics if m["step"] < steps]
+    if len(measured) < steps:
+        error = f"{len(measured)} of {steps} steps done: {job.info.message}"
+        print(f"{name}: FAILED {error[:500]}")
+        return {"error": error}
+    return summarize(config, measured, gpus, skip)
+
+
+def print_table(results: dict[str, dict]) -> None:
+    print(f"{'layout':24s} {'step s':>7s} {'tokens/s':>9s} {'TFLOP/s/GPU':>12s} {'LLM wait':>9s} {'enc wait':>9s}")
+    for name, r in results.items():
+        if "error" not in r:
+            print(
+                f"{name:24s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['tflops_per_gpu']:12.1f} "
+                f"{r['llm_wait_share']:9.1%} {r['encoder_wait_share']:9.1%}"
+            )
+
+
+def write_results(path: str, toy: bool, base: list[str], **results) -> None:
+    with open(path, "w") as f:
+        json.dump({"device": "cpu" if toy else "gpu", **results, "config": base}, f, indent=1)
+
+
+def run_arguments(*, steps: int, skip: int) -> argparse.ArgumentParser:
+    """A parser with the options every end-to-end script takes."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--toy", action="store_true")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the medians")
+    parser.add_argument("--toy", action="store_true", help="CPU, tiny model (CI)")
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--skip", type=int, default=skip, help="warm-up steps left out of the medians")
     parser.add_argument("--work", help="run directories (default: a temporary one)")
     parser.add_argument("--out")
+    return parser
+
+
+def main() -> None:
+    parser = run_arguments(steps=12, skip=3)
     parser.add_argument("--layouts", nargs="*", help="run only these layouts (default: all)")
-    parser.add_argument("--profile-step", type=int, help="every worker writes a kernel table of this step")
+    parser.add_argument(
+        "--profile-step",
+        type=int,
+        help="every worker writes a kernel table of this step",
+    )
     parser.add_argument("--profile-dir", help="where the kernel tables go (a folder per layout)")
     args = parser.parse_args()
     base, layouts = (TOY, TOY_LAYOUTS) if args.toy else (VISION_HEAVY, LAYOUTS)
@@ -99,27 +179,17 @@ def main() -> None:
     for name, (overrides, gpus) in layouts.items():
         if args.layouts and name not in args.layouts:
             continue
-        config = config_lib.load(None, [*base, *overrides, f"train.steps={steps}"])
-        config = dataclasses.replace(config, out_dir=str((work / name).resolve()))
         if args.profile_step is not None:  # read by the workers (dyad/worker.py)
             profile_dir = Path(args.profile_dir or work) / f"profile-{name}"
             profile_dir.mkdir(parents=True, exist_ok=True)
-            os.environ.update(DYAD_PROFILE_DIR=str(profile_dir), DYAD_PROFILE_STEP=str(args.profile_step))
-        job = run_job(config, progress=False)
-        if not job.succeeded:
-            results[name] = {"error": job.info.message}
-            print(f"{name}: FAILED {job.info.message[:500]}")
-            continue
-        results[name] = summarize(config, job, gpus, skip)
-    print(f"{'layout':24s} {'step s':>7s} {'tokens/s':>9s} {'TFLOP/s/GPU':>12s} {'LLM wait':>9s} {'enc wait':>9s}")
-    for name, r in results.items():
-        if "error" not in r:
-            print(f"{name:24s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['tflops_per_gpu']:12.1f} "
-                  f"{r['llm_wait_share']:9.1%} {r['encoder_wait_share']:9.1%}")
+            os.environ.update(
+                DYAD_PROFILE_DIR=str(profile_dir),
+                DYAD_PROFILE_STEP=str(args.profile_step),
+            )
+        results[name] = run_layout(base, overrides, name, gpus, steps, skip, work)
+    print_table(results)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": "cpu" if args.toy else "gpu", "layouts": results,
-                       "config": base}, f, indent=1)
+        write_results(args.out, args.toy, base, layouts=results)
 
 
 if __name__ == "__main__":

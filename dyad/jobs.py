@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 from tqdm import tqdm
 
 from dyad import config as config_lib
@@ -30,19 +31,27 @@ class JobResult:
 
 
 def run_job(
-    config: RunConfig, *, router: RouterClient | None = None, progress: bool = True
+    config: RunConfig,
+    *,
+    router: RouterClient | None = None,
+    progress: bool = True,
+    stop_after: int | None = None,
 ) -> JobResult:
-    """Run `config` on `router` (the caller's client, left open), else on a local router."""
+    """Run `config` on `router` (the caller's client, left open), else on a local router.
+    `stop_after`: stop the run once that step is done; it ends stopped, without the final
+    checkpoint (benchmarks measure steps, and a checkpoint gathers every tensor at full size)."""
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(config_lib.to_yaml(config))
     if router is not None:
-        return _follow(router, config, progress)
+        return _follow(router, config, progress, stop_after)
     with local_router(out_dir / "logs" / "router.log") as client:
-        return _follow(client, config, progress)
+        return _follow(client, config, progress, stop_after)
 
 
-def _follow(client: RouterClient, config: RunConfig, progress: bool) -> JobResult:
+def _follow(
+    client: RouterClient, config: RunConfig, progress: bool, stop_after: int | None
+) -> JobResult:
     info = client.start_run(config_lib.to_yaml(config))
     bar = tqdm(total=info.total_steps, desc="train", unit="step", disable=not progress)
     by_step: dict[int, dict] = {}  # a recovery trains steps again: the last record counts
@@ -55,6 +64,8 @@ def _follow(client: RouterClient, config: RunConfig, progress: bool) -> JobResul
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 bar.n = record["step"] + 1
                 bar.refresh()
+                if record["step"] == stop_after:
+                    _stop_unless_finished(client, info.run_id)
             elif kind == "notice":
                 notice = event.notice
                 if notice.kind != "checkpoint":
@@ -68,6 +79,14 @@ def _follow(client: RouterClient, config: RunConfig, progress: bool) -> JobResul
         bar.close()
     metrics = [by_step[step] for step in sorted(by_step)]
     return JobResult(info=client.get_run(info.run_id), metrics=metrics)
+
+
+def _stop_unless_finished(client: RouterClient, run_id: str) -> None:
+    try:
+        client.stop_run(run_id)
+    except grpc.RpcError as error:  # FAILED_PRECONDITION: it has finished in the meantime
+        if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            raise
 
 
 def append_record(out_dir: Path, record: dict) -> None:

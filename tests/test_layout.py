@@ -296,3 +296,25 @@ def test_pool_placement_on_local_gpus():
         config.parallel.local_gpu("llm", 1, 2)
     with pytest.raises(ValueError, match="parallel.encoder_devices"):
         config_lib.load(None, ["parallel.encoder_devices=[-1]"])
+
+
+def test_a_resize_moves_a_gpu_that_both_device_lists_name():
+    """A resize changes a pool's dp and keeps the device lists (rank r on devices[r % len]), so a
+    GPU named at the end of both lists serves the LLM pool at 2+6 and the encoder pool at 3+5
+    (bench/resize.py relies on this)."""
+    from dyad import config as config_lib
+
+    def placement(config):
+        return {
+            pool: [config.parallel.local_gpu(pool, r, 8) for r in range(getattr(config.parallel, pool).world_size)]
+            for pool in ("encoder", "llm")
+        }
+
+    config = config_lib.load(None, [
+        "parallel.encoder.dp=2", "parallel.llm.dp=6", "train.global_batch=30", "train.microbatches=5",
+        "parallel.encoder_devices=[0, 1, 7]", "parallel.llm_devices=[2, 3, 4, 5, 6, 7]",
+    ])
+    assert placement(config) == {"encoder": [0, 1], "llm": [2, 3, 4, 5, 6, 7]}
+    resized = config_lib.scaled(config_lib.scaled(config, "llm", 5), "encoder", 3)
+    assert placement(resized) == {"encoder": [0, 1, 7], "llm": [2, 3, 4, 5, 6]}
+    assert resized.train.microbatches == 6  # the step's 30 microbatches over 5 LLM ranks
