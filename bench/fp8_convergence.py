@@ -8,6 +8,7 @@ larger than the spread of that loss between bf16 seeds (max - min).
 
     python bench/fp8_convergence.py --out $OUT/fp8_convergence.json     # on a GPU host
     python bench/fp8_convergence.py --toy                               # CPU, tiny (CI)
+    python bench/fp8_convergence.py --from result.json --plot curves.png  # redraw a result
 """
 
 from __future__ import annotations
@@ -107,11 +108,50 @@ def train(cfg: LLMConfig, batches: torch.Tensor, seed: int, fp8: bool, lr: float
     return losses
 
 
+def plot(result: dict, path: str, smooth: int = 10) -> None:
+    """Loss curves (moving average over `smooth` steps), bf16 against float8, one line per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (whole, tail) = plt.subplots(1, 2, figsize=(11, 4))
+    steps_run = len(result["losses"]["bf16"][0])
+    first_tail = max(0, steps_run - 2 * result["tail_steps"])
+    tail_values = []
+    for precision, color in (("bf16", "tab:blue"), ("fp8", "tab:orange")):
+        for seed, losses in enumerate(result["losses"][precision]):
+            curve = torch.tensor(losses).unfold(0, min(smooth, steps_run), 1).mean(dim=1)
+            steps = list(range(steps_run - len(curve), steps_run))
+            label = precision if seed == 0 else None
+            whole.plot(steps, curve, color=color, alpha=0.7, label=label)
+            tail.plot(steps, curve, color=color, alpha=0.7, label=label)
+            tail_values += [v for step, v in zip(steps, curve.tolist()) if step >= first_tail]
+    whole.axhline(result["entropy_floor"], color="gray", linestyle=":", label="chain entropy")
+    margin = (max(tail_values) - min(tail_values)) * 0.1 + 1e-6
+    tail.set_xlim(first_tail, steps_run)
+    tail.set_ylim(min(tail_values) - margin, max(tail_values) + margin)
+    for ax, title in ((whole, "loss, all steps"), (tail, "last steps")):
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle(f"{result['device']}: fp8 - bf16 = {result['fp8_minus_bf16']:+.4f}, bf16 seed spread "
+                 f"{result['bf16_seed_spread']:.4f} (mean of the last {result['tail_steps']} steps)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--toy", action="store_true")
     parser.add_argument("--out")
+    parser.add_argument("--plot", help="draw the loss curves into this PNG")
+    parser.add_argument("--from", dest="source", help="redraw this result JSON instead of training")
     args = parser.parse_args()
+    if args.source:
+        with open(args.source) as f:
+            plot(json.load(f), args.plot or "fp8_convergence.png")
+        return
     device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
     setup = SETUPS["toy" if device == "cpu" else "gpu"]
     cfg = setup["llm"]
@@ -153,6 +193,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f)
+    if args.plot:
+        plot(result, args.plot)
 
 
 if __name__ == "__main__":
