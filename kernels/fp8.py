@@ -16,8 +16,9 @@ bump but fused optimizers do not), so the microbatches of one step and a layer's
 backward share one quantization.
 
 Fast paths: `torch._scaled_mm` (CUDA sm89+) and `torch._scaled_grouped_mm` (CUDA sm90); other
-devices multiply the dequantized codes, so CPU runs compute the same function, without speed. References: dequantize to float32 and
-multiply with plain matmuls (`linear_reference`, `grouped_mm_reference`).
+devices multiply the dequantized codes, so CPU runs compute the same function, without speed.
+References: dequantize to float32 and multiply with plain matmuls (`linear_reference`,
+`grouped_mm_reference`).
 """
 
 from __future__ import annotations
