@@ -12,18 +12,18 @@ by the single-device model's names and holding full (unsharded) tensors:
     step                                the training step the checkpoint was taken after
     rng.rank<r>.cpu, rng.rank<r>.cuda   generator states of pool rank r
 
-Saving gathers every sharded tensor to its full shape on every rank (a collective) and lets DCP's
-planner write each replicated key once, balancing the bytes over the ranks. Restoring reads the
-full tensors on every rank and cuts this rank's shard exactly as the pool's `parallelize` cuts
-parameters: it runs `parallelize` on single-device copies holding the loaded values, one for the
-parameters and one per AdamW moment, so no layout's slicing is written twice.
+Saving gathers one sharded tensor at a time to its full shape (a collective) and keeps it, in
+host memory, only on the rank chosen to write it (the ranks take turns by bytes), so a rank
+holds about 1/world of the full state and the GPUs one full tensor beyond their own state.
+Restoring reads the full tensors in batches of bounded size into host memory and copies this
+rank's piece of each into the live model and AdamW state, cut by `local_part`: the inverse of
+the gather, written beside it and used by the parallel modules when they shard themselves, so
+no layout's slicing is written twice.
 """
 
 from __future__ import annotations
 
-import copy
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,10 +32,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from dyad.parallel.gradients import gather_full, full_state_dict
+from dyad.parallel.gradients import gather_full, local_part
 from dyad.parallel.groups import ProcessGroups
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+RESTORE_BATCH_BYTES = 1 << 30  # full tensors read into host memory at a time
 
 
 def pool_dir(directory: str | Path, pool: str) -> Path:
@@ -54,7 +55,7 @@ def save_pool(
 ) -> Path:
     """Write the pool's model, AdamW state, step and this rank's RNG states. Collective over the
     pool's default process group; returns the pool's checkpoint path."""
-    state = full_pool_state(model, optimizer, groups)
+    state = _owned_full_state(model, optimizer, groups, dist.get_rank(), dist.get_world_size())
     state.update(_rng_states(dist.get_rank(), _device(model)))
     state["step"] = step
     path = pool_dir(directory, pool)
@@ -65,20 +66,49 @@ def save_pool(
 def full_pool_state(model: nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups) -> dict:
     """The model's and AdamW's state under the checkpoint's keys, at full shapes, the same on
     every rank. Collective."""
-    persistent = model.state_dict().keys()  # the expert counts, zero between steps, are not kept
-    state = {f"model.{k}": v for k, v in full_state_dict(model, groups).items() if k in persistent}
-    for module_name, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            key = f"{module_name}.{name}" if module_name else name
-            # A parameter AdamW has not stepped yet: zero moments at step 0 is the state its
-            # first step creates, so saving them restores to the same arithmetic.
-            saved = optimizer.state.get(param, {})
-            for moment in MOMENTS:
-                value = saved.get(moment, torch.zeros_like(param)).detach()
-                state[f"optimizer.{key}.{moment}"] = gather_full(module, name, value, groups)
-            state[f"optimizer.{key}.step"] = saved.get("step", torch.zeros(())).detach()
+    state = dict(_full_entries(model, optimizer, groups))
     state.update(_hyperparameters(optimizer))
     return state
+
+
+def _owned_full_state(model, optimizer, groups, rank: int, world: int) -> dict:
+    """The full tensors this rank writes, in host memory: every tensor goes to the rank with the
+    fewest bytes so far (the same choice on every rank). Collective."""
+    written = [0] * world
+    owned = {}
+    for key, full in _full_entries(model, optimizer, groups):
+        owner = min(range(world), key=lambda r: written[r])
+        written[owner] += full.numel() * full.element_size()
+        if owner == rank:
+            owned[key] = full.detach().cpu()
+    owned.update(_hyperparameters(optimizer))  # small and the same everywhere: written once
+    return owned
+
+
+def _full_entries(model: nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups):
+    """(key, full tensor) for every tensor of the checkpoint, in one order on every rank; each
+    full tensor is gathered when the iteration reaches it (a collective)."""
+    persistent = model.state_dict().keys()  # the expert counts, zero between steps, are not kept
+    for key, module, name, param in _parameters(model):
+        yield f"model.{key}", gather_full(module, name, param.detach(), groups)
+    for key, buffer in model.named_buffers():
+        if key in persistent:
+            yield f"model.{key}", buffer.detach()
+    for key, module, name, param in _parameters(model):
+        # A parameter AdamW has not stepped yet: zero moments at step 0 is the state its first
+        # step creates, so saving them restores to the same arithmetic.
+        saved = optimizer.state.get(param, {})
+        for moment in MOMENTS:
+            value = saved.get(moment, torch.zeros_like(param)).detach()
+            yield f"optimizer.{key}.{moment}", gather_full(module, name, value, groups)
+        yield f"optimizer.{key}.step", saved.get("step", torch.zeros(())).detach()
+
+
+def _parameters(model: nn.Module):
+    """(single-device key, owning module, attribute name, parameter) in registration order."""
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            yield (f"{module_name}.{name}" if module_name else name), module, name, param
 
 
 def restore_pool(
@@ -86,47 +116,76 @@ def restore_pool(
     pool: str,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
+    groups: ProcessGroups,
     *,
-    single_device: nn.Module,
-    parallelize: Callable[[nn.Module], object],
+    batch_bytes: int = RESTORE_BATCH_BYTES,
 ) -> int:
     """Load the pool's checkpoint into the live `model` and `optimizer`, whatever layout wrote it.
 
-    `single_device`: an unsharded model of the pool's architecture on this rank's device (its
-    values are not used); `parallelize(module)` shards a model in place for this rank as the live
-    one was. Collective over the pool's default process group. Zeroes the gradients, restores
-    this rank's RNG states when the checkpoint holds them, and returns the saved step."""
+    Full tensors are read into host memory at most `batch_bytes` at a time (or one tensor, when
+    it is larger) and this rank's piece of each is copied into place. Collective over the pool's
+    default process group. Zeroes the gradients, restores this rank's RNG states when the
+    checkpoint holds them, and returns the saved step."""
     path = pool_dir(directory, pool)
-    # Full-shape holders the load fills: the parameters (and buffers), each AdamW moment.
-    params, *moments = (copy.deepcopy(single_device) for _ in range(1 + len(MOMENTS)))
-    steps = {name: torch.zeros(()) for name, _ in single_device.named_parameters()}
-    state = {f"model.{k}": v for k, v in params.state_dict().items()}
-    for moment, holder in zip(MOMENTS, moments):
-        state.update({f"optimizer.{n}.{moment}": p.detach() for n, p in holder.named_parameters()})
-    state.update({f"optimizer.{name}.step": t for name, t in steps.items()})
-    hyperparameters = _hyperparameters(optimizer)
-    state.update(hyperparameters)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    rng = {k: v for k, v in _rng_states(dist.get_rank(), _device(model)).items() if k in stored}
-    state.update(rng)
-    state["step"] = 0
-    dcp.load(state, checkpoint_id=path)
-
-    for holder in (params, *moments):
-        parallelize(holder)  # now each holds this rank's shard of the loaded tensors
-    model.load_state_dict(params.state_dict())
-    local_moments = [dict(holder.named_parameters()) for holder in moments]
-    for name, param in model.named_parameters():
-        optimizer.state[param] = {
-            "step": steps[name].clone(),  # one tensor per parameter: AdamW increments it in place
-            **{moment: local[name].detach() for moment, local in zip(MOMENTS, local_moments)},
-        }
+    targets = _restore_targets(model, optimizer)
+    for batch in _batches(list(targets), stored, batch_bytes):
+        holders = {key: torch.empty(stored[key].size, dtype=stored[key].properties.dtype) for key in batch}
+        dcp.load(holders, checkpoint_id=path)
+        with torch.no_grad():
+            for key, full in holders.items():
+                module, name, destination = targets[key]
+                destination.copy_(local_part(module, name, full, groups))
+    small = _hyperparameters(optimizer) | {f"optimizer.{key}.step": torch.zeros(()) for key, *_ in _parameters(model)}
+    small.update({k: v for k, v in _rng_states(dist.get_rank(), _device(model)).items() if k in stored})
+    small["step"] = 0
+    dcp.load(small, checkpoint_id=path)
+    for key, _, _, param in _parameters(model):
+        step = small[f"optimizer.{key}.step"]  # fused AdamW keeps its step count beside the parameter
+        optimizer.state[param]["step"] = step.to(param.device) if _fused(optimizer) else step
     for index, group in enumerate(optimizer.param_groups):
         prefix = f"optimizer.param_groups.{index}."
-        group.update({k.removeprefix(prefix): state[k] for k in hyperparameters if k.startswith(prefix)})
+        group.update({k.removeprefix(prefix): small[k] for k in small if k.startswith(prefix)})
     optimizer.zero_grad(set_to_none=True)
-    _set_rng_states({k: state[k] for k in rng}, dist.get_rank(), _device(model))
-    return int(state["step"])
+    _set_rng_states({k: v for k, v in small.items() if k.startswith("rng.")}, dist.get_rank(), _device(model))
+    return int(small["step"])
+
+
+def _restore_targets(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """checkpoint key -> (module, attribute name, the live tensor its piece is copied into),
+    creating AdamW's state for parameters it has not stepped yet."""
+    persistent = model.state_dict().keys()
+    targets = {}
+    for key, module, name, param in _parameters(model):
+        targets[f"model.{key}"] = (module, name, param)
+    for key, buffer in model.named_buffers():
+        if key in persistent:
+            targets[f"model.{key}"] = (None, key, buffer)
+    for key, module, name, param in _parameters(model):
+        state = optimizer.state[param]
+        for moment in MOMENTS:
+            state[moment] = state.get(moment, torch.zeros_like(param, memory_format=torch.preserve_format))
+            targets[f"optimizer.{key}.{moment}"] = (module, name, state[moment])
+    return targets
+
+
+def _batches(keys: list[str], stored: dict, batch_bytes: int):
+    """`keys` in order, cut into runs whose stored tensors total at most `batch_bytes`."""
+    batch, size = [], 0
+    for key in keys:
+        meta = stored[key]
+        nbytes = meta.size.numel() * meta.properties.dtype.itemsize
+        if batch and size + nbytes > batch_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(key)
+        size += nbytes
+    if batch:
+        yield batch
+
+
+def _fused(optimizer: torch.optim.Optimizer) -> bool:
+    return any(group.get("fused") for group in optimizer.param_groups)
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> dict:

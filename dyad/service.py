@@ -144,14 +144,7 @@ class PoolService(ABC):
     def restore(self, path: str) -> int:
         """Load `<path>/<pool>/` into the live model and optimizer, whatever layout or pool size
         wrote it; returns the saved step. Collective over the pool."""
-        return restore_pool(
-            path,
-            self.pool,
-            self.model,
-            self.optimizer,
-            single_device=build_model(self.config, self.pool, self.device),
-            parallelize=lambda model: self.parallelize(model, self.groups),
-        )
+        return restore_pool(path, self.pool, self.model, self.optimizer, self.groups)
 
     def close(self) -> None:
         pass

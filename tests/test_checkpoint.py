@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from dyad import checkpoint
 from dyad import config as config_lib
-from dyad.checkpoint import full_pool_state, load_pool_state, restore_pool, save_pool, saved_ranks
+from dyad.checkpoint import full_pool_state, load_pool_state, pool_dir, restore_pool, save_pool, saved_ranks
 from dyad.data import collate, make_dataset
 from dyad.encoder_service.parallelize import parallelize_encoder
 from dyad.layout import EncoderLayout, LLMLayout
@@ -117,9 +120,9 @@ class _Pool:
     def save(self, directory):
         save_pool(directory, self.pool, self.model, self.optimizer, self.groups, step=SAVED_STEP)
 
-    def restore(self, directory) -> int:
-        return restore_pool(directory, self.pool, self.model, self.optimizer,
-                            single_device=build_model(self.config, self.pool), parallelize=self.parallelize)
+    def restore(self, directory, batch_bytes=None) -> int:
+        extra = {} if batch_bytes is None else {"batch_bytes": batch_bytes}
+        return restore_pool(directory, self.pool, self.model, self.optimizer, self.groups, **extra)
 
     def state(self) -> dict:
         return {k: v.clone() if isinstance(v, torch.Tensor) else v
@@ -140,6 +143,7 @@ def _save_body(rank, world_size, pool, layout_kwargs, tmp):
         run.train_step(step)
     run.save(tmp / "checkpoint")
     saved = run.state()
+    _assert_rank_holds_its_share(run, saved, rank, world_size)
     if pool == "llm":  # the expert biases are part of the state, and have moved
         assert all(saved[k].abs().sum() > 0 for k in saved if k.endswith("expert_bias_E"))
     draws = torch.rand(8)
@@ -159,11 +163,12 @@ def _save_body(rank, world_size, pool, layout_kwargs, tmp):
 
 
 def _restore_body(rank, world_size, pool, layout_kwargs, tmp):
-    """Layout B: a step of its own (so nothing matches by accident), restore, the third step."""
+    """Layout B: a step of its own (so nothing matches by accident), restore (one full tensor in
+    host memory at a time), the third step."""
     expected = torch.load(tmp / "expected.pt")
     run = _Pool(pool, layout_kwargs)
     run.train_step(7, lr=3 * LR)
-    assert run.restore(tmp / "checkpoint") == SAVED_STEP
+    assert run.restore(tmp / "checkpoint", batch_bytes=1) == SAVED_STEP
     assert torch.equal(torch.rand(8), torch.load(tmp / f"draws-rank{rank}.pt"))
     _assert_same_state(run.state(), expected["state"], f"restored under {layout_kwargs}")
     loss = run.train_step(SAVED_STEP)
@@ -173,10 +178,38 @@ def _restore_body(rank, world_size, pool, layout_kwargs, tmp):
     assert_tensors_close(full_tensors(run.model, run.groups), expected["params"], "the third step", norm="l2")
 
 
+def _assert_rank_holds_its_share(run, full_state, rank, world_size):
+    """While saving, a rank keeps in host memory only the full tensors it writes: about
+    1/world_size of the state (within the largest tensor)."""
+    sizes = [v.numel() * v.element_size() for v in full_state.values() if isinstance(v, torch.Tensor)]
+    held = checkpoint._owned_full_state(run.model, run.optimizer, run.groups, rank, world_size)
+    held_bytes = sum(v.numel() * v.element_size() for v in held.values() if isinstance(v, torch.Tensor))
+    assert all(v.device.type == "cpu" for v in held.values() if isinstance(v, torch.Tensor))
+    assert 0 < held_bytes <= sum(sizes) / world_size + max(sizes), (held_bytes, sum(sizes))
+
+
+def _assert_ranks_share_the_writing(directory, pool, ranks):
+    """Each full tensor is written by one rank, and the ranks' bytes differ by at most the
+    largest tensor: no rank holds the whole state while saving."""
+    metadata = dcp.FileSystemReader(pool_dir(directory, pool)).read_metadata()
+    written = dict.fromkeys(range(ranks), 0)
+    largest = 0
+    for index, storage in metadata.storage_data.items():
+        meta = metadata.state_dict_metadata[index.fqn]
+        if not index.fqn.startswith(("model.", "optimizer.")) or not isinstance(meta, TensorStorageMetadata):
+            continue
+        nbytes = meta.size.numel() * meta.properties.dtype.itemsize
+        written[int(storage.relative_path.split("_")[2])] += nbytes
+        largest = max(largest, nbytes)
+    assert all(written.values()), written
+    assert max(written.values()) - min(written.values()) <= largest, written
+
+
 def _check_round_trip(tmp_path, pool, saved_under, restored_under):
     saving_ranks = LAYOUTS[pool](**saved_under).world_size
     run_distributed(_save_body, saving_ranks, pool, saved_under, tmp_path)
     assert saved_ranks(tmp_path / "checkpoint", pool) == list(range(saving_ranks))
+    _assert_ranks_share_the_writing(tmp_path / "checkpoint", pool, saving_ranks)
     # A single process, no process group: the full model state.
     state = load_pool_state(tmp_path / "checkpoint", pool)
     expected = torch.load(tmp_path / "expected.pt")["state"]

@@ -52,12 +52,13 @@ def parallelize_moe(
     ep_rank, etp_rank = group_rank(ep_group), group_rank(etp_group)
     for name in EXPERT_TP_DIM:
         full = getattr(layer, name)
-        local = _local_shard(full.detach(), name, ep_rank, group_size(ep_group), etp_rank, etp)
+        local = local_expert_shard(full.detach(), name, ep_rank, group_size(ep_group), etp_rank, etp)
         setattr(layer, name, nn.Parameter(local.clone(), requires_grad=full.requires_grad))
     layer.routed_experts = partial(_routed_experts, layer, token_dispatcher, token_split_group)
 
 
-def _local_shard(full: torch.Tensor, name: str, ep_rank: int, ep: int, etp_rank: int, etp: int) -> torch.Tensor:
+def local_expert_shard(full: torch.Tensor, name: str, ep_rank: int, ep: int, etp_rank: int, etp: int) -> torch.Tensor:
+    """This rank's experts (dim 0 over ep) and their slice over etp of a full expert tensor."""
     experts = full.chunk(ep, dim=0)[ep_rank]
     return experts.chunk(etp, dim=EXPERT_TP_DIM[name])[etp_rank]
 

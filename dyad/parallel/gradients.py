@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dyad.parallel.expert import EXPERT_TP_DIM, gather_expert_tensor
+from dyad.parallel.expert import EXPERT_TP_DIM, gather_expert_tensor, local_expert_shard
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, all_gather_dim
 
@@ -86,10 +86,14 @@ def gather_full(module, name, value, groups):
     return value
 
 
-def full_state_dict(model: nn.Module, groups: ProcessGroups) -> dict[str, torch.Tensor]:
-    """The single-device model's state dict: parameters gathered to full shapes, buffers (kept
-    identical on every rank, e.g. the router's expert bias) as they are. Collective."""
-    state = full_tensors(model, groups)
-    for name, buffer in model.named_buffers():
-        state[name] = buffer.detach()
-    return state
+def local_part(module, name, full, groups):
+    """The inverse of `gather_full`: this rank's piece of the single-device tensor `full` (a
+    parameter `module.<name>` or a tensor shaped like it, e.g. an AdamW moment), cut as the
+    pool's `parallelize` cut the parameter."""
+    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+        return module.local_part(full)
+    if isinstance(module, RowParallelLinear) and name == "weight":
+        return module.local_part(full)
+    if name in EXPERT_TP_DIM and hasattr(module, "routed_experts"):
+        return local_expert_shard(full, name, groups.index("ep"), groups.size("ep"), groups.index("etp"), groups.size("etp"))
+    return full

@@ -158,13 +158,14 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group, *, parts: int = 1, sequence_parallel: bool = False):
         super().__init__()
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.group, self.parts, self.sequence_parallel = group, parts, sequence_parallel
         self.full_rows = linear.out_features
-        self.weight = nn.Parameter(_shard_parts(linear.weight.detach(), parts, size, rank))
-        self.bias = None if linear.bias is None else nn.Parameter(
-            _shard_parts(linear.bias.detach(), parts, size, rank)
-        )
+        self.weight = nn.Parameter(self.local_part(linear.weight.detach()))
+        self.bias = None if linear.bias is None else nn.Parameter(self.local_part(linear.bias.detach()))
+
+    def local_part(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full weight or bias (or of a tensor shaped like one)."""
+        return _shard_parts(full, self.parts, dist.get_world_size(self.group), dist.get_rank(self.group))
 
     def forward(self, x):
         if self.sequence_parallel:  # x holds this rank's part of the sequence (dim -2)
@@ -195,12 +196,16 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group, *, sequence_parallel: bool = False):
         super().__init__()
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        size = dist.get_world_size(group)
         if linear.in_features % size:
             raise ValueError(f"{linear.in_features} input features do not split over {size} ranks")
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = nn.Parameter(linear.weight.detach().chunk(size, dim=1)[rank].clone())
+        self.weight = nn.Parameter(self.local_part(linear.weight.detach()).clone())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+
+    def local_part(self, full_weight: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of a full weight (or of a tensor shaped like it); the bias is whole."""
+        return full_weight.chunk(dist.get_world_size(self.group), dim=1)[dist.get_rank(self.group)]
 
     def forward(self, x_local):
         y = F.linear(x_local, self.weight)
@@ -217,11 +222,14 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, embedding: nn.Embedding, group):
         super().__init__()
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.group = group
         self.full_rows = embedding.num_embeddings
-        self.weight = nn.Parameter(shard_rows(embedding.weight.detach(), size, rank))
-        self.vocab_start = rank * self.weight.shape[0]
+        self.weight = nn.Parameter(self.local_part(embedding.weight.detach()))
+        self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
+
+    def local_part(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the full table (zero-padded past the vocabulary)."""
+        return shard_rows(full, dist.get_world_size(self.group), dist.get_rank(self.group))
 
     def forward(self, ids):
         local = ids - self.vocab_start
