@@ -34,11 +34,7 @@ class Launcher(ABC):
 
     @abstractmethod
     def start(
-        self,
-        run_id: str,
-        router_address: str,
-        workers: list[WorkerSpec],
-        log_dir: Path,
+        self, run_id: str, router_address: str, workers: list[WorkerSpec], log_dir: Path,
         env: dict[str, str] | None = None,
     ) -> None:
         """Make sure each of `workers` has a running process (start those that have none)."""
@@ -97,10 +93,7 @@ class LocalLauncher(Launcher):
         self._logs: dict[WorkerSpec, Path] = {}
 
     def rendezvous(self, pools):
-        return {
-            pool: f"127.0.0.1:{port}"
-            for pool, port in zip(pools, free_ports(len(pools)))
-        }
+        return {pool: f"127.0.0.1:{port}" for pool, port in zip(pools, free_ports(len(pools)))}
 
     def start(self, run_id, router_address, workers, log_dir, env=None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -110,24 +103,13 @@ class LocalLauncher(Launcher):
                 continue
             log_path = log_dir / f"{spec.pool}-{spec.rank}.log"
             command = [
-                sys.executable,
-                "-m",
-                "dyad.worker",
-                "--router",
-                router_address,
-                "--run-id",
-                run_id,
-                "--pool",
-                spec.pool,
-                "--rank",
-                str(spec.rank),
+                sys.executable, "-m", "dyad.worker",
+                "--router", router_address, "--run-id", run_id,
+                "--pool", spec.pool, "--rank", str(spec.rank),
             ]
             with open(log_path, "ab") as log:
                 self._procs[spec] = subprocess.Popen(
-                    command,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=os.environ | (env or {}),
+                    command, stdout=log, stderr=subprocess.STDOUT, env=os.environ | (env or {})
                 )
             self._logs[spec] = log_path
 
@@ -154,21 +136,13 @@ class LocalLauncher(Launcher):
         deadline = time.monotonic() + timeout_s
         for spec in chosen:
             proc = self._procs.pop(spec)
-            for signal_it, wait_s in (
-                (None, None),
-                (proc.terminate, 5.0),
-                (proc.kill, 30.0),
-            ):
+            for signal_it, wait_s in ((None, None), (proc.terminate, 5.0), (proc.kill, 30.0)):
                 if proc.poll() is not None:
                     break
                 if signal_it:
                     signal_it()
                 try:
-                    proc.wait(
-                        timeout=wait_s
-                        if wait_s
-                        else max(0.0, deadline - time.monotonic())
-                    )
+                    proc.wait(timeout=wait_s if wait_s else max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     continue
 
