@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
@@ -28,6 +26,7 @@ from dyad.llm_service.fp8 import convert_to_fp8
 from dyad.llm_service.model import LLMConfig, MoELM
 from dyad.llm_service.moe import MoEConfig
 from dyad.optim import build_optimizer
+from moe_layer import median_ms  # beside this script
 
 PEAK_TFLOPS = 989.0
 
@@ -98,21 +97,6 @@ def make_step(model, optimizer, cfg: LLMConfig, S: int, N: int, microbatches: in
     return step
 
 
-def time_step(step, iters: int, device: str) -> float:
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def profile_step(step, path: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -151,7 +135,7 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         try:
-            seconds = time_step(step, args.iters, device)
+            seconds = median_ms(step, args.iters, device) / 1e3
         except RuntimeError as error:  # one variant failing must not lose the others' numbers
             result["variants"][name] = {"error": str(error)[:2000]}
             print(f"{name:9s} failed: {str(error)[:300]}")

@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from dyad.parallel.gradients import gather_full, local_part
+from dyad.parallel.gradients import gather_full, local_part, owned_parameters
 from dyad.parallel.groups import ProcessGroups
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -89,12 +89,12 @@ def _full_entries(model: nn.Module, optimizer: torch.optim.Optimizer, groups: Pr
     """(key, full tensor) for every tensor of the checkpoint, in one order on every rank; each
     full tensor is gathered when the iteration reaches it (a collective)."""
     persistent = model.state_dict().keys()  # the expert counts, zero between steps, are not kept
-    for key, module, name, param in _parameters(model):
+    for key, module, name, param in owned_parameters(model):
         yield f"model.{key}", gather_full(module, name, param.detach(), groups)
     for key, buffer in model.named_buffers():
         if key in persistent:
             yield f"model.{key}", buffer.detach()
-    for key, module, name, param in _parameters(model):
+    for key, module, name, param in owned_parameters(model):
         # A parameter AdamW has not stepped yet: zero moments at step 0 is the state its first
         # step creates, so saving them restores to the same arithmetic.
         saved = optimizer.state.get(param, {})
@@ -102,13 +102,6 @@ def _full_entries(model: nn.Module, optimizer: torch.optim.Optimizer, groups: Pr
             value = saved.get(moment, torch.zeros_like(param)).detach()
             yield f"optimizer.{key}.{moment}", gather_full(module, name, value, groups)
         yield f"optimizer.{key}.step", saved.get("step", torch.zeros(())).detach()
-
-
-def _parameters(model: nn.Module):
-    """(single-device key, owning module, attribute name, parameter) in registration order."""
-    for module_name, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            yield (f"{module_name}.{name}" if module_name else name), module, name, param
 
 
 def restore_pool(
@@ -136,11 +129,11 @@ def restore_pool(
             for key, full in holders.items():
                 module, name, destination = targets[key]
                 destination.copy_(local_part(module, name, full, groups))
-    small = _hyperparameters(optimizer) | {f"optimizer.{key}.step": torch.zeros(()) for key, *_ in _parameters(model)}
+    small = _hyperparameters(optimizer) | {f"optimizer.{key}.step": torch.zeros(()) for key, *_ in owned_parameters(model)}
     small.update({k: v for k, v in _rng_states(dist.get_rank(), _device(model)).items() if k in stored})
     small["step"] = 0
     dcp.load(small, checkpoint_id=path)
-    for key, _, _, param in _parameters(model):
+    for key, _, _, param in owned_parameters(model):
         step = small[f"optimizer.{key}.step"]  # fused AdamW keeps its step count beside the parameter
         optimizer.state[param]["step"] = step.to(param.device) if _fused(optimizer) else step
     for index, group in enumerate(optimizer.param_groups):
@@ -156,12 +149,12 @@ def _restore_targets(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     creating AdamW's state for parameters it has not stepped yet."""
     persistent = model.state_dict().keys()
     targets = {}
-    for key, module, name, param in _parameters(model):
+    for key, module, name, param in owned_parameters(model):
         targets[f"model.{key}"] = (module, name, param)
     for key, buffer in model.named_buffers():
         if key in persistent:
             targets[f"model.{key}"] = (None, key, buffer)
-    for key, module, name, param in _parameters(model):
+    for key, module, name, param in owned_parameters(model):
         state = optimizer.state[param]
         for moment in MOMENTS:
             state[moment] = state.get(moment, torch.zeros_like(param, memory_format=torch.preserve_format))

@@ -63,13 +63,18 @@ def full_tensors(model: nn.Module, groups: ProcessGroups, *, grads: bool = False
     """Every parameter (or its gradient) gathered back to the single-device model's full shape,
     under the single-device names. Collective: every rank of the pool calls it."""
     full = {}
+    for key, module, name, param in owned_parameters(model):
+        value = param.grad if grads else param
+        value = torch.zeros_like(param) if value is None else value.detach()
+        full[key] = gather_full(module, name, value, groups)
+    return full
+
+
+def owned_parameters(model: nn.Module):
+    """(single-device key, owning module, attribute name, parameter), in registration order."""
     for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
-            value = param.grad if grads else param
-            value = torch.zeros_like(param) if value is None else value.detach()
-            key = f"{module_name}.{name}" if module_name else name
-            full[key] = gather_full(module, name, value, groups)
-    return full
+            yield (f"{module_name}.{name}" if module_name else name), module, name, param
 
 
 def gather_full(module, name, value, groups):
