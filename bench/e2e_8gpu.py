@@ -122,8 +122,9 @@ def ep_choices(args, llm_world: int):
     return range(MIN_EP, llm_world + 1)
 
 
-def sweep_pool(pool: str, base: list[str], gpus: int, args, work: Path) -> dict:
-    """Every valid LLM layout of one pool split; the runs and the fastest."""
+def sweep_pool(pool: str, base: list[str], gpus: int, args, work: Path, done=lambda runs: None) -> dict:
+    """Every valid LLM layout of one pool split; the runs and the fastest. `done(runs)` after each
+    run, so that a sweep cut short still leaves what it measured."""
     config, split = config_lib.load(None, base), parse_pool(pool)
     encoder_overrides, llm_world = pool_overrides(gpus, split)
     used = gpus if split is None else sum(split)
@@ -144,6 +145,7 @@ def sweep_pool(pool: str, base: list[str], gpus: int, args, work: Path) -> dict:
             *llm_overrides(layout, config.train.global_batch, args.microbatch_samples),
         ]
         runs[name] = run_layout(base, overrides, name, used, args.steps, args.skip, work)
+        done(runs)
     return {"layouts": runs, "best": fastest(runs)}
 
 
@@ -180,11 +182,18 @@ def main() -> None:
         )
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the router's workers inherit it
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-e2e-8gpu-"))
-    results = {pool: sweep_pool(pool, base, gpus, args, work) for pool in pools}
+    results = {}
+
+    def save(pool: str, result: dict) -> None:
+        results[pool] = result
+        if args.out:
+            write_results(args.out, args.toy, base, gpus=gpus, pools=results)
+
+    for pool in pools:
+        done = lambda runs, pool=pool: save(pool, {"layouts": runs, "best": fastest(runs)})  # noqa: E731
+        save(pool, sweep_pool(pool, base, gpus, args, work, done))
     print_table({name: r for pool in results.values() for name, r in pool["layouts"].items()})
     print_best(results)
-    if args.out:
-        write_results(args.out, args.toy, base, gpus=gpus, pools=results)
 
 
 if __name__ == "__main__":

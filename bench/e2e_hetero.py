@@ -133,7 +133,10 @@ def run_layout(
         error = f"{len(measured)} of {steps} steps done: {job.info.message}"
         print(f"{name}: FAILED {error[:500]}")
         return {"error": error}
-    return summarize(config, measured, gpus, skip)
+    result = summarize(config, measured, gpus, skip)
+    print(f"{name}: {result['step_s']:.3f} s/step, {result['tokens_per_s']:.0f} tokens/s, "
+          f"{result['tflops_per_gpu']:.1f} TFLOP/s per GPU", flush=True)
+    return result
 
 
 def print_table(results: dict[str, dict]) -> None:

@@ -6,11 +6,17 @@ order in which modules were built, the device, the dtype and any sharding of the
 not change the values. A sharded parameter (DTensor, e.g. after FSDP2 or tensor parallelism)
 receives its own slice of the same full tensor.
 
+Parameters are filled on a few threads (each parameter's values come from its own generator,
+so the order does not matter): a model of billions of parameters is mostly normal samples drawn
+on CPU, which one thread draws at ~200 M/s.
+
 Rules by name: norm weights (names ending in `norm.weight`, or weights of LayerNorm/RMSNorm/
 GroupNorm/BatchNorm modules) are 1, biases are 0, everything else is normal(0, 0.02).
 """
 
+import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -52,11 +58,22 @@ def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-@torch.no_grad()
-def init_parameters(module: nn.Module, seed: int) -> None:
-    """Fill every parameter of `module` from (seed, name), independent of build order and sharding."""
+def init_threads() -> int:
+    """Threads that draw initial values: a few, not more than this process may use."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def init_parameters(module: nn.Module, seed: int, threads: int | None = None) -> None:
+    """Fill every parameter of `module` from (seed, name), independent of build order, sharding
+    and the number of `threads` drawing values (default `init_threads()`)."""
     norm_weights = _norm_weight_names(module)
-    for name, param in module.named_parameters():
+
+    @torch.no_grad()  # grad mode is per thread: set in the one that copies
+    def fill(named: tuple[str, torch.Tensor]) -> None:
+        name, param = named
         is_norm_weight = name in norm_weights or name.endswith("norm.weight")
-        full = initial_value(name, param.shape, seed, is_norm_weight)
-        _copy_full_into(param, full)
+        _copy_full_into(param, initial_value(name, param.shape, seed, is_norm_weight))
+
+    with ThreadPoolExecutor(max_workers=threads or init_threads()) as pool:
+        for _ in pool.map(fill, module.named_parameters()):
+            pass  # re-raises a thread's error here

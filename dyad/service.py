@@ -32,20 +32,22 @@ _POOL_SEED_OFFSET = {"encoder": 1, "llm": 2}
 
 
 def build_model(config: RunConfig, pool: str, device: str | torch.device | None = None) -> nn.Module:
-    """The pool's single-device model with its layout-independent initial weights."""
-    if pool == "encoder":
-        from dyad.encoder_service.model import VisionEncoder
+    """The pool's single-device model with its layout-independent initial weights, built on
+    `device` (default the run's): no full copy of it passes through host memory."""
+    with torch.device(device or config.train.device):
+        if pool == "encoder":
+            from dyad.encoder_service.model import VisionEncoder
 
-        model = VisionEncoder(config.encoder)
-    else:
-        from dyad.llm_service.fp8 import convert_to_fp8
-        from dyad.llm_service.model import MoELM
+            model = VisionEncoder(config.encoder)
+        else:
+            from dyad.llm_service.fp8 import convert_to_fp8
+            from dyad.llm_service.model import MoELM
 
-        model = MoELM(config.llm)
-        if config.llm.fp8:
-            convert_to_fp8(model)
+            model = MoELM(config.llm)
+            if config.llm.fp8:
+                convert_to_fp8(model)
     init_parameters(model, config.seed * 10 + _POOL_SEED_OFFSET[pool])
-    return model.to(device or config.train.device)
+    return model
 
 
 def compute_context(config: RunConfig):

@@ -367,6 +367,25 @@ def test_init_independent_of_construction_and_device_state():
     assert torch.equal(first.b.weight, other.b.weight)
 
 
+def test_init_same_values_on_one_thread_and_many():
+    one, many = _llm(seed=3), _llm(seed=3)
+    init_parameters(one, seed=5, threads=1)
+    init_parameters(many, seed=5, threads=4)
+    for name, p in one.named_parameters():
+        assert torch.equal(p, many.get_parameter(name)), name
+
+
+def test_init_error_in_a_thread_reaches_the_caller(monkeypatch):
+    import dyad.init
+
+    def broken(name, *args):
+        raise RuntimeError(f"cannot draw {name}")
+
+    monkeypatch.setattr(dyad.init, "initial_value", broken)
+    with pytest.raises(RuntimeError, match="cannot draw"):
+        init_parameters(_AB(a_first=True), seed=0, threads=2)
+
+
 def test_init_llm_and_encoder_by_name():
     torch.manual_seed(0)
     a = _llm(seed=3)
