@@ -14,7 +14,6 @@ Rules by name: norm weights (names ending in `norm.weight`, or weights of LayerN
 GroupNorm/BatchNorm modules) are 1, biases are 0, everything else is normal(0, 0.02).
 """
 
-import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -59,8 +58,9 @@ def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def init_threads() -> int:
-    """Threads that draw initial values: a few, not more than this process may use."""
-    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    """Threads that draw initial values: a few, not more than torch's CPU threads here (a local
+    worker gets its share of the machine's CPUs, `router.launcher.worker_threads`)."""
+    return max(1, min(8, torch.get_num_threads()))
 
 
 def init_parameters(module: nn.Module, seed: int, threads: int | None = None) -> None:

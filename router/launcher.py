@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +97,8 @@ class LocalLauncher(Launcher):
 
     def start(self, run_id, router_address, workers, log_dir, env=None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
+        alive = {spec for spec, proc in self._procs.items() if proc.poll() is None} | set(workers)
+        env = worker_environment(os.environ, env or {}, worker_threads(_usable_cpus(), len(alive)))
         for spec in workers:
             running = self._procs.get(spec)
             if running is not None and running.poll() is None:
@@ -109,7 +111,7 @@ class LocalLauncher(Launcher):
             ]
             with open(log_path, "ab") as log:
                 self._procs[spec] = subprocess.Popen(
-                    command, stdout=log, stderr=subprocess.STDOUT, env=os.environ | (env or {})
+                    command, stdout=log, stderr=subprocess.STDOUT, env=env
                 )
             self._logs[spec] = log_path
 
@@ -145,6 +147,24 @@ class LocalLauncher(Launcher):
                     proc.wait(timeout=wait_s if wait_s else max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     continue
+
+
+def worker_threads(cpus: int, workers: int) -> int:
+    """CPU threads for each of `workers` processes sharing `cpus`: their share, at least one.
+    Every process would otherwise start a thread per CPU for its CPU-side operations, and the
+    threads of a dozen processes spinning between parallel regions take the CPUs that launch
+    the GPU kernels (torchrun sets 1 for the same reason)."""
+    return max(1, cpus // max(1, workers))
+
+
+def worker_environment(base: Mapping[str, str], extra: Mapping[str, str], threads: int) -> dict[str, str]:
+    """A worker's environment: `base` and `extra`, with OMP_NUM_THREADS=`threads` unless either
+    sets it."""
+    return {"OMP_NUM_THREADS": str(threads)} | dict(base) | dict(extra)
+
+
+def _usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _is_zombie(pid: int) -> bool:
