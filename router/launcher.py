@@ -98,7 +98,7 @@ class LocalLauncher(Launcher):
     def start(self, run_id, router_address, workers, log_dir, env=None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         alive = {spec for spec, proc in self._procs.items() if proc.poll() is None} | set(workers)
-        env = worker_environment(os.environ, env or {}, worker_threads(_usable_cpus(), len(alive)))
+        env = worker_environment(os.environ, env or {}, worker_threads(usable_cpus(), len(alive)))
         for spec in workers:
             running = self._procs.get(spec)
             if running is not None and running.poll() is None:
@@ -163,7 +163,7 @@ def worker_environment(base: Mapping[str, str], extra: Mapping[str, str], thread
     return {"OMP_NUM_THREADS": str(threads)} | dict(base) | dict(extra)
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 

@@ -24,6 +24,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         ("e2e_8gpu.py", []),
         ("resize.py", []),
         ("fp8_convergence.py", []),
+        ("worker_threads.py", []),
     ],
 )
 def test_bench_script_runs_at_toy_size(tmp_path, script, args):
