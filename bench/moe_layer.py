@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dyad.kernels.fp8 import fp8_grouped_mm
-from dyad.kernels.weight_cache import forget_cached
+from dyad.kernels.fp8 import forget_quantized, fp8_grouped_mm
 from dyad.kernels.grouped_mm import grouped_mm
 from dyad.llm_service.moe import MoEConfig, MoELayer
 
@@ -118,7 +117,7 @@ def time_layer(make, shape, device, dtype, iters) -> float:
 
     def step():
         if is_dyad:
-            forget_cached(layer)  # each step quantizes its weights once, as after an optimizer step
+            forget_quantized(layer)  # each step quantizes its weights once, as after an optimizer step
             y, aux = layer(x)
             torch.autograd.backward([y, aux], [grad, torch.ones_like(aux)])
         else:

@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from dyad.kernels.weight_cache import forget_cached_after_each_step
+from dyad.kernels.fp8 import forget_quantized_after_each_step
 
 CLIP_EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_
 
@@ -31,7 +31,7 @@ def build_optimizer(model: nn.Module, train) -> torch.optim.AdamW:
     optimizer = torch.optim.AdamW(
         groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, fused=on_gpu or None
     )
-    forget_cached_after_each_step(optimizer)  # cached bfloat16 copies and float8 codes follow the update
+    forget_quantized_after_each_step(optimizer)  # float8 weight codes (llm.fp8) follow the update
     return optimizer
 
 

@@ -10,8 +10,10 @@ gets its own power-of-two scale, so that its largest magnitude lands just under 
 (3 mantissa bits). Weight gradients contract over tokens, whose per-row scales would differ
 inside one sum, so they stay in the compute dtype.
 
-Weights are quantized once per optimizer step (`dyad.kernels.weight_cache`), so the
-microbatches of one step and a layer's forward and backward share one quantization.
+Weights are quantized once per optimizer step (`forget_quantized_after_each_step`; the cache
+also follows the tensor's version counter, which in-place updates such as a checkpoint restore
+bump but fused optimizers do not), so the microbatches of one step and a layer's forward and
+backward share one quantization.
 
 Fast paths: `torch._scaled_mm` (CUDA sm89+) and `torch._scaled_grouped_mm` (CUDA sm90); other
 devices multiply the dequantized codes, so CPU runs compute the same function, without speed.
@@ -27,11 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from dyad.kernels.grouped_mm import grouped_mm_reference as plain_grouped_mm_reference
-from dyad.kernels.weight_cache import cached_per_version
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
 _TINY = 1e-12  # all-zero rows get scale 2^k for amax _TINY; their codes are zeros either way
+_CACHE_ATTR = "_dyad_fp8_cache"
 
 
 def quantize(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,6 +62,33 @@ def compile_quantization() -> None:
 
 def dequantize(codes: torch.Tensor, inverse_scales: torch.Tensor) -> torch.Tensor:
     return codes.float() * inverse_scales
+
+
+def cached_per_version(w: torch.Tensor, key, make):
+    """make(w), computed once per in-place version of `w` and kept on the tensor."""
+    version, entries = getattr(w, _CACHE_ATTR, (None, None))
+    if version != w._version:
+        version, entries = w._version, {}
+        setattr(w, _CACHE_ATTR, (version, entries))
+    if key not in entries:
+        entries[key] = make(w)
+    return entries[key]
+
+
+def forget_quantized(params) -> None:
+    """Drop the cached weight codes of `params` (a module's or an iterable of tensors)."""
+    for p in params.parameters() if isinstance(params, torch.nn.Module) else params:
+        p.__dict__.pop(_CACHE_ATTR, None)
+
+
+def forget_quantized_after_each_step(optimizer: torch.optim.Optimizer) -> None:
+    """Make every `optimizer.step()` drop its parameters' cached codes. Needed because fused
+    optimizers update weights in place without bumping their version counters."""
+
+    def forget(opt, args, kwargs):
+        forget_quantized(p for group in opt.param_groups for p in group["params"])
+
+    optimizer.register_step_post_hook(forget)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -6,14 +6,11 @@ Legend: N rows (token-expert assignments, expert-major), D input dim, F output d
 memory layout says the kernel accepts the inputs, otherwise `grouped_mm_reference`, a loop of
 plain matmuls over the row blocks. Both are differentiable and compute the same function.
 Under autocast, float32 operands are cast to the autocast dtype first, as a matmul's would be
-(the fused kernel is not on autocast's list, so without this it would stay in float32); a float32
-weight only once per optimizer step.
+(the fused kernel is not on autocast's list, so without this it would stay in float32).
 """
 
 import torch
 import torch.nn.functional as F
-
-from dyad.kernels.weight_cast import cast_once
 
 _FAST_KERNEL = getattr(F, "grouped_mm", None)
 _ALIGN_BYTES = 16  # the kernel needs 16-byte-aligned base pointers and non-unit strides
@@ -65,17 +62,16 @@ def _standard_strides(grad_NF: torch.Tensor) -> torch.Tensor:
     return grad_NF.clone(memory_format=torch.contiguous_format)
 
 
-def _autocast(t: torch.Tensor, cast=torch.Tensor.to) -> torch.Tensor:
+def _autocast(t: torch.Tensor) -> torch.Tensor:
     device_type = t.device.type
     if t.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
-        return cast(t, torch.get_autocast_dtype(device_type))
+        return t.to(torch.get_autocast_dtype(device_type))
     return t
 
 
 def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """y[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ w[e]; offs_E are int32 cumulative row ends.
-    A float32 weight is cast once per optimizer step (`dyad.kernels.weight_cast`)."""
-    x_ND, w_EDF = _autocast(x_ND), _autocast(w_EDF, cast_once)
+    """y[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ w[e]; offs_E are int32 cumulative row ends."""
+    x_ND, w_EDF = _autocast(x_ND), _autocast(w_EDF)
     if not supports_fast_path(x_ND, w_EDF):
         return grouped_mm_reference(x_ND, w_EDF, offs_E)
     y_NF = _FAST_KERNEL(x_ND, w_EDF, offs=offs_E.to(torch.int32))

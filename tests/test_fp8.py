@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from dyad.kernels import fp8, weight_cache
+from dyad.kernels import fp8
 from dyad.llm_service.fp8 import Fp8Linear, convert_to_fp8
 from dyad.llm_service.model import LLMConfig, MoELM
 from dyad.llm_service.moe import MoEConfig
@@ -125,11 +125,11 @@ def test_weights_are_quantized_once_per_version():
         calls.append(1)
         return fp8.quantize(t, 1)
 
-    first = weight_cache.cached_per_version(w, "rows", make)
-    assert weight_cache.cached_per_version(w, "rows", make) is first and len(calls) == 1
+    first = fp8.cached_per_version(w, "rows", make)
+    assert fp8.cached_per_version(w, "rows", make) is first and len(calls) == 1
     with torch.no_grad():
         w.mul_(2)  # what an optimizer step does: an in-place update
-    second = weight_cache.cached_per_version(w, "rows", make)
+    second = fp8.cached_per_version(w, "rows", make)
     assert len(calls) == 2 and torch.equal(second[1], first[1] * 2)
 
 
@@ -137,12 +137,12 @@ def test_a_fused_optimizer_step_drops_the_cached_codes():
     """Fused AdamW updates in place without bumping the version: the step hook must forget."""
     w = torch.nn.Parameter(torch.randn(32, 64))
     optimizer = torch.optim.AdamW([w], lr=0.5, fused=True)
-    weight_cache.forget_cached_after_each_step(optimizer)
-    before = weight_cache.cached_per_version(w, "rows", lambda t: fp8.quantize(t, 1))
+    fp8.forget_quantized_after_each_step(optimizer)
+    before = fp8.cached_per_version(w, "rows", lambda t: fp8.quantize(t, 1))
     version = w._version
     w.grad = torch.randn_like(w)
     optimizer.step()
-    after = weight_cache.cached_per_version(w, "rows", lambda t: fp8.quantize(t, 1))
+    after = fp8.cached_per_version(w, "rows", lambda t: fp8.quantize(t, 1))
     assert after is not before
     torch.testing.assert_close(fp8.dequantize(*after), w.detach(), rtol=2**-4, atol=0)
     assert w._version == version  # why the hook exists
@@ -154,10 +154,10 @@ def test_build_optimizer_installs_the_hook():
         model,
         argparse.Namespace(weight_decay=0.0, beta1=0.9, beta2=0.95, eps=1e-8, lr=0.1),
     )
-    first = weight_cache.cached_per_version(model.weight, "rows", lambda t: fp8.quantize(t, 1))
+    first = fp8.cached_per_version(model.weight, "rows", lambda t: fp8.quantize(t, 1))
     model.weight.grad = torch.ones_like(model.weight)
     optimizer.step()
-    assert weight_cache.cached_per_version(model.weight, "rows", lambda t: fp8.quantize(t, 1)) is not first
+    assert fp8.cached_per_version(model.weight, "rows", lambda t: fp8.quantize(t, 1)) is not first
 
 
 def _tiny_llm(**overrides) -> MoELM:
