@@ -19,7 +19,7 @@ from pathlib import Path
 from e2e_8gpu import LARGER_ENCODER  # beside this script
 from e2e_hetero import TOY, VISION_HEAVY, print_table, run_arguments, run_layout, write_results
 
-from dyad.router.launcher import usable_cpus, worker_threads
+from dyad.cpus import usable_cpus, worker_threads
 
 GPU_POOLS = [
     "train.global_batch=60",

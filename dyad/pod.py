@@ -26,6 +26,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from dyad.cpus import usable_cpus, worker_environment, worker_threads
+
 log = logging.getLogger("dyad.pod")
 HEALTH_PORT = 8081
 _STOP_GRACE_S = 20.0
@@ -78,11 +80,12 @@ def run_pod(pool: str, health_port: int = HEALTH_PORT) -> int:
     _env("DYAD_JOIN_TOKEN")  # the workers read it; refuse early when it is missing
     run_id = os.environ.get("DYAD_RUN_ID", "")
     health_server = _serve_health(health_port)
+    env = worker_environment(os.environ, {}, worker_threads(usable_cpus(), len(ranks)))
     workers = {
         rank: subprocess.Popen([
             sys.executable, "-m", "dyad.worker", "--router", router, "--pool", pool,
             "--rank", str(rank), "--run-id", run_id,
-        ])
+        ], env=env)
         for rank in ranks
     }
     log.info("%s pod: ranks %s", pool, ranks)

@@ -15,9 +15,11 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from dyad.cpus import usable_cpus, worker_environment, worker_threads
 
 
 @dataclass(frozen=True)
@@ -147,24 +149,6 @@ class LocalLauncher(Launcher):
                     proc.wait(timeout=wait_s if wait_s else max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     continue
-
-
-def worker_threads(cpus: int, workers: int) -> int:
-    """CPU threads for each of `workers` processes sharing `cpus`: their share, at least one.
-    Every process would otherwise start a thread per CPU for its CPU-side operations, and the
-    threads of a dozen processes spinning between parallel regions take the CPUs that launch
-    the GPU kernels (torchrun sets 1 for the same reason)."""
-    return max(1, cpus // max(1, workers))
-
-
-def worker_environment(base: Mapping[str, str], extra: Mapping[str, str], threads: int) -> dict[str, str]:
-    """A worker's environment: `base` and `extra`, with OMP_NUM_THREADS=`threads` unless either
-    sets it."""
-    return {"OMP_NUM_THREADS": str(threads)} | dict(base) | dict(extra)
-
-
-def usable_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _is_zombie(pid: int) -> bool:

@@ -1,6 +1,9 @@
-"""Local workers share the machine's CPUs: each gets its share of threads, unless the user says."""
+"""Workers that share a machine or a pod each get their share of its CPUs, unless the user says."""
 
-from router.launcher import worker_environment, worker_threads
+from __future__ import annotations
+
+import dyad.pod
+from dyad.cpus import cgroup_cpu_quota, usable_cpus, worker_environment, worker_threads
 
 
 def test_each_worker_gets_its_share_of_the_cpus():
@@ -17,3 +20,49 @@ def test_the_users_setting_wins():
         "OMP_NUM_THREADS": "2",
         "DYAD_JOIN_TOKEN": "t",
     }
+
+
+def test_a_pods_cpu_limit_caps_the_cpus(tmp_path):
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("250000 100000\n")  # limits.cpu: 2500m
+    assert cgroup_cpu_quota(cpu_max) == 3
+    assert usable_cpus(cpu_max) == min(3, usable_cpus(tmp_path / "absent"))
+    cpu_max.write_text("max 100000\n")
+    assert cgroup_cpu_quota(cpu_max) is None
+    assert cgroup_cpu_quota(tmp_path / "absent") is None
+    cpu_max.write_text("garbage")
+    assert cgroup_cpu_quota(cpu_max) is None
+
+
+def test_a_pods_workers_get_their_share(monkeypatch):
+    started = []
+
+    class FakeWorker:
+        returncode = 0
+
+        def __init__(self, command, env):
+            started.append(env)
+
+        def poll(self):
+            return 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    class FakeHealth:
+        def stop(self, grace):
+            pass
+
+    monkeypatch.setattr(dyad.pod.subprocess, "Popen", FakeWorker)
+    monkeypatch.setattr(dyad.pod, "_serve_health", lambda port: FakeHealth())
+    monkeypatch.setattr(dyad.pod, "usable_cpus", lambda: 16)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for name, value in {
+        "POD_NAME": "dyad-llm-0",
+        "DYAD_GPUS_PER_POD": "4",
+        "DYAD_ROUTER": "r:1",
+        "DYAD_JOIN_TOKEN": "t",
+    }.items():
+        monkeypatch.setenv(name, value)
+    assert dyad.pod.run_pod("llm") == 0
+    assert [env["OMP_NUM_THREADS"] for env in started] == ["4"] * 4
