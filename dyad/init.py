@@ -59,7 +59,7 @@ def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
 def init_threads() -> int:
     """Threads that draw initial values: a few, not more than torch's CPU threads here (a local
-    worker gets its share of the machine's CPUs, `router.launcher.worker_threads`)."""
+    worker gets its share of the machine's CPUs, `dyad.cpus.worker_threads`)."""
     return max(1, min(8, torch.get_num_threads()))
 
 
