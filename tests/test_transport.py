@@ -334,3 +334,15 @@ def test_ucx_peer_death_fails_pending_recv():
                 pending.result(WAIT_S)
     finally:
         _finish(process)
+
+
+@pytest.mark.parametrize("inherited", ["polling", "blocking"])
+def test_ucx_ignores_an_inherited_progress_mode(monkeypatch, inherited):
+    """UCXPY_PROGRESS_MODE would turn off the notifier thread that completes our futures."""
+    monkeypatch.setenv("UCXPY_PROGRESS_MODE", inherited)
+    with UcxTransport() as a, UcxTransport() as b:
+        _authorized(a, b)
+        sent, out = _random_bits((17, 64), torch.float32), torch.zeros(17, 64)
+        sending = a.send(b.address, _tag(), sent)
+        assert b.recv(a.address, _tag(), out).result(WAIT_S) is out
+        assert sending.result(WAIT_S) is None and _same_bytes(out, sent)

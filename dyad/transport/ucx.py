@@ -194,6 +194,9 @@ async def _posted(worker, request):
     return await request
 
 
+PROGRESS_MODE = "thread"
+
+
 class _Engine:
     """Owns the loop thread and every ucxx object; its coroutines run on that loop only."""
 
@@ -228,7 +231,10 @@ class _Engine:
 
     async def start(self, port: int) -> int:
         # Created on the running loop: ucxx binds its progress and notifier to it.
-        self.ctx = ApplicationContext(enable_python_future=True)
+        # The progress mode is fixed: its notifier thread is what completes our Python futures,
+        # and an inherited UCXPY_PROGRESS_MODE ("polling", "blocking") would disable it. On two
+        # H200s "thread-polling" moved boundary messages no faster than "thread".
+        self.ctx = ApplicationContext(progress_mode=PROGRESS_MODE, enable_python_future=True)
         self.ctx.worker.populate_python_futures_pool()  # see _posted
         try:
             self.listener = self.ctx.create_listener(
