@@ -11,5 +11,5 @@ from torch import nn
 def encode_rows(model: nn.Module, dataset, image_ids: Sequence[int], device) -> torch.Tensor:
     """Encoder output for `image_ids` as boundary rows [n_images * tokens_per_image, D],
     in the order the LLM splices them."""
-    images_NCHW = dataset.images(list(image_ids)).to(device)
+    images_NCHW = dataset.images(list(image_ids), device=device)
     return model(images_NCHW).flatten(0, 1)

@@ -104,6 +104,17 @@ def test_digits_images_and_captions():
     assert rgb.images([]).shape == (0, 3, 8, 8)
 
 
+def test_digit_images_come_upsampled_on_the_device_asked_for():
+    ds = digits()
+    assert ds.images([0, 5], device="meta").device.type == "meta"  # never built on CPU first
+    assert ds.images([], device="meta").device.type == "meta"
+    assert torch.equal(ds.images([0, 5], device="cpu"), ds.images([0, 5]))
+    if torch.cuda.is_available():
+        torch.testing.assert_close(ds.images([0, 5, 1796], device="cuda").cpu(), ds.images([0, 5, 1796]))
+    else:
+        print("no CUDA device here: upsampling on a GPU is not compared with the CPU's")
+
+
 def test_digits_split_is_fixed_and_disjoint():
     ds, mixed = digits(), digits(multi_image_fraction=0.2, text_only_fraction=0.1)
     assert len(ds.heldout_images) == round(0.2 * N_DIGITS)
@@ -287,6 +298,7 @@ def test_jsonl_loads(tmp_path):
     # RGB (255, 0, 0) as L is round(0.299 * 255) = 76
     assert torch.allclose(images[1], torch.full((1, 4, 4), 76 / 255))
     assert ds.images([]).shape == (0, 1, 4, 4)
+    assert ds.images([0, 1], device="meta").device.type == "meta"
 
     rgb = make_dataset(DataConfig(name="jsonl", path=path, image_size=2, channels=3)).images([1])
     assert torch.allclose(rgb[0, :, 0, 0], torch.tensor([1.0, 0.0, 0.0]))

@@ -134,7 +134,7 @@ class JsonlDataset(MultimodalDataset):
             channels=cfg.channels,
         )
 
-    def images(self, image_ids: Sequence[int]) -> torch.Tensor:
+    def images(self, image_ids: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
         size, mode = self.image_size, "L" if self.channels == 1 else "RGB"
         images_NCHW = torch.empty(len(image_ids), self.channels, size, size)
         for n, image_id in enumerate(image_ids):
@@ -142,4 +142,4 @@ class JsonlDataset(MultimodalDataset):
                 resized = image.convert(mode).resize((size, size), Image.Resampling.BILINEAR)
             pixels_HWC = np.asarray(resized, dtype=np.float32).reshape(size, size, self.channels)
             images_NCHW[n] = torch.from_numpy(pixels_HWC).permute(2, 0, 1) / 255.0
-        return images_NCHW
+        return images_NCHW.to(device)

@@ -253,5 +253,6 @@ class MultimodalDataset(ABC):
         )
 
     @abstractmethod
-    def images(self, image_ids: Sequence[int]) -> torch.Tensor:
-        """The images as float32 in [0, 1], shape [len(image_ids), C, H, W] (n may be 0)."""
+    def images(self, image_ids: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+        """The images as float32 in [0, 1], shape [len(image_ids), C, H, W] (n may be 0), on
+        `device` (default CPU)."""
