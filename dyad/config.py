@@ -7,6 +7,7 @@ values raise ValueError naming the dotted field.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -155,6 +156,9 @@ def _field_types(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _coerce(value: Any, annotation: Any, name: str) -> Any:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
@@ -172,6 +176,8 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
         return tuple(_coerce(v, typing.get_args(annotation)[0], name) for v in value)
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if annotation is float and isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 (PyYAML) reads "1e-3", without a dot, as a string
     if annotation in (int, float, str, bool) and not (
         isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
     ):

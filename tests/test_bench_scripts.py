@@ -38,3 +38,24 @@ def test_bench_script_runs_at_toy_size(tmp_path, script, args):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(out.read_text())["device"] == "cpu"
+
+
+def test_the_gpu_configs_of_the_scripts_load():
+    """The toy runs above do not read the GPU-size configs; a bad value there would only show on
+    a GPU host, after its machine time was spent."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from e2e_8gpu import EIGHT_GPU, LARGER_ENCODER
+        from e2e_hetero import LAYOUTS, VISION_HEAVY
+        from resize import GPU_POOLS, RESIZE, pool_overrides
+        from worker_threads import GPU_POOLS as THREAD_POOLS
+
+        from dyad import config as config_lib
+    finally:
+        sys.path.remove(str(BENCH))
+    configs = [EIGHT_GPU, [*RESIZE, *pool_overrides(GPU_POOLS)], [*VISION_HEAVY, *LARGER_ENCODER, *THREAD_POOLS]]
+    configs += [[*VISION_HEAVY, *overrides] for overrides, _ in LAYOUTS.values()]
+    for overrides in configs:
+        config = config_lib.load(None, overrides)
+        assert config.train.device == "cuda"
+    assert config_lib.load(None, EIGHT_GPU).train.lr == 3e-4
