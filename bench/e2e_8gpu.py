@@ -24,6 +24,7 @@ measured steps (no final checkpoint: see `run_layout`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import tempfile
@@ -194,9 +195,11 @@ def main() -> None:
         if args.out:
             write_results(args.out, args.toy, base, gpus=gpus, pools=results)
 
+    def save_runs(pool: str, runs: dict) -> None:  # a sweep's runs so far
+        save(pool, {"layouts": runs, "best": fastest(runs)})
+
     for pool in pools:
-        done = lambda runs, pool=pool: save(pool, {"layouts": runs, "best": fastest(runs)})  # noqa: E731
-        save(pool, sweep_pool(pool, base, gpus, args, work, done))
+        save(pool, sweep_pool(pool, base, gpus, args, work, functools.partial(save_runs, pool)))
     print_table({name: r for pool in results.values() for name, r in pool["layouts"].items()})
     print_best(results)
 

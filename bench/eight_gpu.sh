@@ -13,14 +13,8 @@ cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count())" >> "$OUT/gpu.txt"
-part() {  # part NAME SECONDS COMMAND...
-    local name=$1 limit=$2
-    shift 2
-    echo "== $name ($(date +%T))" | tee -a "$OUT/summary.txt"
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "   exit $? ($(date +%T))" >> "$OUT/summary.txt"
-    grep -v "^\s*$" "$OUT/$name.log" | tail -n 20 | tee -a "$OUT/summary.txt"
-}
+PART_TAIL=20
+source bench/parts.sh
 for name in "$@"; do
     case $name in
     e2e) part e2e_8gpu "${E2E_LIMIT:-540}" python3 bench/e2e_8gpu.py --out "$OUT/e2e_8gpu.json" \

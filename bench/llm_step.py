@@ -26,7 +26,7 @@ from dyad.llm_service.fp8 import convert_to_fp8
 from dyad.llm_service.model import LLMConfig, MoELM
 from dyad.llm_service.moe import MoEConfig
 from dyad.optim import build_optimizer
-from moe_layer import median_ms  # beside this script
+from moe_layer import median_ms, write_kernel_table  # beside this script
 
 PEAK_TFLOPS = 989.0
 
@@ -97,17 +97,6 @@ def make_step(model, optimizer, cfg: LLMConfig, S: int, N: int, microbatches: in
     return step
 
 
-def profile_step(step, path: str) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-    with open(path, "w") as f:
-        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--toy", action="store_true")
@@ -153,7 +142,7 @@ def main() -> None:
               f"{tokens} tokens/step: {seconds * 1e3:.1f} ms/step, {tokens / seconds:,.0f} tok/s, "
               f"{tflops:.0f} TFLOP/s, MFU {tflops / PEAK_TFLOPS:.1%}, peak memory {entry['peak_memory_gb']:.1f} GB")
         if args.profile_dir and device == "cuda":
-            profile_step(step, f"{args.profile_dir}/llm_step_profile_{name}.txt")
+            write_kernel_table(step, f"{args.profile_dir}/llm_step_profile_{name}.txt", steps=2, rows=40)
         del model, optimizer, step
         if device == "cuda":
             torch.cuda.empty_cache()

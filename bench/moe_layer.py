@@ -130,8 +130,6 @@ def time_layer(make, shape, device, dtype, iters) -> float:
 
 def profile_dyad(shape, device, dtype, path) -> None:
     """Where dyad's layer spends its time: the top CUDA kernels of a few steps, as a table."""
-    from torch.profiler import ProfilerActivity, profile
-
     dim, hidden, experts, top_k, tokens = shape
     layer = dyad_layer(dim, hidden, experts, top_k).to(device, dtype)
     x = torch.randn(tokens, dim, device=device, dtype=dtype, requires_grad=True)
@@ -144,12 +142,19 @@ def profile_dyad(shape, device, dtype, path) -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    write_kernel_table(step, path, steps=5, rows=30)
+
+
+def write_kernel_table(step, path: str, *, steps: int, rows: int) -> None:
+    """Profile `steps` calls of `step` and write the top `rows` ops by CUDA time to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+        for _ in range(steps):
             step()
         torch.cuda.synchronize()
     with open(path, "w") as f:
-        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows))
 
 
 def time_ceiling(shape, device, dtype, iters) -> float:

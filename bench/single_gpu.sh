@@ -9,14 +9,7 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch; print(torch.__version__, torch.version.cuda)" >> "$OUT/gpu.txt"
-part() {  # part NAME SECONDS COMMAND...
-    local name=$1 limit=$2
-    shift 2
-    echo "== $name" | tee -a "$OUT/summary.txt"
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "   exit $?" >> "$OUT/summary.txt"
-    tail -n 12 "$OUT/$name.log" | tee -a "$OUT/summary.txt"
-}
+source bench/parts.sh
 part fp8_tests 90 python3 -m pytest -q -rs tests/test_fp8.py tests/test_kernels.py
 part moe_layer 170 python3 bench/moe_layer.py --out "$OUT/moe_layer.json" --profile-dir "$OUT"
 part llm_step 180 python3 bench/llm_step.py --out "$OUT/llm_step.json" --profile-dir "$OUT"

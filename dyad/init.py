@@ -75,5 +75,4 @@ def init_parameters(module: nn.Module, seed: int, threads: int | None = None) ->
         _copy_full_into(param, initial_value(name, param.shape, seed, is_norm_weight))
 
     with ThreadPoolExecutor(max_workers=threads or init_threads()) as pool:
-        for _ in pool.map(fill, module.named_parameters()):
-            pass  # re-raises a thread's error here
+        list(pool.map(fill, module.named_parameters()))  # waits, and re-raises a thread's error
