@@ -1,8 +1,12 @@
 """Vision encoder: a small pre-norm ViT plus an MLP projector into the LLM's hidden size.
 
-Legend: N images, C channels, H height, W width, P patches per image (tokens_per_image),
-X flattened patch (C * patch_size**2), D encoder dim, O out_dim (LLM hidden size),
-A attention heads, Dh head dim, M mlp hidden dim.
+Legend: N images, C channels, H height, W width, P patches per image, T tokens per image sent
+to the LLM (P / spatial_merge**2), X flattened patch (C * patch_size**2), D encoder dim,
+O out_dim (LLM hidden size), A attention heads, Dh head dim, M mlp hidden dim.
+
+With `spatial_merge` m > 1 the projector takes each m x m square of neighbouring patches as one
+token (their features concatenated, as Qwen2-VL's merger and InternVL's pixel shuffle do), so the
+LLM receives m**2 times fewer image tokens than the ViT attends over.
 """
 
 from dataclasses import dataclass
@@ -23,9 +27,11 @@ class EncoderConfig:
     mlp_ratio: float = 4.0
     out_dim: int = 64  # the LLM hidden size; the composer sets it
     norm_eps: float = 1e-6
+    spatial_merge: int = 1  # m: each m x m square of patches becomes one LLM token
 
     def __post_init__(self):
-        for name in ("image_size", "patch_size", "channels", "dim", "depth", "heads", "out_dim"):
+        positive = ("image_size", "patch_size", "channels", "dim", "depth", "heads", "out_dim", "spatial_merge")
+        for name in positive:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"encoder.{name} ({value}) must be >= 1")
@@ -39,10 +45,30 @@ class EncoderConfig:
             )
         if self.dim % self.heads:
             raise ValueError(f"encoder.heads ({self.heads}) must divide encoder.dim ({self.dim})")
+        if self.patch_grid % self.spatial_merge:
+            raise ValueError(
+                f"encoder.spatial_merge ({self.spatial_merge}) must divide the patch grid side "
+                f"({self.patch_grid} = encoder.image_size / encoder.patch_size)"
+            )
+
+    @property
+    def patch_grid(self) -> int:
+        """Patches along each side of an image."""
+        return self.image_size // self.patch_size
+
+    @property
+    def patches_per_image(self) -> int:
+        return self.patch_grid**2
 
     @property
     def tokens_per_image(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
+        """Rows per image the LLM receives."""
+        return (self.patch_grid // self.spatial_merge) ** 2
+
+    @property
+    def merged_dim(self) -> int:
+        """Width of one merged token: the projector's input."""
+        return self.dim * self.spatial_merge**2
 
     @property
     def mlp_dim(self) -> int:
@@ -83,10 +109,10 @@ class VisionEncoder(nn.Module):
         self.cfg = cfg
         patch_numel = cfg.channels * cfg.patch_size**2
         self.patch_embed = nn.Linear(patch_numel, cfg.dim)
-        self.pos_embed_PD = nn.Parameter(torch.zeros(cfg.tokens_per_image, cfg.dim))
+        self.pos_embed_PD = nn.Parameter(torch.zeros(cfg.patches_per_image, cfg.dim))
         self.blocks = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.depth))
         self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.proj_in = nn.Linear(cfg.dim, cfg.out_dim)
+        self.proj_in = nn.Linear(cfg.merged_dim, cfg.out_dim)
         self.proj_out = nn.Linear(cfg.out_dim, cfg.out_dim)
 
     def patchify(self, images_NCHW: torch.Tensor) -> torch.Tensor:
@@ -100,11 +126,21 @@ class VisionEncoder(nn.Module):
         grid = images_NCHW.reshape(N, C, g, p, g, p)  # [N, C, rows, ph, cols, pw]
         return grid.permute(0, 2, 4, 1, 3, 5).reshape(N, g * g, C * p * p)
 
+    def merge_patches(self, x_NPD: torch.Tensor) -> torch.Tensor:
+        """[N, P, D] -> [N, T, m*m*D]: each m x m square of patches (row-major squares) becomes one
+        token, its patches' features concatenated row by row."""
+        m, g = self.cfg.spatial_merge, self.cfg.patch_grid
+        if m == 1:
+            return x_NPD
+        N, _, D = x_NPD.shape
+        squares = x_NPD.reshape(N, g // m, m, g // m, m, D)  # [N, square row, row in square, square col, col, D]
+        return squares.permute(0, 1, 3, 2, 4, 5).reshape(N, (g // m) ** 2, m * m * D)
+
     def forward(self, images_NCHW: torch.Tensor) -> torch.Tensor:
         """[N, C, H, W] -> [N, tokens_per_image, out_dim]; N may be 0."""
         patches_NPX = self.patchify(images_NCHW).to(self.patch_embed.weight.dtype)
         x_NPD = self.patch_embed(patches_NPX) + self.pos_embed_PD
         for block in self.blocks:
             x_NPD = block(x_NPD)
-        x_NPD = self.norm(x_NPD)
-        return self.proj_out(F.gelu(self.proj_in(x_NPD)))
+        x_NTX = self.merge_patches(self.norm(x_NPD))
+        return self.proj_out(F.gelu(self.proj_in(x_NTX)))

@@ -23,9 +23,11 @@ from tests.parity import assert_close, assert_tensors_close
 
 
 
-def _encoder_body(rank, world_size, dp, tp):
+def _encoder_body(rank, world_size, dp, tp, merge):
     layout = EncoderLayout(dp=dp, tp=tp)
-    config = config_lib.resolve(config_lib.load(None, ["encoder.heads=4", "train.grad_clip=0.1"]), vocab_size=32)
+    overrides = ["encoder.heads=4", "train.grad_clip=0.1", f"encoder.spatial_merge={merge}"]
+    config = config_lib.resolve(config_lib.load(None, overrides), vocab_size=32)
+    tokens = config.encoder.tokens_per_image
     validate_encoder_layout(layout, config.encoder)
     groups = ProcessGroups.build(layout)
     reference = build_model(config, "encoder")
@@ -34,7 +36,7 @@ def _encoder_body(rank, world_size, dp, tp):
     ref_opt, opt = torch.optim.SGD(reference.parameters()), torch.optim.SGD(model.parameters())
     for step in range(3):
         images = torch.rand(2 * dp, 1, 16, 16, generator=torch.Generator().manual_seed(step))
-        upstream = torch.randn(2 * dp, 16, config.encoder.out_dim, generator=torch.Generator().manual_seed(99 + step))
+        upstream = torch.randn(2 * dp, tokens, config.encoder.out_dim, generator=torch.Generator().manual_seed(99 + step))
         expected = reference(images)
         (expected * upstream).sum().backward()
         mine = slice(2 * groups.index("dp"), 2 * groups.index("dp") + 2)  # this dp rank's images
@@ -52,6 +54,7 @@ def _encoder_body(rank, world_size, dp, tp):
     assert_tensors_close(full_tensors(model, groups), {n: p.detach() for n, p in reference.named_parameters()}, "params")
 
 
-@pytest.mark.parametrize("dp, tp", [(2, 1), (1, 2), (2, 2)])
-def test_encoder_layout_matches_single_device(dp, tp):
-    run_distributed(_encoder_body, dp * tp, dp, tp)
+# merge: encoder.spatial_merge (2: the tensor-parallel projector reads merged 2 x 2 squares)
+@pytest.mark.parametrize("dp, tp, merge", [(2, 1, 1), (1, 2, 2), (2, 2, 1)])
+def test_encoder_layout_matches_single_device(dp, tp, merge):
+    run_distributed(_encoder_body, dp * tp, dp, tp, merge)

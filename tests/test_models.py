@@ -42,6 +42,8 @@ def _moe(dim: int = 8, seed: int = 0, **overrides) -> MoELayer:
         (dict(depth=0), r"encoder.depth \(0\) must be >= 1"),
         (dict(out_dim=-1), r"encoder.out_dim \(-1\)"),
         (dict(mlp_ratio=0.0), r"encoder.mlp_ratio \(0.0\)"),
+        (dict(spatial_merge=0), r"encoder.spatial_merge \(0\) must be >= 1"),
+        (dict(spatial_merge=3), r"encoder.spatial_merge \(3\) must divide the patch grid side \(4 = "),
     ],
 )
 def test_encoder_config_validation(kwargs, match):
@@ -107,6 +109,20 @@ def test_encoder_patch_embedding_equals_strided_conv():
     conv_NDhw = F.conv2d(images, weight, encoder.patch_embed.bias, stride=4)
     expected = conv_NDhw.flatten(2).transpose(1, 2)
     torch.testing.assert_close(encoder.patch_embed(encoder.patchify(images)), expected)
+
+
+def test_spatial_merge_concatenates_each_square_of_patches():
+    cfg = EncoderConfig(image_size=24, patch_size=4, spatial_merge=2, out_dim=48)  # a 6 x 6 patch grid
+    encoder = VisionEncoder(cfg)
+    assert (cfg.patches_per_image, cfg.tokens_per_image, cfg.merged_dim) == (36, 9, 256)
+    x_NPD = torch.randn(2, 36, cfg.dim)
+    merged = encoder.merge_patches(x_NPD)
+    for row in range(3):
+        for col in range(3):
+            square = [x_NPD[:, (2 * row + dr) * 6 + 2 * col + dc] for dr in (0, 1) for dc in (0, 1)]
+            torch.testing.assert_close(merged[:, row * 3 + col], torch.cat(square, dim=-1), rtol=0, atol=0)
+    init_parameters(encoder, 0)
+    assert encoder(torch.randn(2, 1, 24, 24)).shape == (2, 9, 48)
 
 
 def test_encoder_rejects_wrong_image_shape():

@@ -31,13 +31,14 @@ LAYOUT_CASES = {
                 "train.grad_clip=0.05"],
     # The boundary's layouts (each with 0, 1 and 2 images per sample): encoder dp1 -> LLM dp2;
     # dp3 -> dp2 (sizes that do not divide); dp2·tp2 -> tp2·cp2 (rows split by context shard,
-    # tp ranks served by an in-pool broadcast); dp4 -> cp2·dp2 with ep4.
+    # tp ranks served by an in-pool broadcast, 2 x 2 patches merged per LLM token); dp4 -> cp2·dp2
+    # with ep4.
     "enc-dp1-llm-dp2": [*VARIABLE_IMAGES, "parallel.llm.dp=2", "train.global_batch=8"],
     "enc-dp3-llm-dp2-ep2": [*VARIABLE_IMAGES, "parallel.encoder.dp=3", "parallel.llm.dp=2",
                             "parallel.llm.ep=2", "train.global_batch=12"],
     "enc-dp2-tp2-llm-tp2-cp2-broadcast": [
         *VARIABLE_IMAGES, "parallel.encoder.dp=2", "parallel.encoder.tp=2", "parallel.llm.tp=2",
-        "parallel.llm.cp=2", "boundary.tp_delivery=broadcast", "train.global_batch=8",
+        "parallel.llm.cp=2", "boundary.tp_delivery=broadcast", "train.global_batch=8", "encoder.spatial_merge=2",
     ],
     "enc-dp4-llm-cp2-dp2-ep4": [*VARIABLE_IMAGES, "parallel.encoder.dp=4", "parallel.llm.cp=2",
                                 "parallel.llm.dp=2", "parallel.llm.ep=4", "train.global_batch=8"],
