@@ -32,7 +32,7 @@ from pathlib import Path
 
 from e2e_hetero import (  # beside this script
     TOY,
-    VISION_HEAVY,
+    VIT_L_224,
     print_table,
     run_arguments,
     run_layout,
@@ -50,7 +50,7 @@ LARGER_ENCODER = [
     "llm.max_seq_len=2048",
 ]
 EIGHT_GPU = [
-    *VISION_HEAVY,
+    *VIT_L_224,
     *LARGER_ENCODER,
     "llm.n_layers=24",
     "llm.moe.num_experts=56",

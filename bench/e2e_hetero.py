@@ -1,10 +1,16 @@
-"""End to end on one host's GPUs: the same vision-heavy job (a ViT-L-class encoder, hundreds of
-image tokens per sample, the ~1B-active MoE LLM of bench/llm_step.py), run
+"""End to end on one host's GPUs: the same job (a ViT-L-class encoder, hundreds of image tokens
+per sample, the ~1B-active MoE LLM of bench/llm_step.py), run
   (a) homogeneous, colocated: both pools on both GPUs with one layout (encoder dp=2, LLM dp=2,
-      rank r of each pool on GPU r), and
+      with or without ep=2; rank r of each pool on GPU r), and
   (b) heterogeneous, non-colocated: the encoder pool on GPU 0, the LLM pool on GPU 1.
-Same global batch, same microbatches (so the same math). Reports tokens/s, model TFLOP/s per GPU,
-and the LLM's exposed boundary wait as a share of the step; keeps each run's metrics.
+Same global batch (so the same math). Reports tokens/s, model TFLOP/s per GPU, and the LLM's
+exposed boundary wait as a share of the step; keeps each run's metrics; rewrites --out after each
+layout.
+
+Workloads (--workload): `vit-l-448-merge2` (default; InternVL-like: a ViT-L/14 at 448 pixels, 1,024
+patches per image, 2 x 2 patches merged into each of 256 LLM tokens), where the encoder's share
+of the work is about the LLM's; `vit-l-224` (256 patches, all sent to the LLM), where the LLM
+does three quarters of it.
 
     python bench/e2e_hetero.py --out $OUT/e2e.json --work $OUT/runs
     python bench/e2e_hetero.py --toy                  # CPU, tiny, one process per pool (CI)
@@ -24,14 +30,12 @@ from dyad import config as config_lib
 from dyad.data import make_dataset
 from dyad.jobs import run_job
 
-VISION_HEAVY = [
+COMMON = [
     "train.device=cuda",
     "train.dtype=bfloat16",
     "train.global_batch=16",
     "train.warmup_steps=2",
     "checkpoint.interval_steps=0",
-    "data.image_size=224",
-    "encoder.image_size=224",
     "data.multi_image_fraction=0.5",
     "data.max_images_per_sample=2",
     "encoder.patch_size=14",
@@ -49,11 +53,18 @@ VISION_HEAVY = [
     "llm.moe.expert_dim=1408",
     "router.step_timeout_s=600",
 ]
+VIT_L_224 = [*COMMON, "data.image_size=224", "encoder.image_size=224"]
+VIT_L_448_MERGE2 = [*COMMON, "data.image_size=448", "encoder.image_size=448", "encoder.spatial_merge=2"]
+WORKLOADS = {"vit-l-448-merge2": VIT_L_448_MERGE2, "vit-l-224": VIT_L_224}
 TOY = ["train.global_batch=8", "train.device=cpu"]
 
 LAYOUTS = {  # name: (overrides, GPUs used)
     "homogeneous-colocated": (
         ["parallel.encoder.dp=2", "parallel.llm.dp=2", "train.microbatches=1"],
+        2,
+    ),
+    "homogeneous-colocated-ep2": (
+        ["parallel.encoder.dp=2", "parallel.llm.dp=2", "parallel.llm.ep=2", "train.microbatches=1"],
         2,
     ),
     "heterogeneous": (
@@ -64,16 +75,26 @@ LAYOUTS = {  # name: (overrides, GPUs used)
         ],
         2,
     ),
+    "heterogeneous-4mb": (
+        [
+            "parallel.encoder_devices=[0]",
+            "parallel.llm_devices=[1]",
+            "train.microbatches=4",
+        ],
+        2,
+    ),
 }
 TOY_LAYOUTS = {"toy": (["train.microbatches=2"], 1)}
 
 
 def encoder_flops_per_image(cfg) -> float:
-    """Forward + backward (x3) of the ViT's matmuls and attention, per image."""
-    tokens = (cfg.image_size // cfg.patch_size) ** 2
-    mlp = int(cfg.dim * cfg.mlp_ratio)
-    per_token_params = cfg.depth * (4 * cfg.dim * cfg.dim + 2 * cfg.dim * mlp) + cfg.dim * cfg.out_dim * 2
-    return 6 * tokens * per_token_params + 12 * cfg.depth * cfg.dim * tokens * tokens
+    """Forward + backward (x3) of the ViT's matmuls and attention over its patches, and of the
+    projector over the (merged) tokens it sends, per image."""
+    patches = cfg.patches_per_image
+    block_params = cfg.depth * (4 * cfg.dim * cfg.dim + 2 * cfg.dim * cfg.mlp_dim)
+    projector_params = cfg.merged_dim * cfg.out_dim + cfg.out_dim * cfg.out_dim
+    attention = 12 * cfg.depth * cfg.dim * patches * patches
+    return 6 * (patches * block_params + cfg.tokens_per_image * projector_params) + attention
 
 
 def llm_flops_per_token(cfg, seq_len: float) -> float:
@@ -174,8 +195,9 @@ def main() -> None:
         help="every worker writes a kernel table of this step",
     )
     parser.add_argument("--profile-dir", help="where the kernel tables go (a folder per layout)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="vit-l-448-merge2")
     args = parser.parse_args()
-    base, layouts = (TOY, TOY_LAYOUTS) if args.toy else (VISION_HEAVY, LAYOUTS)
+    base, layouts = (TOY, TOY_LAYOUTS) if args.toy else (WORKLOADS[args.workload], LAYOUTS)
     steps, skip = (3, 1) if args.toy else (args.steps, args.skip)
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-e2e-"))
     results = {}
@@ -190,9 +212,9 @@ def main() -> None:
                 DYAD_PROFILE_STEP=str(args.profile_step),
             )
         results[name] = run_layout(base, overrides, name, gpus, steps, skip, work)
+        if args.out:  # after every layout, so a run cut short keeps what it measured
+            write_results(args.out, args.toy, base, layouts=results)
     print_table(results)
-    if args.out:
-        write_results(args.out, args.toy, base, layouts=results)
 
 
 if __name__ == "__main__":

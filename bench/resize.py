@@ -39,13 +39,13 @@ import time
 from pathlib import Path
 
 from e2e_8gpu import LARGER_ENCODER  # beside this script
-from e2e_hetero import TOY, VISION_HEAVY, run_arguments, summarize, write_results
+from e2e_hetero import TOY, VIT_L_224, run_arguments, summarize, write_results
 
 from dyad import config as config_lib
 from dyad.client import RouterClient, local_router
 from dyad.wire import as_dict, pb
 
-RESIZE = [*VISION_HEAVY, *LARGER_ENCODER, "train.global_batch=120"]
+RESIZE = [*VIT_L_224, *LARGER_ENCODER, "train.global_batch=120"]
 GPU_POOLS = {"encoder": 2, "llm": 6, "move": 1, "microbatches": 5}
 TOY_POOLS = {"encoder": 1, "llm": 2, "move": 1, "microbatches": 1}
 

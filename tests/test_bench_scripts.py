@@ -46,15 +46,15 @@ def test_the_gpu_configs_of_the_scripts_load():
     sys.path.insert(0, str(BENCH))
     try:
         from e2e_8gpu import EIGHT_GPU, LARGER_ENCODER
-        from e2e_hetero import LAYOUTS, VISION_HEAVY
+        from e2e_hetero import LAYOUTS, VIT_L_224, WORKLOADS
         from resize import GPU_POOLS, RESIZE, pool_overrides
         from worker_threads import GPU_POOLS as THREAD_POOLS
 
         from dyad import config as config_lib
     finally:
         sys.path.remove(str(BENCH))
-    configs = [EIGHT_GPU, [*RESIZE, *pool_overrides(GPU_POOLS)], [*VISION_HEAVY, *LARGER_ENCODER, *THREAD_POOLS]]
-    configs += [[*VISION_HEAVY, *overrides] for overrides, _ in LAYOUTS.values()]
+    configs = [EIGHT_GPU, [*RESIZE, *pool_overrides(GPU_POOLS)], [*VIT_L_224, *LARGER_ENCODER, *THREAD_POOLS]]
+    configs += [[*workload, *overrides] for workload in WORKLOADS.values() for overrides, _ in LAYOUTS.values()]
     for overrides in configs:
         config = config_lib.load(None, overrides)
         assert config.train.device == "cuda"
