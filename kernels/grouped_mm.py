@@ -24,10 +24,16 @@ def grouped_mm_reference(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.
     return torch.cat(blocks, dim=0)
 
 
+def _base_aligned(t: torch.Tensor) -> bool:
+    # Traced tensors have no address. The operands the MoE layer passes are parameters and fresh
+    # outputs, which the allocator aligns; a misaligned view would make the kernel raise.
+    return torch.compiler.is_compiling() or t.data_ptr() % _ALIGN_BYTES == 0
+
+
 def _aligned(t: torch.Tensor) -> bool:
     """Unit stride in one of the last two dims and 16-byte-aligned pointer and other strides."""
     item = t.element_size()
-    if t.data_ptr() % _ALIGN_BYTES:
+    if not _base_aligned(t):
         return False
     row_stride, col_stride = t.stride(-2), t.stride(-1)
     if col_stride == 1:

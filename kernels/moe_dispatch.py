@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dyad.kernels.moe_permute import permute, unpermute
+from dyad.kernels.moe_permute import expert_counts, permute, unpermute
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -288,7 +288,7 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
         T, K = expert_idx_TK.shape
         L, me = self.num_local, group_rank(self.ep_group)
         first = me * L
-        counts_E = torch.bincount(expert_idx_TK.reshape(-1), minlength=self.num_experts)
+        counts_E = expert_counts(expert_idx_TK.reshape(-1), self.num_experts)
         meta_X = torch.cat([counts_E.new_tensor([T]), counts_E])  # X = 1 + E
         meta_PQX = _gather_counts(_gather_counts(meta_X, self.etp_group), self.ep_group)
         host_PQX = meta_PQX.tolist()  # the one device-to-host sync

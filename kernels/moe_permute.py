@@ -11,6 +11,13 @@ The `*_reference` versions compute the same thing with plain Python loops.
 import torch
 
 
+def expert_counts(flat_expert_N: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert, int64 [E]: `bincount(minlength=E)` with a shape that does not
+    depend on the values (so torch.compile traces it without a graph break)."""
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=flat_expert_N.device)
+    return counts_E.scatter_add_(0, flat_expert_N, torch.ones_like(flat_expert_N, dtype=torch.long))
+
+
 def permute(
     x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -18,7 +25,7 @@ def permute(
     K = expert_idx_TK.shape[1]
     flat_expert_N = expert_idx_TK.reshape(-1)
     sorted_order_N = torch.argsort(flat_expert_N, stable=True)
-    counts_E = torch.bincount(flat_expert_N, minlength=num_experts)
+    counts_E = expert_counts(flat_expert_N, num_experts)
     x_sorted_ND = _GatherCopies.apply(x_TD, sorted_order_N, K)
     return x_sorted_ND, sorted_order_N, counts_E
 

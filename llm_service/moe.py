@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dyad.kernels.grouped_mm import grouped_mm
-from dyad.kernels.moe_permute import permute, unpermute
+from dyad.kernels.moe_permute import expert_counts, permute, unpermute
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSSES = ("micro_batch", "seq", "none")
@@ -184,7 +184,7 @@ def capacity_keep(
         is_pad_N = (~valid_T).repeat_interleave(K).to(torch.int8)
         order_N = order_N[torch.argsort(is_pad_N[order_N], stable=True)]
     order_N = order_N[torch.argsort(flat_expert_N[order_N], stable=True)]  # expert-major, by preference
-    counts_E = torch.bincount(flat_expert_N, minlength=num_experts)
+    counts_E = expert_counts(flat_expert_N, num_experts)
     starts_E = torch.cumsum(counts_E, dim=0) - counts_E
     slot_N = torch.arange(N, device=order_N.device) - starts_E[flat_expert_N[order_N]]
     keep_N = torch.empty(N, dtype=torch.bool, device=order_N.device).scatter_(0, order_N, slot_N < capacity)
