@@ -196,8 +196,11 @@ def main() -> None:
     )
     parser.add_argument("--profile-dir", help="where the kernel tables go (a folder per layout)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="vit-l-448-merge2")
+    parser.add_argument("--compile", action="store_true", help="train.compile=true (GPU runs)")
     args = parser.parse_args()
     base, layouts = (TOY, TOY_LAYOUTS) if args.toy else (WORKLOADS[args.workload], LAYOUTS)
+    if args.compile and not args.toy:
+        base = [*base, "train.compile=true"]
     steps, skip = (3, 1) if args.toy else (args.steps, args.skip)
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-e2e-"))
     results = {}

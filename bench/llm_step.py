@@ -2,8 +2,8 @@
 image + text sequence of 4,096 tokens (576 image rows spliced in), forward + backward + AdamW,
 bf16 compute with float32 master weights and optimizer state. Reports model FLOPs utilisation
 for each variant: one sequence per optimizer step, eight (gradients accumulated, as a real
-global batch does), and eight with float8 GEMMs (llm.fp8; its FLOPs counted against the same
-bf16 peak).
+global batch does), each eager and with compiled blocks (`train.compile`, dyad/compile.py), and
+eight with float8 GEMMs (llm.fp8; its FLOPs counted against the same bf16 peak).
 
     python bench/llm_step.py --out $OUT/llm_step.json [--profile-dir $OUT]
     python bench/llm_step.py --toy                       # CPU, tiny (CI)
@@ -21,6 +21,7 @@ import json
 
 import torch
 
+from dyad.compile import compile_blocks
 from dyad.kernels.fp8 import compile_quantization
 from dyad.llm_service.fp8 import convert_to_fp8
 from dyad.llm_service.model import LLMConfig, MoELM
@@ -60,12 +61,19 @@ def active_parameters(cfg: LLMConfig) -> int:
 VARIANTS = {  # name: (microbatches per optimizer step, float8 GEMMs: no / eager / compiled quantization)
     "bf16-1mb": (1, None),
     "bf16-8mb": (8, None),
+    "bf16-1mb-compiled": (1, None),
+    "bf16-8mb-compiled": (8, None),
     "fp8-8mb": (8, "eager"),
     "fp8c-8mb": (8, "compiled"),
 }
 
 
-def build(cfg: LLMConfig, device: str, fp8: str | None):
+def needs_compiler(name: str) -> bool:
+    """Variants that compile (Triton kernels): GPU only; CI's toy run stays eager."""
+    return name.endswith("-compiled") or VARIANTS[name][1] == "compiled"
+
+
+def build(cfg: LLMConfig, device: str, fp8: str | None, compiled_blocks: bool = False):
     torch.manual_seed(0)
     model = MoELM(cfg)
     if fp8:
@@ -73,6 +81,8 @@ def build(cfg: LLMConfig, device: str, fp8: str | None):
     if fp8 == "compiled":
         compile_quantization()
     model = model.to(device)
+    if compiled_blocks:
+        compile_blocks(model)
     train = argparse.Namespace(weight_decay=0.01, beta1=0.9, beta2=0.95, eps=1e-8, lr=1e-4)
     return model, build_optimizer(model, train)
 
@@ -114,11 +124,11 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
         "active_params": active, "seq": S, "image_rows": N, "variants": {},
     }
-    eager = [name for name, (_, fp8) in VARIANTS.items() if fp8 != "compiled"]
+    eager = [name for name in VARIANTS if not needs_compiler(name)]
     names = args.variants.split(",") if args.variants else list(VARIANTS) if device == "cuda" else eager
     for name in names:
         microbatches, fp8 = VARIANTS[name]
-        model, optimizer = build(cfg, device, fp8)
+        model, optimizer = build(cfg, device, fp8, compiled_blocks=name.endswith("-compiled"))
         result["total_params"] = sum(p.numel() for p in model.parameters())
         step = make_step(model, optimizer, cfg, S, N, microbatches, device)
         if device == "cuda":

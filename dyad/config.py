@@ -39,6 +39,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     dtype: str = "float32"
     device: str = "cpu"
+    compile: bool = False  # torch.compile each transformer block of both pools (dyad/compile.py)
+    compile_backend: str = "inductor"  # any torch._dynamo backend; "aot_eager" keeps eager kernels
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "microbatches"):
@@ -61,6 +63,14 @@ class TrainConfig:
             raise ValueError(f"train.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"train.device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.compile:
+            from dyad.compile import compile_backends  # imports torch._dynamo: only when asked for
+
+            if self.compile_backend not in compile_backends():
+                raise ValueError(
+                    f"train.compile_backend ({self.compile_backend!r}) is not a torch.compile backend; "
+                    f"known: {', '.join(compile_backends())}"
+                )
 
 
 @dataclass(kw_only=True)

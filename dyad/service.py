@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dyad.checkpoint import restore_pool, save_pool
+from dyad.compile import compile_blocks
 from dyad.config import RunConfig
 from dyad.data import make_dataset
 from dyad.init import init_parameters
@@ -88,6 +89,8 @@ class PoolService(ABC):
         self.groups = ProcessGroups.build(self.layout)
         self.model = build_model(config, self.pool, self.device)
         self.gradient_plan = self.parallelize(self.model, self.groups)
+        if config.train.compile:
+            compile_blocks(self.model, config.train.compile_backend)
         self.optimizer = build_optimizer(self.model, config.train)
         self.peers: dict[tuple[int, int], str] = {}
         self.lr = config.train.lr

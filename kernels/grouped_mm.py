@@ -55,6 +55,8 @@ def supports_fast_path(x_ND: torch.Tensor, w_EDF: torch.Tensor) -> bool:
     elif x_ND.device.type == "cpu":
         if x_ND.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
+        if torch.compiler.is_compiling() and x_ND.dtype != torch.bfloat16:
+            return False  # the traced op's shape function accepts bf16 only (torch 2.11-2.13)
     else:
         return False
     out_row_bytes = w_EDF.shape[-1] * w_EDF.element_size()
@@ -81,6 +83,6 @@ def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) ->
     if not supports_fast_path(x_ND, w_EDF):
         return grouped_mm_reference(x_ND, w_EDF, offs_E)
     y_NF = _FAST_KERNEL(x_ND, w_EDF, offs=offs_E.to(torch.int32))
-    if y_NF.requires_grad:
+    if y_NF.requires_grad and not torch.compiler.is_compiling():  # (a traced backward makes its own)
         y_NF.register_hook(_standard_strides)
     return y_NF

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dyad import config as config_lib
+from dyad.compile import compile_blocks
 from dyad.data import collate, make_dataset
 from dyad.layout import LLMLayout, validate_llm_layout
 from dyad.llm_service.parallelize import parallelize_llm
@@ -85,7 +86,7 @@ def _layout(kwargs) -> tuple[LLMLayout, bool]:
     return LLMLayout(**degrees), kwargs.get("sp", False)
 
 
-def _layout_body(rank, world_size, layout_kwargs, options):
+def _layout_body(rank, world_size, layout_kwargs, options, compile_backend=None):
     torch.manual_seed(0)
     layout, sequence_parallel = _layout(layout_kwargs)
     config, dataset = _config(options)
@@ -94,6 +95,8 @@ def _layout_body(rank, world_size, layout_kwargs, options):
     reference = build_model(config, "llm")
     model = copy.deepcopy(reference)
     plan = parallelize_llm(model, groups, sequence_parallel=sequence_parallel)
+    if compile_backend:
+        compile_blocks(model, backend=compile_backend)
     ref_optimizer, optimizer = torch.optim.SGD(reference.parameters()), torch.optim.SGD(model.parameters())
     sampler = EpochSampler(dataset.train_ids, seed=0)
     tokens_per_image, D = config.encoder.tokens_per_image, config.llm.dim
@@ -160,3 +163,11 @@ def test_llm_layout_matches_single_device(name):
 def test_router_options_under_a_layout_match_single_device(name):
     layout, _ = _layout(LAYOUTS[name])
     run_distributed(_layout_body, layout.world_size, LAYOUTS[name], OPTIONS["router-options"])
+
+
+# aot_eager: dynamo traces the parallelized blocks and AOT autograd builds their backward, with
+# eager kernels (the exact math of the eager model); inductor's fused kernels are checked on GPUs
+# (tests/test_compile.py).
+def test_compiled_blocks_under_a_layout_match_single_device():
+    kwargs = LAYOUTS["tp2-cp2-sp-etp2-ep2"]
+    run_distributed(_layout_body, _layout(kwargs)[0].world_size, kwargs, OPTIONS["defaults"], "aot_eager")

@@ -1,0 +1,37 @@
+"""`train.compile`: each transformer block of a pool's model compiled with torch.compile.
+
+Applied from outside, after the model is parallelized for its rank, like every other layout
+change. A block's many small kernels (norms, rotary, routing, SwiGLU, autocast's weight casts)
+fuse, and one compiled call replaces hundreds of eager launches: the LLM step is host-bound
+without it (docs/performance.md). Blocks of the same kind share one compiled graph; a new
+sequence length recompiles once, after which lengths are symbolic. What cannot be traced (the
+expert-parallel dispatcher's one host sync, collectives) runs eagerly between compiled pieces.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def compile_backends() -> list[str]:
+    """Every backend torch.compile knows, the debugging ones ("aot_eager") included."""
+    import torch._dynamo
+
+    return torch._dynamo.list_backends(exclude_tags=())
+
+
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The repeated blocks of a VisionEncoder (`blocks`) or MoELM (`layers`)."""
+    for name in ("layers", "blocks"):
+        blocks = getattr(model, name, None)
+        if isinstance(blocks, nn.ModuleList):
+            return blocks
+    raise TypeError(f"{type(model).__name__} has no transformer blocks ('layers' or 'blocks') to compile")
+
+
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
+    """Compile every transformer block of `model` in place; returns how many."""
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        block.compile(backend=backend)
+    return len(blocks)

@@ -1,0 +1,123 @@
+"""`train.compile`: compiled transformer blocks compute the eager blocks' function.
+
+On CPUs the blocks compile with the "aot_eager" backend (dynamo's trace and AOT autograd's
+backward, eager kernels: the same numbers as eager); the parallelized blocks are checked the same
+way in tests/test_llm_layouts.py and a whole disaggregated run here. Inductor's fused kernels are
+checked on a GPU in bf16, where they round differently: within bf16 tolerances.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from dyad import config as config_lib
+from dyad.compile import compile_blocks, transformer_blocks
+from dyad.data import make_dataset
+from dyad.jobs import run_job
+from dyad.service import build_model
+from dyad.verify import compare_with_reference
+
+CUDA = torch.cuda.is_available()
+
+
+def _resolved(overrides=()):
+    config = config_lib.load(None, ["llm.moe.shared_expert_dim=32", *overrides])
+    return config_lib.resolve(config, vocab_size=make_dataset(config.data).tokenizer.vocab_size)
+
+
+def _llm_inputs(config, device):
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(config.llm.vocab_size, (2, 24), generator=generator).to(device)
+    rows = torch.randn(6, config.llm.dim, generator=generator).to(device)
+    positions = torch.tensor([1, 2, 3, 30, 31, 32], device=device)
+    return ids, rows, positions
+
+
+def _llm_loss_and_grads(model, inputs, autocast: bool):
+    ids, rows, positions = inputs
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits, aux = model(ids, rows, positions)
+        loss = model.loss_sum(logits, ids.roll(-1, dims=1)) / ids.numel() + aux
+    loss.backward()
+    return loss.detach(), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_compile_blocks_finds_each_models_blocks():
+    config = _resolved()
+    assert compile_blocks(build_model(config, "llm"), "aot_eager") == config.llm.n_layers
+    assert compile_blocks(build_model(config, "encoder"), "aot_eager") == config.encoder.depth
+    with pytest.raises(TypeError, match="Linear has no transformer blocks"):
+        transformer_blocks(nn.Linear(2, 2))
+
+
+def test_each_kind_of_llm_block_is_one_graph():
+    """No graph breaks: one graph for the dense block and one for the MoE block, shared by every
+    block of its kind (bf16, the dtype the grouped matmul traces in)."""
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    config = _resolved(["llm.n_layers=3"])
+    model = build_model(config, "llm").to(torch.bfloat16)
+    compile_blocks(model, counting_backend)
+    ids, rows, positions = _llm_inputs(config, "cpu")
+    logits, aux = model(ids, rows.bfloat16(), positions)
+    assert len(graphs) == 2 and config.llm.dense_layers == (0,)
+    (logits.float().sum() + aux).backward()
+
+
+def test_an_unknown_backend_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"train.compile_backend \('fast'\) is not a torch.compile backend"):
+        config_lib.load(None, ["train.compile=true", "train.compile_backend=fast"])
+
+
+def test_compiled_llm_and_encoder_match_eager_on_cpu():
+    config = _resolved()
+    eager, compiled = build_model(config, "llm"), build_model(config, "llm")
+    compile_blocks(compiled, "aot_eager")
+    inputs = _llm_inputs(config, "cpu")
+    loss, grads = _llm_loss_and_grads(eager, inputs, autocast=False)
+    loss_c, grads_c = _llm_loss_and_grads(compiled, inputs, autocast=False)
+    torch.testing.assert_close(loss_c, loss, rtol=1e-6, atol=1e-6)
+    for name in grads:
+        torch.testing.assert_close(grads_c[name], grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+    encoder, encoder_c = build_model(config, "encoder"), build_model(config, "encoder")
+    compile_blocks(encoder_c, "aot_eager")
+    images = torch.rand(3, 1, 16, 16, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(encoder_c(images), encoder(images), rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_disaggregated_run_matches_single_process(tmp_path):
+    overrides = ["train.steps=3", "train.warmup_steps=1", "train.global_batch=8", "parallel.llm.dp=2",
+                 "train.compile=true", "train.compile_backend=aot_eager"]
+    config = dataclasses.replace(config_lib.load(None, overrides), out_dir=str(tmp_path / "run"))
+    job = run_job(config, progress=False)
+    assert job.succeeded, job.info.message
+    dataset = make_dataset(config.data)
+    resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
+    comparison = compare_with_reference(resolved, dataset, job)  # the reference runs eagerly
+    assert all(error <= 1e-5 for *_, error in comparison.losses), comparison.losses
+    assert comparison.worst_param_error <= 1e-5, comparison.worst_param
+
+
+@pytest.mark.skipif(not CUDA, reason="inductor's GPU kernels need a CUDA device")
+def test_inductor_blocks_match_eager_in_bf16_on_a_gpu():
+    config = _resolved(["llm.dim=256", "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.expert_dim=128"])
+    with torch.device("cuda"):
+        eager, compiled = build_model(config, "llm", "cuda"), build_model(config, "llm", "cuda")
+    compile_blocks(compiled)
+    inputs = _llm_inputs(config, "cuda")
+    loss, grads = _llm_loss_and_grads(eager, inputs, autocast=True)
+    loss_c, grads_c = _llm_loss_and_grads(compiled, inputs, autocast=True)
+    torch.testing.assert_close(loss_c, loss, rtol=1e-2, atol=1e-3)
+    for name, grad in grads.items():  # bf16 rounding: relative error of each gradient tensor
+        error = (grads_c[name] - grad).norm() / grad.norm().clamp_min(1e-12)
+        assert error < 5e-2, f"{name}: relative error {float(error):.3g}"
