@@ -36,6 +36,7 @@ from e2e_hetero import (  # beside this script
     print_table,
     run_arguments,
     run_layout,
+    with_compile,
     write_results,
 )
 
@@ -182,7 +183,7 @@ def main() -> None:
         import torch
 
         base, gpus, pools = (
-            EIGHT_GPU,
+            with_compile(EIGHT_GPU, args),
             args.gpus or torch.cuda.device_count(),
             args.pools.split(","),
         )

@@ -183,7 +183,12 @@ def run_arguments(*, steps: int, skip: int) -> argparse.ArgumentParser:
     parser.add_argument("--skip", type=int, default=skip, help="warm-up steps left out of the medians")
     parser.add_argument("--work", help="run directories (default: a temporary one)")
     parser.add_argument("--out")
+    parser.add_argument("--compile", action="store_true", help="train.compile=true (GPU runs; toy runs stay eager)")
     return parser
+
+
+def with_compile(base: list[str], args) -> list[str]:
+    return [*base, "train.compile=true"] if args.compile else base
 
 
 def main() -> None:
@@ -196,11 +201,8 @@ def main() -> None:
     )
     parser.add_argument("--profile-dir", help="where the kernel tables go (a folder per layout)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="vit-l-448-merge2")
-    parser.add_argument("--compile", action="store_true", help="train.compile=true (GPU runs)")
     args = parser.parse_args()
-    base, layouts = (TOY, TOY_LAYOUTS) if args.toy else (WORKLOADS[args.workload], LAYOUTS)
-    if args.compile and not args.toy:
-        base = [*base, "train.compile=true"]
+    base, layouts = (TOY, TOY_LAYOUTS) if args.toy else (with_compile(WORKLOADS[args.workload], args), LAYOUTS)
     steps, skip = (3, 1) if args.toy else (args.steps, args.skip)
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-e2e-"))
     results = {}

@@ -3,7 +3,7 @@
 # (checkpoints, logs) under $WORK (default /tmp/dyad-8gpu): the parts named as arguments, each
 # with its own time limit, so that one slow part cannot take the others' results with it.
 #   bash bench/eight_gpu.sh e2e resize
-# E2E_ARGS narrows bench/e2e_8gpu.py's layout sweep (e.g. "--ep 8 7 2 --tp 1"); E2E_LIMIT and
+# E2E_ARGS narrows bench/e2e_8gpu.py's layout sweep (e.g. "--ep 8 7 2 --tp 1") or adds --compile; E2E_LIMIT and
 # RESIZE_LIMIT are the parts' limits in seconds. The workers' logs come back in logs.tgz.
 set -u
 OUT=$(realpath -m "${OUT:-out}")

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from e2e_8gpu import LARGER_ENCODER  # beside this script
-from e2e_hetero import TOY, VIT_L_224, run_arguments, summarize, write_results
+from e2e_hetero import TOY, VIT_L_224, run_arguments, summarize, with_compile, write_results
 
 from dyad import config as config_lib
 from dyad.client import RouterClient, local_router
@@ -186,7 +186,7 @@ def main() -> None:
     parser = run_arguments(steps=18, skip=2)  # skip: at the start and after the resize
     parser.add_argument("--resize-after", type=int, default=7, help="request after this step")
     args = parser.parse_args()
-    base, pools = (TOY, TOY_POOLS) if args.toy else (RESIZE, GPU_POOLS)
+    base, pools = (TOY, TOY_POOLS) if args.toy else (with_compile(RESIZE, args), GPU_POOLS)
     if args.toy:
         args.steps, args.resize_after, args.skip = 7, 2, 1
     # Steady steps before: skip..resize_after; after: the one in flight, the first after the

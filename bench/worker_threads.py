@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from e2e_8gpu import LARGER_ENCODER  # beside this script
-from e2e_hetero import TOY, VIT_L_224, print_table, run_arguments, run_layout, write_results
+from e2e_hetero import TOY, VIT_L_224, print_table, run_arguments, run_layout, with_compile, write_results
 
 from dyad.cpus import usable_cpus, worker_threads
 
@@ -41,7 +41,8 @@ def torch_default_threads() -> int:
 
 def main() -> None:
     args = run_arguments(steps=6, skip=2).parse_args()
-    base, pools, gpus = (TOY, TOY_POOLS, 2) if args.toy else ([*VIT_L_224, *LARGER_ENCODER], GPU_POOLS, 4)
+    gpu_base = with_compile([*VIT_L_224, *LARGER_ENCODER], args)
+    base, pools, gpus = (TOY, TOY_POOLS, 2) if args.toy else (gpu_base, GPU_POOLS, 4)
     steps, skip = (3, 1) if args.toy else (args.steps, args.skip)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-threads-"))
