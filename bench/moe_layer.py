@@ -103,7 +103,27 @@ def hf_layer(dim, hidden, experts, top_k):
     return Qwen3MoeSparseMoeBlock(config)
 
 
-LAYERS = {"dyad": dyad_layer, "dyad-fp8": dyad_fp8_layer, "dyad-fp8-compiled": dyad_fp8_compiled_layer, "torchtitan-0.3.0": titan_layer, "hf-grouped_mm": hf_layer}
+def compiled(make):
+    """The layer `make` builds, compiled whole with torch.compile (inductor), as train.compile
+    compiles each block and torchtitan's --compile each of its blocks."""
+
+    def make_compiled(dim, hidden, experts, top_k):
+        layer = make(dim, hidden, experts, top_k)
+        layer.compile()
+        return layer
+
+    return make_compiled
+
+
+LAYERS = {
+    "dyad": dyad_layer,
+    "dyad-compiled": compiled(dyad_layer),
+    "dyad-fp8": dyad_fp8_layer,
+    "dyad-fp8-compiled": dyad_fp8_compiled_layer,
+    "torchtitan-0.3.0": titan_layer,
+    "torchtitan-0.3.0-compiled": compiled(titan_layer),
+    "hf-grouped_mm": hf_layer,
+}
 
 
 def time_layer(make, shape, device, dtype, iters) -> float:
@@ -181,7 +201,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", help="write results as JSON here")
     parser.add_argument("--profile-dir", help="GPU: write a kernel table of dyad's layer per shape here")
+    parser.add_argument("--layers", help="comma-separated names from LAYERS (default: all)")
     args = parser.parse_args()
+    layers = {name: LAYERS[name] for name in args.layers.split(",")} if args.layers else LAYERS
     device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = TOY if device == "cpu" else SHAPES
@@ -194,7 +216,7 @@ def main() -> None:
         ceiling_ms = time_ceiling(shape, device, dtype, args.iters)
         entry["grouped_mm_ceiling_ms"] = ceiling_ms
         print(f"{name:13s} {'grouped_mm ceiling':18s} {ceiling_ms:8.2f} {flops / ceiling_ms / 1e9:15.1f} {'1.00':>11s}")
-        for layer_name, make in LAYERS.items():
+        for layer_name, make in layers.items():
             if layer_name.endswith("compiled") and device == "cpu":
                 continue  # compiled quantization is for GPUs (Triton); CI's toy run stays eager
             try:

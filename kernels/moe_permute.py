@@ -64,17 +64,33 @@ class _GatherCopies(torch.autograd.Function):
         return grad_TKD.sum(dim=1, dtype=torch.float32).to(grad_sorted_ND.dtype), None, None
 
 
+def _gated_sum_TD(gates_TK: torch.Tensor, y_TKD: torch.Tensor) -> torch.Tensor:
+    """sum_k gates[t, k] * y[t, k], accumulated in float32, in y's dtype; the gates enter in y's
+    dtype (as a bf16 matmul's operands would). Eagerly one batched (1 x K) @ (K x D) product per
+    token (no float32 copy of the K rows); traced, products and sum in float32 (bf16 products
+    are exact there), which inductor fuses with the gather into one reduction."""
+    gates_TK = gates_TK.to(y_TKD.dtype)
+    if torch.compiler.is_compiling():
+        return (gates_TK.float().unsqueeze(2) * y_TKD.float()).sum(1).to(y_TKD.dtype)
+    return torch.bmm(gates_TK.unsqueeze(1), y_TKD).squeeze(1)
+
+
+def _row_dots_TK(y_TKD: torch.Tensor, grad_TD: torch.Tensor) -> torch.Tensor:
+    """<y[t, k], grad[t]> for every k, accumulated in float32, rounded to y's dtype (the same
+    choice of kernels as `_gated_sum_TD`)."""
+    if torch.compiler.is_compiling():
+        return (y_TKD.float() * grad_TD.float().unsqueeze(1)).sum(2).to(y_TKD.dtype)
+    return torch.bmm(y_TKD, grad_TD.unsqueeze(2)).squeeze(2)
+
+
 class _CombineCopies(torch.autograd.Function):
-    """y[t] = sum_k gates[t, k] * y_sorted[position of t*K + k], as one batched (1 x K) @ (K x D)
-    product per token: float32 accumulation without a float32 copy of the K rows. The gates
-    enter in y's dtype (as a bf16 matmul's operands would)."""
+    """y[t] = sum_k gates[t, k] * y_sorted[position of t*K + k] (see `_gated_sum_TD`)."""
 
     @staticmethod
     def forward(ctx, y_sorted_ND, sorted_order_N, gates_TK):
         T, K = gates_TK.shape
         ctx.save_for_backward(y_sorted_ND, sorted_order_N, gates_TK)
-        y_TKD = _copies_TKD(y_sorted_ND, sorted_order_N, T, K)
-        return torch.bmm(gates_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
+        return _gated_sum_TD(gates_TK, _copies_TKD(y_sorted_ND, sorted_order_N, T, K))
 
     @staticmethod
     def backward(ctx, grad_TD):
@@ -87,7 +103,7 @@ class _CombineCopies(torch.autograd.Function):
             grad_y_sorted = grad_TD.index_select(0, sorted_order_N // K) * row_gates_N.unsqueeze(1)
         if ctx.needs_input_grad[2]:
             y_TKD = _copies_TKD(y_sorted_ND, sorted_order_N, T, K)
-            grad_gates = torch.bmm(y_TKD, grad_TD.unsqueeze(2)).squeeze(2).to(gates_TK.dtype)
+            grad_gates = _row_dots_TK(y_TKD, grad_TD).to(gates_TK.dtype)
         return grad_y_sorted, None, grad_gates
 
 

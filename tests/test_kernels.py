@@ -180,3 +180,23 @@ def test_permute_unpermute_gradients_match_reference(T, K, E):
         grads.append((y.detach(), x.grad, gates.grad))
     for fast, reference in zip(*grads):
         torch.testing.assert_close(fast, reference)
+
+
+def test_traced_combine_matches_the_eager_one_in_bf16():
+    """Traced (is_compiling), the combine and its gate gradient are float32 products and sums
+    instead of batched matmuls: the same values to bf16 rounding."""
+    torch.manual_seed(3)
+    T, K, E, D = 33, 4, 6, 40
+    expert_idx_TK = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    y_TD = torch.randn(T * K, D).bfloat16()
+    gates_TK = torch.rand(T, K)
+    grad_TD = torch.randn(T, D).bfloat16()
+    _, order_N, _ = permute(torch.zeros(T, 1), expert_idx_TK, E)
+    results = []
+    for combine in (unpermute, torch.compile(unpermute, backend="aot_eager", fullgraph=True)):
+        y_sorted, gates = y_TD.clone().requires_grad_(True), gates_TK.clone().requires_grad_(True)
+        out = combine(y_sorted, order_N, gates)
+        out.backward(grad_TD)
+        results.append((out.detach().float(), y_sorted.grad.float(), gates.grad))
+    for traced, eager in zip(results[1], results[0]):
+        torch.testing.assert_close(traced, eager, rtol=1.6e-2, atol=1e-2)
