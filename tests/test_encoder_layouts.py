@@ -36,7 +36,8 @@ def _encoder_body(rank, world_size, dp, tp, merge):
     ref_opt, opt = torch.optim.SGD(reference.parameters()), torch.optim.SGD(model.parameters())
     for step in range(3):
         images = torch.rand(2 * dp, 1, 16, 16, generator=torch.Generator().manual_seed(step))
-        upstream = torch.randn(2 * dp, tokens, config.encoder.out_dim, generator=torch.Generator().manual_seed(99 + step))
+        upstream = torch.randn(2 * dp, tokens, config.encoder.out_dim,
+                               generator=torch.Generator().manual_seed(99 + step))
         expected = reference(images)
         (expected * upstream).sum().backward()
         mine = slice(2 * groups.index("dp"), 2 * groups.index("dp") + 2)  # this dp rank's images
