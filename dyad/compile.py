@@ -6,6 +6,9 @@ fuse, and one compiled call replaces hundreds of eager launches: the LLM step is
 without it (docs/performance.md). Blocks of the same kind share one compiled graph; a new
 sequence length recompiles once, after which lengths are symbolic. What cannot be traced (the
 expert-parallel dispatcher's one host sync, collectives) runs eagerly between compiled pieces.
+Compiling is for GPUs in bf16: in float32 on CPUs the grouped matmul falls back to a loop whose
+row counts dynamo guards on (a recompile per new count, then eager after torch's recompile
+limit), which is still the same function.
 """
 
 from __future__ import annotations
