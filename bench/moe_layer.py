@@ -218,7 +218,7 @@ def main() -> None:
         print(f"{name:13s} {'grouped_mm ceiling':18s} {ceiling_ms:8.2f} {flops / ceiling_ms / 1e9:15.1f} {'1.00':>11s}")
         for layer_name, make in layers.items():
             if layer_name.endswith("compiled") and device == "cpu":
-                continue  # compiled quantization is for GPUs (Triton); CI's toy run stays eager
+                continue  # compiled layers and quantization are for GPUs (Triton); CI's toy run stays eager
             try:
                 ms = time_layer(make, shape, device, dtype, args.iters)
             except ImportError as error:

@@ -66,10 +66,11 @@ class TrainConfig:
         if self.compile:
             from dyad.compile import compile_backends  # imports torch._dynamo: only when asked for
 
-            if self.compile_backend not in compile_backends():
+            known = compile_backends()
+            if self.compile_backend not in known:
                 raise ValueError(
                     f"train.compile_backend ({self.compile_backend!r}) is not a torch.compile backend; "
-                    f"known: {', '.join(compile_backends())}"
+                    f"known: {', '.join(known)}"
                 )
 
 

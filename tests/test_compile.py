@@ -111,8 +111,7 @@ def test_a_compiled_disaggregated_run_matches_single_process(tmp_path):
 @pytest.mark.skipif(not CUDA, reason="inductor's GPU kernels need a CUDA device")
 def test_inductor_blocks_match_eager_in_bf16_on_a_gpu():
     config = _resolved(["llm.dim=256", "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.expert_dim=128"])
-    with torch.device("cuda"):
-        eager, compiled = build_model(config, "llm", "cuda"), build_model(config, "llm", "cuda")
+    eager, compiled = build_model(config, "llm", "cuda"), build_model(config, "llm", "cuda")
     compile_blocks(compiled)
     inputs = _llm_inputs(config, "cuda")
     loss, grads = _llm_loss_and_grads(eager, inputs, autocast=True)
