@@ -1,9 +1,10 @@
 """The LLM service's training step on one GPU: a ~1B-active-parameter MoE decoder on a fused
 image + text sequence of 4,096 tokens (576 image rows spliced in), forward + backward + AdamW,
 bf16 compute with float32 master weights and optimizer state. Reports model FLOPs utilisation
-for each variant: one sequence per optimizer step, eight (gradients accumulated, as a real
-global batch does), each eager and with compiled blocks (`train.compile`, dyad/compile.py), and
-eight with float8 GEMMs (llm.fp8; its FLOPs counted against the same bf16 peak).
+for each variant: one sequence per optimizer step, eight (gradients accumulated over eight
+microbatches of one sequence, or four of two, or two of four: the same global batch), each eager
+and with compiled blocks (`train.compile`, dyad/compile.py), and eight with float8 GEMMs
+(llm.fp8; its FLOPs counted against the same bf16 peak).
 
     python bench/llm_step.py --out $OUT/llm_step.json [--profile-dir $OUT]
     python bench/llm_step.py --toy                       # CPU, tiny (CI)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import NamedTuple
 
 import torch
 
@@ -58,21 +60,29 @@ def active_parameters(cfg: LLMConfig) -> int:
     return L * (attention + per_layer_norms) + n_dense * dense_layer + (L - n_dense) * moe_layer + D * cfg.vocab_size
 
 
-VARIANTS = {  # name: (microbatches per optimizer step, float8 GEMMs: no / eager / compiled quantization,
-    #        compiled blocks)
-    "bf16-1mb": (1, None, False),
-    "bf16-8mb": (8, None, False),
-    "bf16-1mb-compiled": (1, None, True),
-    "bf16-8mb-compiled": (8, None, True),
-    "fp8-8mb": (8, "eager", False),
-    "fp8c-8mb": (8, "compiled", False),
+class Variant(NamedTuple):
+    microbatches: int  # per optimizer step, gradients accumulated
+    sequences: int = 1  # 4,096-token sequences per microbatch (Megatron's micro-batch size)
+    fp8: str | None = None  # float8 GEMMs: no / "eager" / "compiled" quantization
+    compiled_blocks: bool = False
+
+
+VARIANTS = {  # the global batch is microbatches x sequences sequences of 4,096 tokens
+    "bf16-1mb": Variant(1),
+    "bf16-8mb": Variant(8),
+    "bf16-1mb-compiled": Variant(1, compiled_blocks=True),
+    "bf16-8mb-compiled": Variant(8, compiled_blocks=True),
+    "bf16-4mb-x2-compiled": Variant(4, sequences=2, compiled_blocks=True),
+    "bf16-2mb-x4-compiled": Variant(2, sequences=4, compiled_blocks=True),
+    "fp8-8mb": Variant(8, fp8="eager"),
+    "fp8c-8mb": Variant(8, fp8="compiled"),
 }
 
 
 def needs_compiler(name: str) -> bool:
     """Variants that compile (Triton kernels): GPU only; CI's toy run stays eager."""
-    _, fp8, compiled_blocks = VARIANTS[name]
-    return compiled_blocks or fp8 == "compiled"
+    variant = VARIANTS[name]
+    return variant.compiled_blocks or variant.fp8 == "compiled"
 
 
 def build(cfg: LLMConfig, device: str, fp8: str | None, compiled_blocks: bool = False):
@@ -89,19 +99,21 @@ def build(cfg: LLMConfig, device: str, fp8: str | None, compiled_blocks: bool = 
     return model, build_optimizer(model, train)
 
 
-def make_step(model, optimizer, cfg: LLMConfig, S: int, N: int, microbatches: int, device: str):
-    """One optimizer step over `microbatches` sequences of S tokens (gradients accumulated)."""
-    ids = torch.randint(cfg.vocab_size, (microbatches, 1, S), device=device)
-    targets = torch.randint(cfg.vocab_size, (microbatches, 1, S), device=device)
-    positions = torch.arange(8, 8 + N, device=device)
-    rows = torch.randn(N, cfg.dim, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+def make_step(model, optimizer, cfg: LLMConfig, S: int, N: int, variant: Variant, device: str):
+    """One optimizer step over `variant.microbatches` microbatches of `variant.sequences`
+    sequences of S tokens each (gradients accumulated), N image rows spliced into each sequence."""
+    M, B = variant.microbatches, variant.sequences
+    ids = torch.randint(cfg.vocab_size, (M, B, S), device=device)
+    targets = torch.randint(cfg.vocab_size, (M, B, S), device=device)
+    positions = (torch.arange(B, device=device)[:, None] * S + torch.arange(8, 8 + N, device=device)).reshape(-1)
+    rows = torch.randn(B * N, cfg.dim, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
 
     def step():
-        for m in range(microbatches):
+        for m in range(M):
             with autocast:
                 logits, aux = model(ids[m], rows, positions)
-                loss = (model.loss_sum(logits, targets[m]) / S + aux) / microbatches
+                loss = (model.loss_sum(logits, targets[m]) / (B * S) + aux) / M
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -129,10 +141,10 @@ def main() -> None:
     eager = [name for name in VARIANTS if not needs_compiler(name)]
     names = args.variants.split(",") if args.variants else list(VARIANTS) if device == "cuda" else eager
     for name in names:
-        microbatches, fp8, compiled_blocks = VARIANTS[name]
-        model, optimizer = build(cfg, device, fp8, compiled_blocks)
+        variant = VARIANTS[name]
+        model, optimizer = build(cfg, device, variant.fp8, variant.compiled_blocks)
         result["total_params"] = sum(p.numel() for p in model.parameters())
-        step = make_step(model, optimizer, cfg, S, N, microbatches, device)
+        step = make_step(model, optimizer, cfg, S, N, variant, device)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         try:
@@ -142,10 +154,11 @@ def main() -> None:
             print(f"{name:9s} failed: {str(error)[:300]}")
             del model, optimizer, step
             continue
-        tokens = S * microbatches
+        tokens = S * variant.sequences * variant.microbatches
         tflops = flops_per_token * tokens / seconds / 1e12
         entry = {
-            "microbatches": microbatches, "fp8": fp8, "step_s": seconds, "tokens_per_step": tokens,
+            "microbatches": variant.microbatches, "sequences_per_microbatch": variant.sequences,
+            "fp8": variant.fp8, "step_s": seconds, "tokens_per_step": tokens,
             "tokens_per_s": tokens / seconds, "model_tflops": tflops, "mfu": tflops / PEAK_TFLOPS,
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0,
         }

@@ -19,6 +19,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         ("moe_layer.py", ["--iters", "2"]),
         ("boundary_bandwidth.py", ["--iters", "2"]),
         ("llm_step.py", ["--iters", "2"]),
+        ("expert_gemms.py", ["--iters", "2"]),
         ("e2e_hetero.py", []),
         ("ep_alltoall.py", ["--iters", "2"]),
         ("e2e_8gpu.py", []),
