@@ -91,6 +91,7 @@ def test_unknown_run_id_is_not_found(router):
         assert "no-such-run" in error.details()
     error = _error(lambda: list(client.watch("no-such-run")))
     assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert "no-such-run" in error.details()
 
 
 def test_empty_run_id_is_invalid(router):
