@@ -5,11 +5,12 @@
     dyad router  [--host H] [--port P] [--token-file F] [--join-token-file F] [--tls-cert ...]
 
 Against a running router (--router HOST:PORT, default $DYAD_ROUTER or 127.0.0.1:50051; the token
-from --token-file or $DYAD_TOKEN; TLS with --tls-ca [--tls-cert --tls-key]):
+from --token-file or $DYAD_TOKEN; TLS with --tls-ca [--tls-cert --tls-key]); a command given no
+RUN_ID acts on the router's active run:
 
     dyad submit  [--config FILE] [--set key=value ...] [--steps N] [--device D] [--out DIR]
-    dyad status RUN_ID | dyad watch RUN_ID [--from-step N] | dyad stop RUN_ID
-    dyad scale {encoder,llm} REPLICAS --run RUN_ID | dyad checkpoint RUN_ID
+    dyad status [RUN_ID] | dyad watch [RUN_ID] [--from-step N] | dyad stop [RUN_ID]
+    dyad scale {encoder,llm} REPLICAS [--run RUN_ID] | dyad checkpoint [RUN_ID]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dyad.wire import pb
 
 # Client commands import the model code (`dyad.config` and below) only when they build a config.
 DEFAULT_ROUTER = "127.0.0.1:50051"
+ACTIVE_RUN_HELP = "default: the router's active run"
 
 
 def _add_connection_arguments(parser: argparse.ArgumentParser, default_router: str | None) -> None:
@@ -223,41 +225,54 @@ def cmd_submit(args) -> int:
     return 0
 
 
+def _run_id(args, client: RouterClient) -> str:
+    """The run named on the command line, else the router's active run."""
+    if args.run_id:
+        return args.run_id
+    run_id = client.active_run_id()
+    if not run_id:
+        raise ValueError(
+            f"no run is active on the router at {client.address}; name one: {args.naming_a_run}"
+        )
+    return run_id
+
+
 def cmd_status(args) -> int:
     with _connect(args) as client:
-        print(_describe(client.get_run(args.run_id)))
+        print(_describe(client.get_run(_run_id(args, client))))
     return 0
 
 
 def cmd_watch(args) -> int:
     """One line per step and notice, then the run's final state; succeeds iff the run did."""
     with _connect(args) as client:
-        for event in client.watch(args.run_id, from_step=args.from_step):
+        run_id = _run_id(args, client)
+        for event in client.watch(run_id, from_step=args.from_step):
             kind = event.WhichOneof("event")
             if kind == "step":
                 print(_describe_step(event.step), flush=True)
             elif kind == "notice":
                 print(_describe_notice(event.notice), flush=True)
-        info = client.get_run(args.run_id)  # the same as the stream's final event
+        info = client.get_run(run_id)  # the same as the stream's final event
     print(_describe(info))
     return 0 if info.state == pb.RUN_STATE_SUCCEEDED else 1
 
 
 def cmd_stop(args) -> int:
     with _connect(args) as client:
-        print(_describe(client.stop_run(args.run_id)))
+        print(_describe(client.stop_run(_run_id(args, client))))
     return 0
 
 
 def cmd_scale(args) -> int:
     with _connect(args) as client:
-        print(_describe(client.scale_pool(args.run, args.pool, args.replicas)))
+        print(_describe(client.scale_pool(_run_id(args, client), args.pool, args.replicas)))
     return 0
 
 
 def cmd_checkpoint(args) -> int:
     with _connect(args) as client:
-        print(_describe(client.checkpoint(args.run_id)))
+        print(_describe(client.checkpoint(_run_id(args, client))))
     return 0
 
 
@@ -293,18 +308,25 @@ def _parser() -> argparse.ArgumentParser:
         command.set_defaults(func=func)
         return command
 
+    def run_command(name: str, func, help: str) -> argparse.ArgumentParser:
+        """A client command about one run, named by an optional RUN_ID."""
+        command = client_command(name, func, help)
+        command.add_argument("run_id", nargs="?", help=ACTIVE_RUN_HELP)
+        command.set_defaults(naming_a_run=f"dyad {name} RUN_ID")
+        return command
+
     submit = client_command("submit", cmd_submit, "start a run on the router; prints its id")
     _add_job_arguments(submit, default_steps=None, local=False)
-    client_command("status", cmd_status, "a run's state").add_argument("run_id")
-    watch = client_command("watch", cmd_watch, "follow a run until it ends")
-    watch.add_argument("run_id")
+    run_command("status", cmd_status, "a run's state")
+    watch = run_command("watch", cmd_watch, "follow a run until it ends")
     watch.add_argument("--from-step", type=int, default=0, help="replay steps from this one")
-    client_command("stop", cmd_stop, "stop a run").add_argument("run_id")
+    run_command("stop", cmd_stop, "stop a run")
     scale = client_command("scale", cmd_scale, "resize a pool of a running run")
     scale.add_argument("pool", choices=["encoder", "llm"])
     scale.add_argument("replicas", type=int)
-    scale.add_argument("--run", required=True, metavar="RUN_ID")
-    client_command("checkpoint", cmd_checkpoint, "commit a checkpoint").add_argument("run_id")
+    scale.add_argument("--run", dest="run_id", metavar="RUN_ID", help=ACTIVE_RUN_HELP)
+    scale.set_defaults(naming_a_run="dyad scale POOL REPLICAS --run RUN_ID")
+    run_command("checkpoint", cmd_checkpoint, "commit a checkpoint")
     return parser
 
 

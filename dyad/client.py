@@ -39,6 +39,10 @@ class RouterClient:
     def get_run(self, run_id: str) -> pb.RunInfo:
         return self.stub.GetRun(pb.GetRunRequest(run_id=run_id), timeout=10)
 
+    def active_run_id(self) -> str:
+        """The run the router drives now; "" when none."""
+        return self.stub.GetActiveRun(pb.GetActiveRunRequest(), timeout=10).run_id
+
     def stop_run(self, run_id: str) -> pb.RunInfo:
         return self.stub.StopRun(pb.StopRunRequest(run_id=run_id), timeout=10)
 

@@ -121,6 +121,10 @@ class RouterService(rpc.RouterServicer):
     def GetRun(self, request, context):
         return self.state.get(request.run_id).info()
 
+    def GetActiveRun(self, request, context):
+        run_ids = self.state.active_run_ids()
+        return self.state.get(run_ids[0]).info() if run_ids else pb.RunInfo()
+
     def WatchRun(self, request, context):
         if request.from_step < 0:
             raise ValueError(f"from_step must be >= 0, got {request.from_step}")

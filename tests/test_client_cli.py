@@ -1,5 +1,6 @@
 """`dyad submit/status/watch/stop/scale/checkpoint` against a router: answers on stdout, gRPC
-errors as one line `dyad <cmd>: <CODE>: <details>` on stderr with a non-zero exit, no traceback."""
+errors as one line `dyad <cmd>: <CODE>: <details>` on stderr with a non-zero exit, no traceback.
+A command given no run id acts on the router's active run."""
 
 from __future__ import annotations
 
@@ -137,6 +138,61 @@ def test_submit_status_stop_watch(router, capsys, tmp_path):
 
     code, _, err = dyad(capsys, "stop", run_id)
     _assert_grpc_error(code, err, "stop", "FAILED_PRECONDITION")
+
+
+def test_commands_without_a_run_id_act_on_the_active_run(router, capsys, tmp_path):
+    """`dyad scale encoder 2` as the issue writes it: requests are accepted and queued for the
+    run the router drives (it waits for workers that never come; max_recoveries=0 and a 30 s
+    start timeout end it soon were the stop ignored)."""
+    code, out, err = dyad(
+        capsys, "submit", "--steps", "2", "--out", str(tmp_path / "run"),
+        "--set", "router.start_timeout_s=30", "--set", "router.max_recoveries=0",
+    )
+    assert code == 0, err
+    run_id = out.strip()
+    run = router.get(run_id)
+
+    code, out, err = dyad(capsys, "scale", "encoder", "2")
+    assert code == 0, err
+    assert out.startswith(f"run {run_id}: STARTING")
+    assert run.take_scale_requests() == {"encoder": 2}
+
+    assert not run.checkpoint_requested.is_set()
+    code, out, err = dyad(capsys, "checkpoint")
+    assert code == 0 and out.startswith(f"run {run_id}: "), err
+    assert run.checkpoint_requested.is_set()
+
+    code, out, err = dyad(capsys, "status")
+    assert code == 0 and out.startswith(f"run {run_id}: STARTING, step 0/2"), err
+
+    code, out, err = dyad(capsys, "stop")
+    assert code == 0 and out.startswith(f"run {run_id}: "), err
+    assert run.stop_requested.is_set()
+    code, out, _ = dyad(capsys, "watch", run_id)
+    assert code == 1 and f"run {run_id}: STOPPED" in out
+
+    code, _, err = dyad(capsys, "scale", "encoder", "2")
+    assert code == 2 and "no run is active" in err and "--run RUN_ID" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, naming",
+    [
+        pytest.param(argv, naming, id=argv[0]) for argv, naming in [
+            (("status",), "dyad status RUN_ID"),
+            (("watch", "--from-step", "3"), "dyad watch RUN_ID"),
+            (("stop",), "dyad stop RUN_ID"),
+            (("checkpoint",), "dyad checkpoint RUN_ID"),
+            (("scale", "encoder", "3"), "dyad scale POOL REPLICAS --run RUN_ID"),
+        ]
+    ],
+)
+def test_no_run_id_and_no_active_run_says_how_to_name_one(router, capsys, argv, naming):
+    code, out, err = dyad(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err == (
+        f"dyad {argv[0]}: no run is active on the router at {router.address}; name one: {naming}\n"
+    )
 
 
 def test_submit_checks_the_config_before_calling(router, capsys):
