@@ -230,10 +230,10 @@ class RunDriver:
     def _recover(self, lost: WorkerLost) -> None:
         """Restart both pools from the last committed checkpoint, as often as allowed."""
         while True:
-            used = self.run.count_recovery()
             limit = self.config.router.max_recoveries
-            if used > limit:
+            if self.run.info().recoveries >= limit:  # RunInfo.recoveries never exceeds the bound
                 raise RunAborted(f"gave up after router.max_recoveries={limit}: {lost}")
+            used = self.run.count_recovery()
             self._continue_from(self.committed)
             log.warning("run %s: recovering (%d/%d) from step %d: %s",
                         self.run.run_id, used, limit, self.step, lost)

@@ -16,7 +16,9 @@ from dyad.router.checkpoints import MANIFEST
 from dyad.router.launcher import free_ports
 
 from dyad import config as config_lib
+from dyad.cli import _describe_step, main
 from dyad.client import RouterClient
+from dyad.wire import pb
 from tests.resilience import (
     CREDENTIALS,
     assert_losses_match,
@@ -30,13 +32,39 @@ from tests.resilience import (
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("uninterrupted")
+def baseline_router():
+    """Serves the uninterrupted run's history for the module (the run itself is over)."""
     with in_process_router() as (client, _):
-        run = run_followed(client, job_config(out_dir))
+        yield client
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, baseline_router):
+    out_dir = tmp_path_factory.mktemp("uninterrupted")
+    run = run_followed(baseline_router, job_config(out_dir))
     assert run.info.state == 3, run.info.message  # RUN_STATE_SUCCEEDED
     assert sorted(run.steps) == list(range(8))
     return out_dir, run
+
+
+def test_watch_from_a_step_replays_only_that_step_on(uninterrupted, baseline_router, capsys,
+                                                      monkeypatch):
+    """`dyad watch RUN_ID --from-step 5` on the finished run: the same step events as the live
+    watch from step 5 on, the checkpoints committed at steps 6 and 8, nothing earlier."""
+    _, baseline = uninterrupted
+    for name in ("DYAD_TLS_CA", "DYAD_TLS_CERT", "DYAD_TLS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DYAD_TOKEN", CREDENTIALS.client_token)
+    run_id = baseline.info.run_id
+    with pytest.raises(SystemExit) as exited:
+        main(["watch", run_id, "--from-step", "5", "--router", baseline_router.address])
+    lines = capsys.readouterr().out.splitlines()
+    assert exited.value.code == 0, lines
+    steps = [line for line in lines if line.startswith("step ")]
+    assert steps == [_describe_step(baseline.steps[step]) for step in (5, 6, 7)], lines
+    notices = [line.split(":")[0] for line in lines if line.startswith("checkpoint ")]
+    assert notices == ["checkpoint at step 6", "checkpoint at step 8"], lines
+    assert len(steps) + len(notices) == lines.index(f"run {run_id}: SUCCEEDED, step 8/8")
 
 
 def _assert_same_training(out_dir, run, uninterrupted) -> None:
@@ -78,6 +106,26 @@ def test_a_killed_worker_is_recovered_from_the_last_checkpoint(tmp_path, uninter
     assert run.info.recoveries == 1 and run.info.generation == 2
     assert '"event": "recovery"' in (tmp_path / "metrics.jsonl").read_text()
     _assert_same_training(tmp_path, run, uninterrupted)
+
+
+def test_recoveries_are_bounded_by_max_recoveries(tmp_path):
+    """With router.max_recoveries=0 a SIGKILLed worker ends the run: FAILED, naming the bound,
+    and no recovery counted or announced."""
+    killed = []
+
+    with in_process_router() as (client, state):
+        def kill_once(metrics):
+            if not killed:
+                killed.append(state.get(state.active_run_ids()[0]).pids["encoder/0"])
+                kill(killed[0])
+
+        run = run_followed(client, job_config(tmp_path, "router.max_recoveries=0"), kill_once)
+    assert killed
+    assert run.info.state == pb.RUN_STATE_FAILED, run.info
+    assert "gave up after router.max_recoveries=0" in run.info.message, run.info.message
+    assert run.info.recoveries == 0 and run.info.generation == 1
+    assert [n.kind for n in run.notices if n.kind != "checkpoint"] == [], run.notices
+    assert max(run.steps) < 7
 
 
 def test_a_hung_worker_is_detected_by_its_silence_and_replaced(tmp_path, uninterrupted):
