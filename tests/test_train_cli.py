@@ -46,6 +46,17 @@ def test_dyad_verify_prints_both_losses_and_passes(tmp_path):
     assert "largest parameter difference" in result.stdout and "PASS" in result.stdout
 
 
+def test_dyad_verify_fails_a_layout_that_changes_the_math(tmp_path):
+    """Capacity dropping applies to each rank's own tokens, so under cp=2 the LLM drops other
+    tokens than one device does (README, "Status and limits"): a real difference verify must catch."""
+    result = _dyad("verify", "--steps", "1", "--quiet", "--device", "cpu", "--set", "train.global_batch=6",
+                   "--set", "parallel.llm.cp=2", "--set", "llm.moe.capacity_factor=0.5",
+                   "--out", str(tmp_path / "v"), cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "FAIL: beyond tolerance 1e-05" in result.stderr
+    assert "PASS" not in result.stdout
+
+
 def test_bad_override_is_reported_with_its_field(tmp_path):
     result = _dyad("train", "--set", "train.lr=-1", "--out", str(tmp_path / "x"), cwd=tmp_path)
     assert result.returncode == 2
