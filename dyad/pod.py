@@ -7,10 +7,19 @@ its pool re-forms, or it failed), the others are stopped and the pod's process e
 code, so the container restarts as a whole and its workers register again; the restart count the
 router's Kubernetes backend watches then says what happened.
 
+A stuck worker ends the same way: one the router released but whose main thread cannot obey
+exits by itself (dyad/worker.py), and one frozen whole (no heartbeat thread either: no pulse down
+its pipe for `$DYAD_WORKER_SILENT_S`, once it has pulsed) is killed here. Either way the health
+service says NOT_SERVING from then on and stops with the pod's process, so the kubelet's
+liveness probe fails only if this supervisor itself hangs; the container restarts because its
+process exits. The router never deletes a pod.
+
 Environment: `DYAD_ROUTER` (host:port), `DYAD_JOIN_TOKEN`, `POD_NAME`, `POD_IP`,
-`DYAD_GPUS_PER_POD` (default 1), optional `DYAD_RUN_ID` (default: the router's active run). In a
-LeaderWorkerSet group (experimental `k8s/overlays/lws`) the ordinal comes from
-`DYAD_LWS_GROUP_INDEX`, `LWS_GROUP_SIZE` and `LWS_WORKER_INDEX` instead of the pod name.
+`DYAD_GPUS_PER_POD` (default 1), optional `DYAD_RUN_ID` (default: the router's active run),
+`DYAD_WORKER_SILENT_S` (default 60, the router's default worker_timeout_s; keep it above
+6 x router.heartbeat_interval_s). In a LeaderWorkerSet group (experimental `k8s/overlays/lws`)
+the ordinal comes from `DYAD_LWS_GROUP_INDEX`, `LWS_GROUP_SIZE` and `LWS_WORKER_INDEX` instead of
+the pod name.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -30,6 +40,8 @@ from dyad.cpus import usable_cpus, worker_environment, worker_threads
 
 log = logging.getLogger("dyad.pod")
 HEALTH_PORT = 8081
+PULSE_FD_ENV = "DYAD_PULSE_FD"  # a worker's end of its pipe to this supervisor
+STUCK_EXIT_CODE = 3  # a worker stuck (released, still running) or frozen (silent)
 _STOP_GRACE_S = 20.0
 
 
@@ -62,7 +74,7 @@ def _env(name: str, environ=os.environ) -> str:
     return value
 
 
-def _serve_health(port: int) -> grpc.Server:
+def _serve_health(port: int) -> tuple[grpc.Server, health.HealthServicer]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
@@ -70,24 +82,47 @@ def _serve_health(port: int) -> grpc.Server:
         raise OSError(f"cannot serve health on port {port}")
     server.start()
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return server
+    return server, servicer
+
+
+class _Pulses:
+    """The read end of a worker's pulse pipe and when it last carried something."""
+
+    def __init__(self):
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        self.last: float | None = None  # None until the worker's first pulse
+
+    def silent_for(self, now: float) -> float:
+        try:
+            if os.read(self.read_fd, 4096):
+                self.last = now
+        except BlockingIOError:
+            pass
+        return 0.0 if self.last is None else now - self.last
 
 
 def run_pod(pool: str, health_port: int = HEALTH_PORT) -> int:
-    """Start the pod's workers; return the exit code of the first one to exit."""
+    """Start the pod's workers; return the exit code of the first one to exit (STUCK_EXIT_CODE
+    when one is killed for being silent)."""
     ranks = pod_ranks(pod_ordinal_name(os.environ), int(os.environ.get("DYAD_GPUS_PER_POD", "1")))
     router = _env("DYAD_ROUTER")
     _env("DYAD_JOIN_TOKEN")  # the workers read it; refuse early when it is missing
     run_id = os.environ.get("DYAD_RUN_ID", "")
-    health_server = _serve_health(health_port)
+    silent_s = float(os.environ.get("DYAD_WORKER_SILENT_S", "60"))
+    health_server, health_servicer = _serve_health(health_port)
     env = worker_environment(os.environ, {}, worker_threads(usable_cpus(), len(ranks)))
+    pulses = {rank: _Pulses() for rank in ranks}
     workers = {
-        rank: subprocess.Popen([
-            sys.executable, "-m", "dyad.worker", "--router", router, "--pool", pool,
-            "--rank", str(rank), "--run-id", run_id,
-        ], env=env)
-        for rank in ranks
+        rank: subprocess.Popen(
+            [sys.executable, "-m", "dyad.worker", "--router", router, "--pool", pool,
+             "--rank", str(rank), "--run-id", run_id],
+            env=env | {PULSE_FD_ENV: str(pipe.write_fd)}, pass_fds=(pipe.write_fd,),
+        )
+        for rank, pipe in pulses.items()
     }
+    for pipe in pulses.values():
+        os.close(pipe.write_fd)
     log.info("%s pod: ranks %s", pool, ranks)
     exited = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: exited.set())
@@ -98,6 +133,15 @@ def run_pod(pool: str, health_port: int = HEALTH_PORT) -> int:
             rank, code = next(iter(done.items()))
             log.info("worker %s/%d exited with %s; stopping the pod's other workers", pool, rank, code)
             break
+        now = time.monotonic()
+        silent = [rank for rank, pipe in pulses.items() if pipe.silent_for(now) > silent_s]
+        if silent:
+            rank, code = silent[0], STUCK_EXIT_CODE
+            log.error("worker %s/%d silent for more than %gs (frozen): killing it and stopping "
+                      "the pod's other workers", pool, rank, silent_s)
+            workers[rank].kill()  # frozen: SIGTERM could wait for ever (a stopped process)
+            break
+    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     for proc in workers.values():
         if proc.poll() is None:
             proc.terminate()
@@ -107,5 +151,7 @@ def run_pod(pool: str, health_port: int = HEALTH_PORT) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    for pipe in pulses.values():
+        os.close(pipe.read_fd)
     health_server.stop(grace=None)
     return code

@@ -13,6 +13,14 @@ A process serves one generation of its pool's process groups. Told to stop (the 
 its pool re-forms), it exits; its supervisor (the local launcher, or the StatefulSet on
 Kubernetes) starts a fresh one. When the router goes away, it registers again (for up to
 `router.reconnect_timeout_s`) and carries on in place if the router keeps its pool as it is.
+
+A process that cannot obey a stop, its main thread stuck (in a collective whose peers are gone,
+or waiting for a rendezvous that never comes), exits by itself: its heartbeat thread sees that
+the router has released it (a heartbeat answered `stop`, or refused because the process is no
+longer one of its pool's), and `router.stop_grace_s` later ends the process with
+STUCK_EXIT_CODE. In a pod (`$DYAD_PULSE_FD` set, dyad/pod.py) the heartbeat thread also writes a
+byte to that pipe on every beat: the pod's supervisor stops a worker whose pulses stop (a process
+frozen whole, its heartbeat thread included).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import torch.distributed as dist
 
 from dyad import config as config_lib
 from dyad.channels import open_channel
+from dyad.pod import PULSE_FD_ENV, STUCK_EXIT_CODE
 from dyad.router.auth import load_token
 from dyad.transport import UcxTransport
 from dyad.wire import POOL_ENUMS, pb, rpc
@@ -39,6 +48,8 @@ from dyad.wire import POOL_ENUMS, pb, rpc
 log = logging.getLogger("dyad.worker")
 _RETRY_S = 1.0
 _WAIT_FOR_RUN_S = 5.0
+# Heartbeat answers that say the router no longer counts on this process.
+_RELEASED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 
 
 def _service_class(pool: str):
@@ -75,8 +86,11 @@ class WorkerRuntime:
             self.run_id = reply.run_id
             config = config_lib.from_yaml(reply.config_yaml)
             self.dist_address = reply.dist_address
-            interval = config.router.heartbeat_interval_s
-            threading.Thread(target=self._heartbeat, args=(interval,), daemon=True).start()
+            threading.Thread(
+                target=self._heartbeat,
+                args=(config.router.heartbeat_interval_s, config.router.stop_grace_s),
+                daemon=True,
+            ).start()
             self._join_pool(config, reply.dist_address)
             service = _service_class(self.pool)(config, transport, self.rank, self.run_id)
             service.run_secret = reply.run_secret
@@ -175,14 +189,54 @@ class WorkerRuntime:
             timeout=30,
         )
 
-    def _heartbeat(self, interval_s: float) -> None:
+    def _heartbeat(self, interval_s: float, grace_s: float) -> None:
+        """Beat while the process lives; end it if it is still here `grace_s` after the router
+        released it, or after its main thread began to clean up (see the module's docstring)."""
         request = pb.HeartbeatRequest(run_id=self.run_id, worker=self.worker)
-        while not self._stopped.wait(interval_s):
+        pulse = _Pulse(os.environ.get(PULSE_FD_ENV))
+        released_at = None
+        while True:
+            pulse()
+            time.sleep(interval_s)
+            ending = self._stopped.is_set()
+            released = ending or self._released(request, timeout_s=interval_s * 5)
+            now = time.monotonic()
+            if not released:
+                released_at = None
+            elif released_at is None:
+                released_at = now
+            elif now - released_at > grace_s:
+                log.error(
+                    "%s %.0fs ago and still running (stuck?): exiting",
+                    "stopped" if ending else "released by the router", now - released_at,
+                )
+                logging.shutdown()
+                os._exit(STUCK_EXIT_CODE)  # the main thread cannot be interrupted
+
+    def _released(self, request: pb.HeartbeatRequest, timeout_s: float) -> bool:
+        """One heartbeat: whether the router no longer counts on this process."""
+        try:
+            return self.stub.Heartbeat(request, timeout=timeout_s).stop
+        except grpc.RpcError as error:
+            log.debug("heartbeat failed: %s", error.code())
+            return error.code() in _RELEASED
+
+
+class _Pulse:
+    """One byte down the pod supervisor's pipe per call; nothing outside a pod. Never blocks: a
+    full pipe already says that this process is alive."""
+
+    def __init__(self, fd: str | None):
+        self.fd = int(fd) if fd else None
+        if self.fd is not None:
+            os.set_blocking(self.fd, False)
+
+    def __call__(self) -> None:
+        if self.fd is not None:
             try:
-                if self.stub.Heartbeat(request, timeout=interval_s * 5).stop:
-                    return
-            except grpc.RpcError as error:
-                log.debug("heartbeat failed: %s", error.code())
+                os.write(self.fd, b".")
+            except (BlockingIOError, BrokenPipeError):  # full; or the supervisor is gone
+                pass
 
 
 def _profiled(pool: str, rank: int, command: pb.WorkerCommand):

@@ -73,9 +73,12 @@ def run(args: argparse.Namespace) -> None:
     )
     options = {}
     if args.launcher == "kubernetes":
-        from dyad.router.k8s import KubernetesLauncher
+        from dyad.router.k8s import KubernetesLauncher, gpus_per_pod_from_env
 
-        options["launcher_factory"] = lambda: KubernetesLauncher(args.namespace)
+        per_pod = gpus_per_pod_from_env(os.environ)  # a missing one fails here, not in a run
+        options["launcher_factory"] = lambda: KubernetesLauncher(
+            args.namespace, gpus_per_pod=per_pod
+        )
     if args.metrics_port:
         from dyad.router.metrics import start_metrics_server
 

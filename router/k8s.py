@@ -3,10 +3,16 @@ headless Service of the same name, and every pod runs DYAD_GPUS_PER_POD (N) work
 `ordinal*N .. ordinal*N + N-1` (dyad/pod.py).
 
 The router only sets each StatefulSet's replicas (through its scale subresource) and watches the
-pods. The StatefulSet creates them; the kubelet restarts a pod's container whenever its workers
-exit, which is how a worker the router told to stop comes back for the next generation. A
-container restart the router did not ask for, or a pod deleted, replaced or failed, is a dead
-worker.
+pods: its Role allows nothing else (k8s/base/rbac.yaml). It learns N from its own environment,
+`DYAD_ENCODER_GPUS_PER_POD` and `DYAD_LLM_GPUS_PER_POD` (the manifests set them to the pools'
+`nvidia.com/gpu`), not from the StatefulSets, and checks it against each pod's own
+DYAD_GPUS_PER_POD as the watch shows the pods. The StatefulSet creates the pods; the kubelet
+restarts a pod's container whenever its workers exit, which is how a worker the router told to
+stop comes back for the next generation. A worker that does not stop (stuck in a collective, or
+frozen) is never deleted by the router: it exits by itself once the router has released it for
+router.stop_grace_s (dyad/worker.py), or its pod's supervisor stops it when it goes silent
+(dyad/pod.py); its container restarts like any other. A container restart the router did not
+ask for, or a pod deleted, replaced or failed, is a dead worker.
 
 Pods are followed with the API's list-then-watch protocol: list, watch from the list's
 resourceVersion; on 410 Gone (the server no longer has that history) list again; when the stream
@@ -20,7 +26,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from http import HTTPStatus
 
@@ -37,12 +43,30 @@ POOLS = ("encoder", "llm")
 RENDEZVOUS_PORT = 29500
 POD_SELECTOR = "app.kubernetes.io/name=dyad,app.kubernetes.io/component in (encoder,llm)"
 _COMPONENT_LABEL = "app.kubernetes.io/component"
-_DELETE_GRACE_S = 5  # a hung pod's SIGTERM -> SIGKILL, as LocalLauncher.stop
 _FIRST_LIST_TIMEOUT_S = 30.0
 
 
 def statefulset(pool: str) -> str:
     return f"dyad-{pool}"
+
+
+def gpus_per_pod_env(pool: str) -> str:
+    return f"DYAD_{pool.upper()}_GPUS_PER_POD"
+
+
+def gpus_per_pod_from_env(environ: Mapping[str, str]) -> dict[str, int]:
+    """Workers per pod of each pool, from the router's environment (k8s/base/router.yaml)."""
+    per_pod = {}
+    for pool in POOLS:
+        name = gpus_per_pod_env(pool)
+        value = environ.get(name, "")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(
+                f"${name} must be a whole number >= 1 (the nvidia.com/gpu limit of the {pool} "
+                f"pool's pods) for --launcher kubernetes, got {value!r}"
+            )
+        per_pod[pool] = int(value)
+    return per_pod
 
 
 class KubernetesError(RuntimeError):
@@ -66,11 +90,15 @@ class PodState:
     exited: bool  # its container exited and waits to be restarted (restartCount grows then)
     last_exit: str  # how its container last ended, e.g. "OOMKilled (exit code 137)"
     deleted: bool  # deleted, or being deleted
+    workers: int | None = None  # its DYAD_GPUS_PER_POD (1 if unset); None: not a plain value
 
     @classmethod
     def of(cls, pod: dict, deleted: bool = False) -> PodState:
         meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-        worker = ((pod.get("spec") or {}).get("containers") or [{}])[0].get("name")
+        worker_spec = ((pod.get("spec") or {}).get("containers") or [{}])[0]
+        worker = worker_spec.get("name")
+        env = {e.get("name"): e for e in worker_spec.get("env") or []}
+        workers = env.get("DYAD_GPUS_PER_POD", {"value": "1"}).get("value")
         container = next(
             (c for c in status.get("containerStatuses") or [] if c.get("name") == worker), {}
         )
@@ -91,6 +119,7 @@ class PodState:
             last_exit=f"{ended.get('reason', 'exited')} (exit code {ended.get('exitCode')})"
             if ended else "",
             deleted=deleted or bool(meta.get("deletionTimestamp")),
+            workers=int(workers) if workers is not None and workers.isdigit() else None,
         )
 
 
@@ -113,10 +142,14 @@ class KubernetesLauncher(Launcher):
         namespace: str = "default",
         api_client: client.ApiClient | None = None,
         *,
+        gpus_per_pod: Mapping[str, int],
         watch_timeout_s: int = 300,
         request_timeout_s: float = 30.0,
         backoff_s: tuple[float, float] = (0.5, 30.0),
     ):
+        """`gpus_per_pod`: workers per pod of each pool (`gpus_per_pod_from_env`)."""
+        if set(gpus_per_pod) != set(POOLS) or min(gpus_per_pod.values()) < 1:
+            raise ValueError(f"gpus_per_pod must give each of {POOLS} >= 1, got {gpus_per_pod}")
         if api_client is None:
             try:
                 config.load_incluster_config()
@@ -133,7 +166,7 @@ class KubernetesLauncher(Launcher):
         self._pods: dict[str, PodState] = {}  # pod name -> state, from the watch
         self._expected: dict[str, _Expected] = {}  # pods whose workers must keep running
         self._stopped: dict[str, _Expected] = {}  # pods told to stop: their next life
-        self._per_pod: dict[str, int] = {}  # pool -> workers per pod
+        self._per_pod = dict(gpus_per_pod)
         self._watcher: threading.Thread | None = None
         self._closing = threading.Event()
         self._listed = threading.Event()
@@ -157,11 +190,11 @@ class KubernetesLauncher(Launcher):
         replicas = {}
         for pool in sorted({spec.pool for spec in workers}):
             size = 1 + max(spec.rank for spec in workers if spec.pool == pool)
-            per_pod = self.gpus_per_pod(pool)
+            per_pod = self._per_pod[pool]
             if size % per_pod:
                 raise ValueError(
-                    f"the {pool} pool has {size} ranks, not a multiple of the "
-                    f"{per_pod} workers per pod of statefulset {statefulset(pool)}"
+                    f"the {pool} pool has {size} ranks, not a multiple of the {per_pod} workers "
+                    f"per pod of statefulset {statefulset(pool)} (${gpus_per_pod_env(pool)})"
                 )
             replicas[pool] = size // per_pod
         for pool, count in replicas.items():
@@ -173,12 +206,20 @@ class KubernetesLauncher(Launcher):
                     self._expected[_pod(pool, ordinal)] = self._expectation(pool, ordinal)
 
     def dead(self) -> list[tuple[WorkerSpec, str]]:
+        """Workers lost; ValueError when a pod runs another number of workers than the router
+        counts on (its ranks would be wrong: no recovery can mend that)."""
         found = []
         with self._cond:
             for name, expected in self._expected.items():
-                reason = _lost(self._pods.get(name), expected)
+                pod, per_pod = self._pods.get(name), self._per_pod[expected.pool]
+                if pod is not None and not pod.deleted and pod.workers not in (None, per_pod):
+                    raise ValueError(
+                        f"pod {name} runs {pod.workers} workers (its DYAD_GPUS_PER_POD) but the "
+                        f"router's ${gpus_per_pod_env(expected.pool)} is {per_pod}: set both to "
+                        f"the pod's nvidia.com/gpu limit (and delete pods of an older template)"
+                    )
+                reason = _lost(pod, expected)
                 if reason:
-                    per_pod = self._per_pod.get(expected.pool, 1)
                     first = expected.ordinal * per_pod
                     found += [
                         (WorkerSpec(expected.pool, rank), f"(pod {name}) {reason}")
@@ -188,9 +229,10 @@ class KubernetesLauncher(Launcher):
 
     def stop(self, pools: Iterable[str] | None = None, timeout_s: float = 10.0) -> None:
         """The workers of `pools` were told to stop, so their pods' containers exit and restart:
-        wait up to `timeout_s` for that, then delete the pods whose containers did not exit
-        (their StatefulSet recreates them). `pools=None`, the end of the run: scale every pool
-        to 0 and stop watching."""
+        wait up to `timeout_s` for that. A container that has not exited by then restarts later
+        (its workers exit once released for router.stop_grace_s, or its supervisor stops them;
+        the next generation waits for them to register); nothing is deleted. `pools=None`, the
+        end of the run: scale every pool to 0 and stop watching."""
         if pools is None:
             self._end()
             return
@@ -206,18 +248,17 @@ class KubernetesLauncher(Launcher):
                 if not hung or left <= 0:
                     break
                 self._cond.wait(min(left, 0.5))
-            for name, pod in before.items():  # how each will look when its workers run again
-                if name in hung:  # a new pod
-                    self._stopped[name] = _Expected(pod.pool, _ordinal(name), None, 0, pod.uid)
-                else:  # its container restarted once more, unless it never ran
-                    restarts = pod.restarts + (1 if pod.running or pod.exited else 0)
-                    self._stopped[name] = _Expected(pod.pool, _ordinal(name), pod.uid, restarts)
+            for name, pod in before.items():  # how each will look when its workers run again:
+                # its container restarted once more (or restarting), unless it never ran
+                restarts = pod.restarts + (1 if pod.running or pod.exited else 0)
+                self._stopped[name] = _Expected(pod.pool, _ordinal(name), pod.uid, restarts)
         for name in hung:
             log.warning(
-                "pod %s: its workers did not exit within %gs of being told to stop; deleting it",
+                "pod %s: its workers did not exit within %gs of being told to stop; they exit "
+                "once released for router.stop_grace_s, or its supervisor stops them when they "
+                "are silent (dyad/worker.py, dyad/pod.py), and its container restarts",
                 name, timeout_s,
             )
-            self._delete_pod(name)
 
     def adopt(self, spec: WorkerSpec, pid: int) -> None:
         """Nothing to do: a pid means nothing outside its pod, and the pods outlive routers."""
@@ -236,22 +277,6 @@ class KubernetesLauncher(Launcher):
 
     # ------------------------------------------------------------------ API calls
 
-    def gpus_per_pod(self, pool: str) -> int:
-        """Workers per pod of the pool's StatefulSet: its worker container's DYAD_GPUS_PER_POD,
-        else its nvidia.com/gpu limit, else 1."""
-        name = statefulset(pool)
-        body = self._call(
-            f"read statefulset {name}",
-            self._apps.read_namespaced_stateful_set, name, self.namespace,
-        )
-        container = body["spec"]["template"]["spec"]["containers"][0]
-        env = {e["name"]: e.get("value") for e in container.get("env") or []}
-        limits = (container.get("resources") or {}).get("limits") or {}
-        per_pod = int(env.get("DYAD_GPUS_PER_POD") or limits.get("nvidia.com/gpu") or 1)
-        with self._cond:
-            self._per_pod[pool] = per_pod
-        return per_pod
-
     def scale(self, pool: str, replicas: int) -> None:
         name = statefulset(pool)
         scale = self._call(
@@ -267,17 +292,6 @@ class KubernetesLauncher(Launcher):
             self._apps.patch_namespaced_stateful_set_scale, name, self.namespace,
             {"spec": {"replicas": replicas}},  # sent as a strategic merge patch
         )
-
-    def _delete_pod(self, name: str) -> None:
-        try:
-            self._call(
-                f"delete pod {name}", self._core.delete_namespaced_pod, name, self.namespace,
-                grace_period_seconds=_DELETE_GRACE_S,
-            )
-        except KubernetesError as error:
-            if error.status != HTTPStatus.NOT_FOUND:
-                raise
-            log.info("pod %s was gone already", name)
 
     def _call(self, action: str, method, *args, **kwargs) -> dict:
         """One API call's JSON answer, or KubernetesError saying what failed and why."""

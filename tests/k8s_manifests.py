@@ -33,19 +33,18 @@ KUSTOMIZATIONS = ["base", "overlays/dev", "overlays/rdma", "overlays/lws"]
 POOLS = ("encoder", "llm")
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 
+# Exactly what the issue allows: resize through the scale subresource, follow the pods. The fake
+# API server of tests/test_k8s_launcher.py refuses the launcher anything else (403).
 ROUTER_RULES = {
     ("apps", "statefulsets/scale", "get"),
     ("apps", "statefulsets/scale", "patch"),
-    ("apps", "statefulsets", "get"),
     ("", "pods", "get"),
     ("", "pods", "list"),
     ("", "pods", "watch"),
-    ("", "pods", "delete"),
 }
 LWS_RULES = {
     ("leaderworkerset.x-k8s.io", "leaderworkersets/scale", "get"),
     ("leaderworkerset.x-k8s.io", "leaderworkersets/scale", "patch"),
-    ("leaderworkerset.x-k8s.io", "leaderworkersets", "get"),
 }
 # Capabilities a container may add back after dropping ALL, per kustomization.
 ALLOWED_CAPABILITIES = {"overlays/rdma": {"IPC_LOCK"}}
@@ -414,8 +413,18 @@ def privilege_problems(docs: list[dict], kustomization: str) -> list[str]:
 
 def resource_problems(docs: list[dict]) -> list[str]:
     """cpu and memory requests and limits everywhere; GPUs only on pool pods, requests = limits
-    = DYAD_GPUS_PER_POD; pool pods Guaranteed (requests = limits)."""
+    = DYAD_GPUS_PER_POD = the router's DYAD_<POOL>_GPUS_PER_POD; pool pods Guaranteed
+    (requests = limits)."""
     problems = []
+    (router,) = router_pod(docs)["containers"]
+    for pool, specs in pool_pods(docs).items():
+        name = f"DYAD_{pool.upper()}_GPUS_PER_POD"
+        counted = env_of(router).get(name, {}).get("value")
+        for spec in specs:
+            limits = spec["containers"][0].get("resources", {}).get("limits", {})
+            gpus = limits.get("nvidia.com/gpu")
+            if counted != str(gpus):
+                problems.append(f"router: {name} {counted!r} != the {pool} pods' {gpus} GPUs")
     for owner, pod in all_pods(docs):
         for container in pod["containers"]:
             where = f"{owner}/{container['name']}"

@@ -1,7 +1,10 @@
 """KubernetesLauncher against a fake API server (stdlib HTTP in a thread) that answers the calls
-the launcher makes the way the API server does: the scale subresource, StatefulSet reads, pod
-list and watch (chunked JSON lines, resourceVersions, 410 Gone for compacted history), pod
-deletion, plus a StatefulSet controller's part (pods created and deleted with the replicas).
+the launcher makes the way the API server does: the scale subresource, pod list and watch
+(chunked JSON lines, resourceVersions, timeoutSeconds, 410 Gone for compacted history), plus a
+StatefulSet controller's part (pods created from the template, and deleted, with the replicas).
+It authorizes like the API server with the router's Role (tests/k8s_manifests.py ROUTER_RULES,
+which the manifests' Role must equal): anything else is 403 Forbidden, and every test fails if
+the launcher asked for anything else.
 """
 
 from __future__ import annotations
@@ -17,12 +20,35 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from kubernetes import client
+from kubernetes.client.rest import ApiException
 
-from dyad.router.k8s import KubernetesError, KubernetesLauncher
+from dyad.router.k8s import KubernetesError, KubernetesLauncher, gpus_per_pod_from_env
 from dyad.router.launcher import WorkerSpec
+from tests.k8s_manifests import ROUTER_RULES
 
 NS = "ns"
 SELECTOR = "app.kubernetes.io/name=dyad,app.kubernetes.io/component in (encoder,llm)"
+GPUS_PER_POD = {"encoder": 1, "llm": 2}  # what the router's environment says
+_RESOURCE_PATH = re.compile(
+    r"/(?:api/v1|apis/(?P<group>[^/]+)/[^/]+)/namespaces/[^/]+/(?P<resource>[^/]+)"
+    r"(?:/(?P<name>[^/]+)(?:/(?P<subresource>[^/]+))?)?"
+)
+
+
+def authorization(method: str, path: str, query: dict) -> tuple[str, str, str] | None:
+    """(API group, resource, verb) of a request, as the API server's RBAC sees it."""
+    m = _RESOURCE_PATH.fullmatch(path)
+    if not m:
+        return None
+    resource = m["resource"] + (f"/{m['subresource']}" if m["subresource"] else "")
+    if method == "GET":
+        watch = query.get("watch", "").lower() == "true"  # Go's ParseBool takes True too
+        verb = "get" if m["name"] else "watch" if watch else "list"
+    else:
+        verb = {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(method) or (
+            "delete" if m["name"] else "deletecollection"
+        )
+    return (m["group"] or "", resource, verb)
 
 
 def _statefulset(name: str, env: dict[str, str], gpus: int | None) -> dict:
@@ -53,7 +79,6 @@ class FakeApiServer:
         self.gone_as_status = False  # answer such a watch with HTTP 410, not an ERROR event
         self.expiries = 0  # bumped: open watches send an ERROR 410 event and end
         self.drops = 0  # bumped: open watches lose their connection mid-event
-        self.delete_delay_s = 0.0  # a deleted pod's grace period: it shows until then
         self.closing = False
         self.pods: dict[str, dict] = {}
         self.statefulsets = {
@@ -61,6 +86,7 @@ class FakeApiServer:
             "dyad-llm": _statefulset("dyad-llm", {"DYAD_GPUS_PER_POD": "2"}, gpus=2),
         }
         self.requests: list[dict] = []
+        self.forbidden: list[dict] = []  # requests outside the router's Role
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_port}"
@@ -88,13 +114,14 @@ class FakeApiServer:
 
     def _create_pod(self, name: str, silently: bool = False) -> None:
         pool = name.split("-")[1]
+        template = self.statefulsets[name.rpartition("-")[0]]["spec"]["template"]
         self.pods[name] = {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {
                 "name": name, "namespace": NS, "uid": str(uuid.uuid4()),
                 "labels": {"app.kubernetes.io/name": "dyad", "app.kubernetes.io/component": pool},
             },
-            "spec": {"containers": [{"name": "worker", "image": "dyad:test"}]},
+            "spec": json.loads(json.dumps(template["spec"])),
             "status": {
                 "phase": "Running",
                 "conditions": [{"type": "Ready", "status": "True"}],
@@ -171,9 +198,7 @@ class FakeApiServer:
 
 def _handler(api: FakeApiServer):
     scale_path = re.compile(r"/apis/apps/v1/namespaces/([^/]+)/statefulsets/([^/]+)/scale")
-    statefulset_path = re.compile(r"/apis/apps/v1/namespaces/([^/]+)/statefulsets/([^/]+)")
     pods_path = re.compile(r"/api/v1/namespaces/([^/]+)/pods")
-    pod_path = re.compile(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)")
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -182,15 +207,30 @@ def _handler(api: FakeApiServer):
             pass
 
         def _request(self):
+            """The request's (path, query, body), or None when RBAC refused it (answered)."""
             url = urlsplit(self.path)
             query = {k: v[0] for k, v in parse_qs(url.query).items()}
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length)) if length else None
+            request = {
+                "method": self.command, "path": url.path, "query": query, "body": body,
+                "content_type": self.headers.get("Content-Type"),
+                "authorization": self.headers.get("Authorization"),
+            }
             with api.cond:
-                api.requests.append({
-                    "method": self.command, "path": url.path, "query": query, "body": body,
-                    "content_type": self.headers.get("Content-Type"),
+                api.requests.append(request)
+            rule = authorization(self.command, url.path, query)
+            if rule not in ROUTER_RULES:
+                with api.cond:
+                    api.forbidden.append(request)
+                group, resource, verb = rule or ("", url.path, self.command.lower())
+                self._json(403, {
+                    "kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "reason": "Forbidden", "code": 403,
+                    "message": f'User "system:serviceaccount:{NS}:dyad-router" cannot {verb} '
+                               f'resource "{resource}" in API group "{group}" in the namespace',
                 })
+                return None
             return url.path, query, body
 
         def _json(self, code: int, body: dict) -> None:
@@ -216,20 +256,17 @@ def _handler(api: FakeApiServer):
             }
 
         def do_GET(self):
-            path, query, _ = self._request()
+            if (request := self._request()) is None:
+                return
+            path, query, _ = request
             if m := scale_path.fullmatch(path):
                 with api.cond:
                     if m[2] not in api.statefulsets:
                         return self._not_found("statefulsets.apps", m[2])
                     return self._json(200, self._scale(m[2]))
-            if m := statefulset_path.fullmatch(path):
-                with api.cond:
-                    if m[2] not in api.statefulsets:
-                        return self._not_found("statefulsets.apps", m[2])
-                    return self._json(200, api.statefulsets[m[2]])
             if pods_path.fullmatch(path):
                 assert query.get("labelSelector") == SELECTOR, query
-                if query.get("watch", "").lower() == "true":  # Go's ParseBool takes True too
+                if authorization("GET", path, query)[2] == "watch":
                     return self._watch(int(query["resourceVersion"]), int(query["timeoutSeconds"]))
                 with api.cond:
                     return self._json(200, {
@@ -240,7 +277,9 @@ def _handler(api: FakeApiServer):
             self._not_found("path", path)
 
         def do_PATCH(self):
-            path, _, body = self._request()
+            if (request := self._request()) is None:
+                return
+            path, _, body = request
             m = scale_path.fullmatch(path)
             with api.cond:
                 if not m or m[2] not in api.statefulsets:
@@ -249,15 +288,11 @@ def _handler(api: FakeApiServer):
                 api._control(m[2])
                 return self._json(200, self._scale(m[2]))
 
-        def do_DELETE(self):
-            path, _, _ = self._request()
-            m = pod_path.fullmatch(path)
-            with api.cond:
-                if not m or m[2] not in api.pods:
-                    return self._not_found("pods", path)
-                pod = api.pods[m[2]]
-            threading.Timer(api.delete_delay_s, api.delete, [m[2]]).start()
-            return self._json(200, pod)
+        def do_DELETE(self):  # the Role allows no other method: 403 before anything else
+            if self._request() is not None:
+                self._not_found("path", self.path)
+
+        do_POST = do_PUT = do_DELETE
 
         def _chunk(self, data: bytes) -> None:
             self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
@@ -314,15 +349,20 @@ def api():
     server = FakeApiServer()
     yield server
     server.close()
+    assert not server.forbidden, "the launcher asked for more than the router's Role grants"
+
+
+def make_launcher(api, **options) -> KubernetesLauncher:
+    options = {"watch_timeout_s": 5, "request_timeout_s": 5, "backoff_s": (0.05, 0.2)} | options
+    return KubernetesLauncher(
+        NS, client.ApiClient(client.Configuration(host=api.url)), gpus_per_pod=GPUS_PER_POD,
+        **options,
+    )
 
 
 @pytest.fixture
 def launcher(api):
-    configuration = client.Configuration(host=api.url)
-    launcher = KubernetesLauncher(
-        NS, client.ApiClient(configuration),
-        watch_timeout_s=5, request_timeout_s=5, backoff_s=(0.05, 0.2),
-    )
+    launcher = make_launcher(api)
     yield launcher
     launcher.close()
 
@@ -373,27 +413,67 @@ def test_start_scales_statefulsets_through_the_scale_subresource(api, launcher, 
     ]
     encoder = api.calls("PATCH", f"/apis/apps/v1/namespaces/{NS}/statefulsets/dyad-encoder/scale")
     assert [p["body"] for p in encoder] == [{"spec": {"replicas": 3}}]  # 1 per pod
-    assert api.calls("GET", f"/apis/apps/v1/namespaces/{NS}/statefulsets/dyad-llm")
+    assert {(r["method"], r["path"].rpartition("/")[2]) for r in api.requests} == {
+        ("GET", "scale"), ("PATCH", "scale"), ("GET", "pods")  # the StatefulSets are not read
+    }
 
     start(launcher, llm=4, encoder=3, tmp_path=tmp_path)  # nothing to change: no patch
     assert api.calls("PATCH", llm_scale) == patches
 
-    with pytest.raises(ValueError, match="llm pool has 3 ranks, not a multiple of the 2 workers"):
+    with pytest.raises(ValueError, match=(
+        r"llm pool has 3 ranks, not a multiple of the 2 workers per pod of statefulset dyad-llm "
+        r"\(\$DYAD_LLM_GPUS_PER_POD\)"
+    )):
         start(launcher, llm=3, encoder=3, tmp_path=tmp_path)
 
 
-@pytest.mark.parametrize("env, gpus, expected", [
-    ({"DYAD_GPUS_PER_POD": "4"}, 8, 4), ({}, 2, 2), ({}, None, 1),
-])
-def test_workers_per_pod_from_the_pod_template(api, launcher, env, gpus, expected):
-    api.statefulsets["dyad-llm"] = _statefulset("dyad-llm", env, gpus)
-    assert launcher.gpus_per_pod("llm") == expected
+def test_the_fake_api_server_refuses_what_the_role_does_not_grant(api):
+    """What makes every other test here an RBAC check of the launcher."""
+    core = client.CoreV1Api(client.ApiClient(client.Configuration(host=api.url)))
+    apps = client.AppsV1Api(core.api_client)
+    with pytest.raises(ApiException) as refused:
+        core.delete_namespaced_pod("dyad-llm-0", NS)
+    assert refused.value.status == 403
+    assert 'cannot delete resource "pods"' in json.loads(refused.value.body)["message"]
+    with pytest.raises(ApiException, match="Forbidden"):
+        apps.read_namespaced_stateful_set("dyad-llm", NS)
+    assert [(r["method"], r["path"]) for r in api.forbidden] == [
+        ("DELETE", f"/api/v1/namespaces/{NS}/pods/dyad-llm-0"),
+        ("GET", f"/apis/apps/v1/namespaces/{NS}/statefulsets/dyad-llm"),
+    ]
+    api.forbidden.clear()  # asked by this test, not by the launcher
+
+
+def test_workers_per_pod_come_from_the_routers_environment():
+    environ = {"DYAD_ENCODER_GPUS_PER_POD": "1", "DYAD_LLM_GPUS_PER_POD": "8"}
+    assert gpus_per_pod_from_env(environ) == {"encoder": 1, "llm": 8}
+    for name, value in [("DYAD_LLM_GPUS_PER_POD", None), ("DYAD_LLM_GPUS_PER_POD", "0"),
+                        ("DYAD_ENCODER_GPUS_PER_POD", "two")]:
+        broken = {k: v for k, v in (environ | {name: value}).items() if v is not None}
+        with pytest.raises(ValueError, match=rf"\${name} must be a whole number >= 1"):
+            gpus_per_pod_from_env(broken)
+    with pytest.raises(ValueError, match="gpus_per_pod must give each of"):
+        KubernetesLauncher(NS, client.ApiClient(), gpus_per_pod={"llm": 2})
+
+
+def test_a_pod_running_another_number_of_workers_fails_the_run(api, launcher, tmp_path):
+    """A pod's ranks are ordinal x its own DYAD_GPUS_PER_POD: if that is not what the router
+    counts, no recovery can help (e.g. the pool's GPUs changed in an overlay, the router's
+    count did not, or the pods are of an older template)."""
+    api.statefulsets["dyad-llm"] = _statefulset("dyad-llm", {"DYAD_GPUS_PER_POD": "4"}, gpus=4)
+    start(launcher, tmp_path=tmp_path)
+    eventually(lambda: len(launcher.pods()) == 4)
+    with pytest.raises(ValueError, match=(
+        r"pod dyad-llm-0 runs 4 workers \(its DYAD_GPUS_PER_POD\) but the router's "
+        r"\$DYAD_LLM_GPUS_PER_POD is 2"
+    )):
+        launcher.dead()
 
 
 def test_api_errors_name_the_call_status_and_reason(api, launcher, tmp_path):
     del api.statefulsets["dyad-llm"]
     with pytest.raises(KubernetesError, match=(
-        r'read statefulset dyad-llm in namespace ns: 404 Not Found: '
+        r'read the scale of statefulset dyad-llm in namespace ns: 404 Not Found: '
         r'statefulsets.apps "dyad-llm" not found'
     )):
         start(launcher, tmp_path=tmp_path)
@@ -491,39 +571,55 @@ def test_a_dropped_connection_watches_again_from_the_last_resource_version(api, 
 # ---------------------------------------------------------------------- stop
 
 
-def test_stop_waits_for_containers_to_exit_and_deletes_the_hung_pods(api, launcher, tmp_path):
-    api.delete_delay_s = 0.3  # the hung pod still shows when the next generation starts
+def test_stop_waits_for_containers_to_exit_and_leaves_a_hung_pod_to_restart(
+    api, launcher, tmp_path
+):
+    """No pod is deleted (the Role does not allow it). A pod whose workers do not exit when told
+    to restarts its container later (they exit once released, or its supervisor stops them):
+    that restart is expected, as are the prompt ones; one more is a crash."""
     start(launcher, tmp_path=tmp_path)
     eventually(lambda: len(launcher.pods()) == 4)
     llm_0, llm_1 = (api.pods[f"dyad-llm-{i}"]["metadata"]["uid"] for i in (0, 1))
-    threading.Timer(0.1, api.exit, ["dyad-llm-0"]).start()  # dyad-llm-1 never exits
+    threading.Timer(0.1, api.exit, ["dyad-llm-0"]).start()  # dyad-llm-1 hangs
 
     started = time.monotonic()
     launcher.stop(["llm"], timeout_s=1.5)
     assert 1.5 <= time.monotonic() - started < 5.0
-    deletions = api.calls("DELETE", f"/api/v1/namespaces/{NS}/pods/dyad-llm-1")
-    assert [r["query"] for r in deletions] == [{"gracePeriodSeconds": "5"}]
-    assert not api.calls("DELETE", f"/api/v1/namespaces/{NS}/pods/dyad-llm-0")
     assert launcher.dead() == []  # stopped workers are not dead
 
-    # The next generation: llm-0's container comes back (restart 1), llm-1 is a new pod.
+    # The next generation starts while dyad-llm-1 still hangs; then both containers restart,
+    # dyad-llm-1's late: neither is a lost worker.
     start(launcher, tmp_path=tmp_path)
-    assert launcher.dead() == []  # the old llm-1 shows, still running
+    assert launcher.dead() == []
     api.restart("dyad-llm-0")
     eventually(lambda: launcher.pods()["dyad-llm-0"].restarts == 1)
-    eventually(lambda: launcher.pods()["dyad-llm-1"].uid != llm_1)
     assert launcher.dead() == []
-    assert api.pods["dyad-llm-0"]["metadata"]["uid"] == llm_0
+    api.restart("dyad-llm-1")
+    eventually(lambda: launcher.pods()["dyad-llm-1"].restarts == 1)
+    assert launcher.dead() == []
+    assert [api.pods[f"dyad-llm-{i}"]["metadata"]["uid"] for i in (0, 1)] == [llm_0, llm_1]
 
-    # Told to stop again, both exit at once: no deletion, no waiting out the timeout.
+    # Told to stop again, both exit at once: no waiting out the timeout.
     for name in ("dyad-llm-0", "dyad-llm-1"):
         threading.Timer(0.1, api.exit, [name]).start()
     started = time.monotonic()
     launcher.stop(["llm"], timeout_s=5.0)
     assert time.monotonic() - started < 4.0
-    assert len(api.calls("DELETE", f"/api/v1/namespaces/{NS}/pods/dyad-llm-1")) == 1
 
     start(launcher, tmp_path=tmp_path)
     api.restart("dyad-llm-0")  # the restart stop asked for
     api.restart("dyad-llm-0")  # and one it did not: a crash
     eventually(lambda: dead_ranks(launcher) == [("llm", 0), ("llm", 1)])
+
+
+def test_a_hung_pod_replaced_instead_of_restarted_is_a_lost_worker(api, launcher, tmp_path):
+    """E.g. its node was drained while it hung: the StatefulSet's new pod has new workers."""
+    start(launcher, tmp_path=tmp_path)
+    eventually(lambda: len(launcher.pods()) == 4)
+    launcher.stop(["llm"], timeout_s=0.5)  # neither exits
+    start(launcher, tmp_path=tmp_path)
+    api.restart("dyad-llm-0")
+    api.delete("dyad-llm-1")
+    eventually(lambda: dead_ranks(launcher) == [("llm", 2), ("llm", 3)])
+    reason = dict(launcher.dead())[WorkerSpec("llm", 2)]
+    assert reason == "(pod dyad-llm-1) was deleted and created again"

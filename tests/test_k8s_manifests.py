@@ -113,6 +113,11 @@ def _break_wildcard(docs):
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["*"]})
 
 
+def _break_pod_delete(docs):  # what the router once used for hung workers
+    rules = find(docs, "Role", "dyad-router")["rules"]
+    next(r for r in rules if r["resources"] == ["pods"])["verbs"].append("delete")
+
+
 def _break_client_token(docs):
     spec = pool_pods(docs)["encoder"][0]
     spec["volumes"].append({"name": "t", "secret": {"secretName": "dyad-client-token"}})
@@ -136,6 +141,14 @@ def _break_gpus(docs):
     _pool_container(docs, "llm")["resources"]["limits"]["nvidia.com/gpu"] = 4
 
 
+def _break_router_gpus_per_pod(docs):  # the pool changed, the router's count did not
+    for spec in pool_pods(docs)["encoder"]:
+        container = spec["containers"][0]
+        env_of(container)["DYAD_GPUS_PER_POD"]["value"] = "2"
+        for key in ("requests", "limits"):
+            container["resources"][key]["nvidia.com/gpu"] = 2
+
+
 def _break_replicas(docs):
     find(docs, "StatefulSet", "dyad-encoder")["spec"]["replicas"] = 2
 
@@ -148,11 +161,13 @@ def _break_schema(docs):
 @pytest.mark.parametrize("policy, breaker", [
     ("privilege", _break_privileged),
     ("rbac", _break_wildcard),
+    ("rbac", _break_pod_delete),
     ("tokens", _break_client_token),
     ("node pools", _break_node_pools),
     ("probes", _break_probe),
     ("/dev/shm", _break_shm),
     ("resources", _break_gpus),
+    ("resources", _break_router_gpus_per_pod),
     ("contract", _break_replicas),
 ])
 def test_policy_catches_a_broken_manifest(policy, breaker):

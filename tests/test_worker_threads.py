@@ -40,7 +40,7 @@ def test_a_pods_workers_get_their_share(monkeypatch):
     class FakeWorker:
         returncode = 0
 
-        def __init__(self, command, env):
+        def __init__(self, command, env, pass_fds=()):
             started.append(env)
 
         def poll(self):
@@ -49,12 +49,15 @@ def test_a_pods_workers_get_their_share(monkeypatch):
         def wait(self, timeout=None):
             return 0
 
-    class FakeHealth:
+    class FakeHealth:  # the server and its servicer
         def stop(self, grace):
             pass
 
+        def set(self, service, status):
+            pass
+
     monkeypatch.setattr(dyad.pod.subprocess, "Popen", FakeWorker)
-    monkeypatch.setattr(dyad.pod, "_serve_health", lambda port: FakeHealth())
+    monkeypatch.setattr(dyad.pod, "_serve_health", lambda port: (FakeHealth(), FakeHealth()))
     monkeypatch.setattr(dyad.pod, "usable_cpus", lambda: 16)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     for name, value in {
