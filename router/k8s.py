@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -147,15 +148,19 @@ class KubernetesLauncher(Launcher):
         request_timeout_s: float = 30.0,
         backoff_s: tuple[float, float] = (0.5, 30.0),
     ):
-        """`gpus_per_pod`: workers per pod of each pool (`gpus_per_pod_from_env`)."""
+        """`gpus_per_pod`: workers per pod of each pool (`gpus_per_pod_from_env`). Without
+        `api_client`: the pod's service account, else the kubeconfig ($KUBECONFIG, read now)."""
         if set(gpus_per_pod) != set(POOLS) or min(gpus_per_pod.values()) < 1:
             raise ValueError(f"gpus_per_pod must give each of {POOLS} >= 1, got {gpus_per_pod}")
         if api_client is None:
+            configuration = client.Configuration()
             try:
-                config.load_incluster_config()
+                config.load_incluster_config(client_configuration=configuration)
             except config.ConfigException:
-                config.load_kube_config()
-            api_client = client.ApiClient()
+                config.load_kube_config(
+                    os.environ.get("KUBECONFIG"), client_configuration=configuration
+                )
+            api_client = client.ApiClient(configuration)
         self.namespace = namespace
         self._core = client.CoreV1Api(api_client)
         self._apps = client.AppsV1Api(api_client)

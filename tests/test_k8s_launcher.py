@@ -19,7 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from kubernetes import client
+import yaml
+from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from dyad.router.k8s import KubernetesError, KubernetesLauncher, gpus_per_pod_from_env
@@ -477,6 +478,40 @@ def test_api_errors_name_the_call_status_and_reason(api, launcher, tmp_path):
         r'statefulsets.apps "dyad-llm" not found'
     )):
         start(launcher, tmp_path=tmp_path)
+
+
+def test_in_cluster_config_else_the_kubeconfig(api, tmp_path, monkeypatch):
+    """Outside a pod the in-cluster loader raises ConfigException; the launcher then loads
+    $KUBECONFIG (as it is when the launcher is made) into its own client configuration, and
+    talks to the server and with the credentials that file names."""
+    tried = []
+
+    def not_in_a_pod(client_configuration=None, **kwargs):
+        tried.append(client_configuration)
+        raise config.ConfigException("Service host/port is not set.")
+
+    monkeypatch.setattr(config, "load_incluster_config", not_in_a_pod)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+        "users": [{"name": "router", "user": {"token": "kubeconfig-token"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "router"}}],
+    }))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    default_host = client.Configuration.get_default_copy().host
+
+    launcher = KubernetesLauncher(NS, gpus_per_pod=GPUS_PER_POD, request_timeout_s=5)
+    try:
+        start(launcher, tmp_path=tmp_path)
+        eventually(lambda: len(launcher.pods()) == 4)
+    finally:
+        launcher.close()
+    assert len(tried) == 1 and tried[0] is not None  # its own configuration, tried first
+    llm_scale = f"/apis/apps/v1/namespaces/{NS}/statefulsets/dyad-llm/scale"
+    assert len(api.calls("PATCH", llm_scale)) == 1
+    assert {r["authorization"] for r in api.requests} == {"Bearer kubeconfig-token"}
+    assert client.Configuration.get_default_copy().host == default_host  # no global change
 
 
 def test_end_of_run_scales_every_pool_to_zero(api, launcher, tmp_path):
