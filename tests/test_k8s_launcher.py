@@ -10,6 +10,7 @@ the launcher asked for anything else.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import threading
@@ -585,6 +586,30 @@ def test_a_410_gone_on_reconnect_lists_again(api, launcher, tmp_path, gone_as_st
     eventually(lambda: len(lists(api)) == 2)
     api.restart("dyad-llm-1")
     eventually(lambda: dead_ranks(launcher) == [("llm", 2), ("llm", 3)])
+
+
+def test_a_watch_that_times_out_watches_again_from_the_last_resource_version(api, tmp_path, caplog):
+    """The server ends every watch after timeoutSeconds: that is no error (no warning, no
+    back-off) and needs no new list; the next watch starts after the last event applied."""
+    launcher = make_launcher(api, watch_timeout_s=1)
+    try:
+        with caplog.at_level(logging.INFO, logger="dyad.router.k8s"):
+            start(launcher, tmp_path=tmp_path)
+            eventually(lambda: len(watches(api)) == 1)
+            assert watches(api)[0]["query"]["timeoutSeconds"] == "1"
+            api.restart("dyad-llm-0")
+            eventually(lambda: dead_ranks(launcher) == [("llm", 0), ("llm", 1)])
+            seen, watched = api.version, len(watches(api))
+            eventually(lambda: len(watches(api)) >= watched + 2, timeout_s=10)  # two timeouts on
+            assert [w["query"]["resourceVersion"] for w in watches(api)[watched:]] == (
+                [str(seen)] * (len(watches(api)) - watched)
+            )
+            api.restart("dyad-encoder-0")  # and the next watch delivers events
+            eventually(lambda: ("encoder", 0) in dead_ranks(launcher))
+        assert len(lists(api)) == 1
+        assert [r.getMessage() for r in caplog.records if "pod watch" in r.getMessage()] == []
+    finally:
+        launcher.close()
 
 
 def test_a_dropped_connection_watches_again_from_the_last_resource_version(api, launcher, tmp_path):
