@@ -5,9 +5,12 @@ a broken copy of the manifests, so none of them can pass vacuously.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.k8s_manifests import (
+    K8S,
     KUSTOMIZATIONS,
     LWS_API,
     POLICIES,
@@ -95,6 +98,35 @@ def test_lws_overlay():
         "spec"]["containers"][0]["image"]
     group_index = env_source(container, "DYAD_LWS_GROUP_INDEX")["fieldRef"]["fieldPath"]
     assert group_index == "metadata.labels['leaderworkerset.sigs.k8s.io/group-index']"
+
+
+def _overlay(directory, patches: str) -> str:
+    """A kustomization in `directory` on k8s/base with `patches` (YAML); its path."""
+    directory.mkdir()
+    base = os.path.relpath(K8S / "base", directory)
+    (directory / "kustomization.yaml").write_text(f"resources:\n  - {base}\n{patches}")
+    return str(directory)
+
+
+def test_node_pool_labels_overridden_in_an_overlay(tmp_path):
+    """The example of docs/deploy.md ("Your own overlay"), as written there: the pools on a
+    cluster's own node-pool labels render, validate and stay on disjoint node pools."""
+    section = (REPO / "docs" / "deploy.md").read_text().split("## Your own overlay", 1)[1]
+    patches = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert patches.startswith("patches:")
+
+    docs = render(_overlay(tmp_path / "own", patches))
+    assert schema_problems(docs) == []
+    assert POLICIES["node pools"](docs, "own") == []
+    assert {pool: [s["nodeSelector"] for s in specs] for pool, specs in pool_pods(docs).items()} == {
+        "encoder": [{"cloud.google.com/gke-nodepool": "a100-encoder"}],
+        "llm": [{"cloud.google.com/gke-nodepool": "h100-llm"}],
+    }
+    one_pool = render(_overlay(tmp_path / "one", patches.replace("h100-llm", "a100-encoder")))
+    assert POLICIES["node pools"](one_pool, "one") == [
+        "node selectors overlap: encoder {'cloud.google.com/gke-nodepool': 'a100-encoder'}, "
+        "llm {'cloud.google.com/gke-nodepool': 'a100-encoder'}"
+    ]
 
 
 # ----------------------------------------------------------------------------- the checks can fail
