@@ -1,7 +1,9 @@
 """`dyad verify`: does the configured layout reproduce single-process training?
 
 Runs the job for N steps, then the single-process reference on the same batches from the same
-initial weights, and compares per-step losses and the final parameters.
+initial weights, and compares per-step losses and the final state: parameters and persistent
+buffers (the MoE expert bias, which no gradient touches, is only right if the job reduced its
+expert counts over the right ranks).
 
 Parameters are compared by the relative 2-norm error of each tensor, ||job - ref|| / ||ref||;
 the largest entry-wise difference is printed too. AdamW divides each entry's update by that
@@ -56,10 +58,10 @@ def compare_with_reference(config: RunConfig, dataset, job: JobResult) -> Compar
     worst_param, worst_error, worst_max = "", 0.0, 0.0
     trained = load_trained(config, job.final_checkpoint())
     for pool, job_model, ref_model in zip(("encoder", "llm"), trained, (reference.encoder, reference.llm)):
-        ref_params = dict(ref_model.named_parameters())
-        for name, param in job_model.named_parameters():
-            error = tensor_relative_error(param.detach(), ref_params[name].detach())
-            worst_max = max(worst_max, tensor_relative_error(param.detach(), ref_params[name].detach(), "max"))
+        ref_state = ref_model.state_dict()
+        for name, param in job_model.state_dict().items():
+            error = tensor_relative_error(param, ref_state[name])
+            worst_max = max(worst_max, tensor_relative_error(param, ref_state[name], "max"))
             if error >= worst_error:
                 worst_param, worst_error = f"{pool}.{name}", error
     return Comparison(

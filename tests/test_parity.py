@@ -5,6 +5,8 @@ rank per pool and for parallel layouts of both pools."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from dyad import config as config_lib
 from dyad.checkpoint import load_pool_state, saved_ranks
 from dyad.data import make_dataset
 from dyad.jobs import JobResult, run_job
+from dyad.router.steps import StepPlanner
 from dyad.service import build_model
 from dyad.verify import compare_with_reference
 
@@ -31,17 +34,24 @@ LAYOUT_CASES = {
                 "train.grad_clip=0.05"],
     # The boundary's layouts (each with 0, 1 and 2 images per sample): encoder dp1 -> LLM dp2;
     # dp3 -> dp2 (sizes that do not divide); dp2·tp2 -> tp2·cp2 (rows split by context shard,
-    # tp ranks served by an in-pool broadcast, 2 x 2 patches merged per LLM token); dp4 -> cp2·dp2
-    # with ep4.
+    # tp ranks served over the boundary or by an in-pool broadcast, 2 x 2 patches merged per LLM
+    # token); dp4 -> cp2·dp2 with ep4. The last two update the aux-loss-free expert bias from
+    # counts that must be summed over the whole pool: their ep group spans it in one, tp·cp in
+    # the other, so a reduction over any smaller group breaks parity in one of them.
     "enc-dp1-llm-dp2": [*VARIABLE_IMAGES, "parallel.llm.dp=2", "train.global_batch=8"],
     "enc-dp3-llm-dp2-ep2": [*VARIABLE_IMAGES, "parallel.encoder.dp=3", "parallel.llm.dp=2",
                             "parallel.llm.ep=2", "train.global_batch=12"],
-    "enc-dp2-tp2-llm-tp2-cp2-broadcast": [
-        *VARIABLE_IMAGES, "parallel.encoder.dp=2", "parallel.encoder.tp=2", "parallel.llm.tp=2",
-        "parallel.llm.cp=2", "boundary.tp_delivery=broadcast", "train.global_batch=8", "encoder.spatial_merge=2",
-    ],
+    **{
+        f"enc-dp2-tp2-llm-tp2-cp2-{delivery}": [
+            *VARIABLE_IMAGES, "parallel.encoder.dp=2", "parallel.encoder.tp=2", "parallel.llm.tp=2",
+            "parallel.llm.cp=2", f"boundary.tp_delivery={delivery}", "train.global_batch=8",
+            "encoder.spatial_merge=2", "llm.moe.expert_bias=true",
+        ]
+        for delivery in ("broadcast", "direct")
+    },
     "enc-dp4-llm-cp2-dp2-ep4": [*VARIABLE_IMAGES, "parallel.encoder.dp=4", "parallel.llm.cp=2",
-                                "parallel.llm.dp=2", "parallel.llm.ep=4", "train.global_batch=8"],
+                                "parallel.llm.dp=2", "parallel.llm.ep=4", "train.global_batch=8",
+                                "llm.moe.expert_bias=true", "llm.moe.expert_bias_rate=0.05"],
 }
 
 
@@ -56,10 +66,10 @@ def test_disaggregated_training_matches_single_process(tmp_path, case):
     job = run_job(config, progress=False)
     assert job.succeeded, job.info.message
     assert len(job.metrics) == 10
-    assert all(m["boundary_bytes_fwd"] > 0 and m["boundary_bytes_bwd"] > 0 for m in job.metrics)
 
     dataset = make_dataset(config.data)
     resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
+    _assert_boundary_metrics_follow_the_plans(resolved, dataset, job)
     comparison = compare_with_reference(resolved, dataset, job)
     for step, loss, expected, error in comparison.losses:
         assert error <= TOLERANCE, f"step {step}: {loss} vs reference {expected}"
@@ -74,6 +84,26 @@ def test_disaggregated_training_matches_single_process(tmp_path, case):
     assert any(not torch.equal(initial[k], trained[k]) for k in initial)
     if case == "clipped":
         assert all(m["grad_norm"] > 0.05 for m in job.metrics)
+    if resolved.llm.moe.expert_bias:  # the bias moved (parity says: as the reference's did)
+        llm_state = load_pool_state(job.final_checkpoint(), "llm")
+        biases = [value for name, value in llm_state.items() if name.endswith("expert_bias_E")]
+        assert biases and all(bias.abs().sum() > 0 for bias in biases)
+
+
+def _assert_boundary_metrics_follow_the_plans(config, dataset, job: JobResult) -> None:
+    """Every step's boundary bytes, in the WatchRun stream and in metrics.jsonl, are what the
+    router's plan for that step moves; the wait times are there and not negative."""
+    lines = (Path(config.out_dir) / "metrics.jsonl").read_text().splitlines()
+    written = [record for record in map(json.loads, lines) if "event" not in record]
+    assert [r["step"] for r in written] == [r["step"] for r in job.metrics] == list(range(10))
+    planner = StepPlanner(config, dataset)
+    for streamed, record in zip(job.metrics, written):
+        plan = planner.boundary_plan(planner.next(record["step"]))
+        assert plan.bytes_forward > 0 and plan.bytes_backward > 0
+        for metrics in (streamed, record):
+            assert metrics["boundary_bytes_fwd"] == plan.bytes_forward, metrics
+            assert metrics["boundary_bytes_bwd"] == plan.bytes_backward, metrics
+            assert metrics["encoder_wait_s"] >= 0 and metrics["llm_wait_s"] >= 0, metrics
 
 
 def test_comparison_detects_a_different_loss(tmp_path):
