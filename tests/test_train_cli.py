@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 REQUIRED = {"step", "loss", "lm_loss", "aux_loss", "tokens", "step_time_s", "tokens_per_s",
             "boundary_bytes_fwd", "boundary_bytes_bwd", "encoder_wait_s", "llm_wait_s"}
@@ -61,3 +62,20 @@ def test_bad_override_is_reported_with_its_field(tmp_path):
     result = _dyad("train", "--set", "train.lr=-1", "--out", str(tmp_path / "x"), cwd=tmp_path)
     assert result.returncode == 2
     assert "train.lr" in result.stderr
+
+
+def test_job_arguments_compose_file_overrides_steps_device_and_default_out(tmp_path, monkeypatch):
+    """--config FILE, then each --set, then --steps and --device; without --out, runs/<timestamp>/."""
+    from dyad.cli import _job_config, _parser
+
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("train:\n  lr: 2.0e-3\n  global_batch: 12\n  steps: 50\n")
+    monkeypatch.chdir(tmp_path)
+    args = _parser().parse_args(["train", "--config", str(config_file), "--set", "train.global_batch=6",
+                                 "--set", "llm.moe.top_k=1", "--steps", "7", "--device", "cpu"])
+    config = _job_config(args)
+    assert config.train.lr == 2.0e-3  # from the file
+    assert config.train.global_batch == 6 and config.llm.moe.top_k == 1  # --set wins over the file
+    assert config.train.steps == 7 and config.train.device == "cpu"
+    out = Path(config.out_dir)
+    assert out.parent == tmp_path / "runs" and out.name[:8].isdigit()
