@@ -13,5 +13,5 @@ source bench/parts.sh
 part fp8_tests 90 python3 -m pytest -q -rs tests/test_fp8.py tests/test_kernels.py
 part moe_layer 170 python3 bench/moe_layer.py --out "$OUT/moe_layer.json" --profile-dir "$OUT"
 part llm_step 180 python3 bench/llm_step.py --out "$OUT/llm_step.json" --profile-dir "$OUT"
-part fp8_convergence 150 python3 bench/fp8_convergence.py --out "$OUT/fp8_convergence.json"
+part fp8_convergence 300 python3 bench/fp8_convergence.py --out "$OUT/fp8_convergence.json"
 tar czf /tmp/results.tgz -C "$OUT" . && find "$OUT" -type f ! -name summary.txt -delete && mv /tmp/results.tgz "$OUT/"
