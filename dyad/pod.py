@@ -24,6 +24,7 @@ the pod name.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -94,11 +95,9 @@ class _Pulses:
         self.last: float | None = None  # None until the worker's first pulse
 
     def silent_for(self, now: float) -> float:
-        try:
+        with contextlib.suppress(BlockingIOError):  # nothing new since the last look
             if os.read(self.read_fd, 4096):
                 self.last = now
-        except BlockingIOError:
-            pass
         return 0.0 if self.last is None else now - self.last
 
 

@@ -233,10 +233,8 @@ class _Pulse:
 
     def __call__(self) -> None:
         if self.fd is not None:
-            try:
+            with contextlib.suppress(BlockingIOError, BrokenPipeError):  # full; or the supervisor is gone
                 os.write(self.fd, b".")
-            except (BlockingIOError, BrokenPipeError):  # full; or the supervisor is gone
-                pass
 
 
 def _profiled(pool: str, rank: int, command: pb.WorkerCommand):
