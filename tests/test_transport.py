@@ -346,3 +346,37 @@ def test_ucx_ignores_an_inherited_progress_mode(monkeypatch, inherited):
         sending = a.send(b.address, _tag(), sent)
         assert b.recv(a.address, _tag(), out).result(WAIT_S) is out
         assert sending.result(WAIT_S) is None and _same_bytes(out, sent)
+
+
+def test_ucx_progress_mode_polls_only_where_cuda_is(monkeypatch):
+    from dyad.transport.ucx import PROGRESS_ENV, progress_mode
+
+    monkeypatch.delenv(PROGRESS_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert progress_mode() == "thread-polling"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert progress_mode() == "thread"
+    monkeypatch.setenv(PROGRESS_ENV, "thread-polling")
+    assert progress_mode() == "thread-polling"
+    assert progress_mode("thread") == "thread"  # the argument wins over the environment
+
+
+@pytest.mark.parametrize("asked,env,field", [("polling", None, "progress"), (None, "blocking", "DYAD_UCX_PROGRESS")])
+def test_ucx_progress_mode_refuses_modes_without_the_notifier(monkeypatch, asked, env, field):
+    from dyad.transport.ucx import PROGRESS_ENV
+
+    if env is None:
+        monkeypatch.delenv(PROGRESS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(PROGRESS_ENV, env)
+    with pytest.raises(ValueError, match=f"{field} must be one of thread, thread-polling"):
+        UcxTransport(progress=asked)
+
+
+def test_ucx_polling_progress_moves_messages():
+    with UcxTransport(progress="thread-polling") as a, UcxTransport(progress="thread-polling") as b:
+        _authorized(a, b)
+        sent, out = _random_bits((33, 16), torch.bfloat16), torch.zeros(33, 16, dtype=torch.bfloat16)
+        sending = a.send(b.address, _tag(), sent)
+        assert b.recv(a.address, _tag(), out).result(WAIT_S) is out
+        assert sending.result(WAIT_S) is None and _same_bytes(out, sent)

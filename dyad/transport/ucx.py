@@ -6,6 +6,11 @@ ucxx's own progress thread drives UCX, and its notifier thread completes request
 futures (`enable_python_future=True`): the default mode instead busy-polls `asyncio.sleep(0)`
 while any request is pending and would burn a core beside the training loop.
 
+Progress (`progress`, see `progress_mode`): where CUDA is present the progress thread polls
+UCX ("thread-polling", a C++ thread that never takes the GIL but keeps one core busy), because
+the sleeping one ("thread", waking from epoll at most every millisecond) added about 0.3 ms to
+every GPU message on an H200 (`bench/ucx_message_cost.py`); on CPU-only machines it sleeps.
+
 Connections: each transport uses only the endpoint it opened itself, for sends and receives
 alike (created on first use of a peer, shared by concurrent operations, forgotten when it
 dies so a restarted peer can be reached again). UCX matches tags per worker, whichever
@@ -42,6 +47,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 import threading
 import weakref
@@ -82,8 +88,15 @@ class UcxTransport(Transport):
     `out` may still be written until the transport is closed, so treat it as a failed step.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, connect_timeout: float = 10.0):
-        self._engine = _Engine(connect_timeout)
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        connect_timeout: float = 10.0,
+        progress: str | None = None,
+    ):
+        self._engine = _Engine(connect_timeout, progress_mode(progress))
         self._close = weakref.finalize(self, self._engine.shutdown)
         try:
             self.address = f"{host}:{self._engine.call(self._engine.start(port))}"
@@ -155,6 +168,13 @@ def _pending_writes(tensor: torch.Tensor) -> torch.cuda.Event | None:
     return event
 
 
+async def _written(message: _Message) -> None:
+    """Wait for the kernels `message.pending_writes` marks, off the loop, unless they are done
+    (a thread hop costs tens of microseconds)."""
+    if message.pending_writes is not None and not message.pending_writes.query():
+        await asyncio.to_thread(message.pending_writes.synchronize)
+
+
 async def _send_message(endpoint: Endpoint, worker, message: _Message) -> None:
     header = array.array("Q", [message.buffer.nbytes])
     errors = await asyncio.gather(
@@ -194,14 +214,29 @@ async def _posted(worker, request):
     return await request
 
 
-PROGRESS_MODE = "thread"
+PROGRESS_MODES = ("thread", "thread-polling")
+PROGRESS_ENV = "DYAD_UCX_PROGRESS"
+
+
+def progress_mode(asked: str | None = None) -> str:
+    """`asked`, else $DYAD_UCX_PROGRESS, else polling where CUDA is present. Only ucxx's two
+    threaded modes: the others turn off the notifier thread that completes our futures (and an
+    inherited UCXPY_PROGRESS_MODE is never read)."""
+    source = "progress" if asked is not None else PROGRESS_ENV
+    mode = asked if asked is not None else os.environ.get(PROGRESS_ENV)
+    if mode is None:
+        return "thread-polling" if torch.cuda.is_available() else "thread"
+    if mode not in PROGRESS_MODES:
+        raise ValueError(f"{source} must be one of {', '.join(PROGRESS_MODES)}, got {mode!r}")
+    return mode
 
 
 class _Engine:
     """Owns the loop thread and every ucxx object; its coroutines run on that loop only."""
 
-    def __init__(self, connect_timeout: float):
+    def __init__(self, connect_timeout: float, progress: str):
         self.connect_timeout = connect_timeout
+        self.progress = progress
         self.address = "<starting>"
         self.grant: Grant | None = None
         self.closed = False
@@ -231,10 +266,7 @@ class _Engine:
 
     async def start(self, port: int) -> int:
         # Created on the running loop: ucxx binds its progress and notifier to it.
-        # The progress mode is fixed: its notifier thread is what completes our Python futures,
-        # and an inherited UCXPY_PROGRESS_MODE ("polling", "blocking") would disable it. On two
-        # H200s "thread-polling" moved boundary messages no faster than "thread".
-        self.ctx = ApplicationContext(progress_mode=PROGRESS_MODE, enable_python_future=True)
+        self.ctx = ApplicationContext(progress_mode=self.progress, enable_python_future=True)
         self.ctx.worker.populate_python_futures_pool()  # see _posted
         try:
             self.listener = self.ctx.create_listener(
@@ -246,16 +278,14 @@ class _Engine:
 
     async def send(self, message: _Message) -> None:
         endpoint = await self._endpoint(message)
-        if message.pending_writes is not None:
-            await asyncio.to_thread(message.pending_writes.synchronize)
+        await _written(message)
         what = f"send of {message.tag} to {message.peer}"
         work = _send_message(endpoint, self.ctx.worker, message)
         await self._transfer(work, what, message.peer, endpoint)
 
     async def recv(self, message: _Message, out: torch.Tensor, timeout: float | None):
         endpoint = await self._endpoint(message)
-        if message.pending_writes is not None:
-            await asyncio.to_thread(message.pending_writes.synchronize)
+        await _written(message)
         what = f"recv of {message.tag} from {message.peer}"
         try:
             work = _recv_message(endpoint, self.ctx.worker, message)

@@ -1,0 +1,238 @@
+"""Where a boundary message's time goes: UCX itself (`ucx_perftest`), plain ucxx under each of
+its progress modes, and dyad's `UcxTransport`, ping-pong between two processes.
+
+    python bench/ucx_message_cost.py --out $OUT/message_cost.json     # GPU(s): cuda buffers
+    python bench/ucx_message_cost.py --toy                            # CPU, small sizes (CI)
+
+With one GPU both processes use it (cuda_ipc within the device); with two, rank r uses GPU r.
+Each row is the median half round trip (one message one way) over `--iters`; its bandwidth is
+size / that time. `ucx_perftest` (shipped in the libucx wheel) gives UCX's own floor: C, no
+Python, its progress loop polling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import subprocess
+import time
+
+import torch
+
+MB = 1 << 20
+GPU_SIZES = [8, 1 * MB, 16 * MB, 64 * MB, 256 * MB]
+TOY_SIZES = [8, 1 * MB]
+RAW_MODES = ["thread", "thread-polling", "polling", "blocking"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _buffer(nbytes: int, device: str, rank: int) -> torch.Tensor:
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    return torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+
+
+def _ucxx_buffer(tensor: torch.Tensor):
+    return tensor if tensor.is_cuda else tensor.numpy()  # CUDA: via __cuda_array_interface__
+
+
+def _raw_side(rank, mode, options, sizes, iters, device, port_q, result_q):
+    """Plain ucxx on a loop in a background thread. Options, to find what dyad's path adds:
+    "nofuture" (requests polled by the loop, no notifier thread), "header" (an 8-byte host
+    message beside each payload, as dyad sends), "hop" (every message posted from the main
+    thread and waited on there, as dyad's callers do), "event" (a CUDA event recorded and
+    queried before each message, as dyad does)."""
+    import array
+    import threading
+
+    import ucxx
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def call(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    async def transfer(endpoint, buffer, sending):
+        if "event" in options and device == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            event.query()
+        operation = endpoint.send if sending else endpoint.recv
+        if "header" in options:
+            header = array.array("Q", [buffer.nbytes])
+            await asyncio.gather(operation(header), operation(buffer))
+        else:
+            await operation(buffer)
+
+    async def exchange(endpoint, buffer):
+        await transfer(endpoint, buffer, rank == 0)
+        await transfer(endpoint, buffer, rank == 1)
+
+    def pingpong(endpoint):
+        times = {}
+        for nbytes in sizes:
+            buffer = _ucxx_buffer(_buffer(nbytes, device, rank))
+            samples = []
+            for _ in range(iters + 3):
+                start = time.perf_counter()
+                if "hop" in options:
+                    call(transfer(endpoint, buffer, rank == 0))
+                    call(transfer(endpoint, buffer, rank == 1))
+                else:
+                    call(exchange(endpoint, buffer))
+                samples.append((time.perf_counter() - start) / 2)
+            times[nbytes] = statistics.median(samples[3:])
+        return times
+
+    async def start():
+        future = "nofuture" not in options and mode.startswith("thread")
+        ucxx.init(progress_mode=mode, enable_python_future=future)
+        if rank == 0:
+            return await ucxx.create_endpoint("127.0.0.1", port_q.get())
+        accepted = asyncio.get_running_loop().create_future()
+
+        async def accept(endpoint):
+            accepted.set_result(endpoint)
+            await asyncio.sleep(3600)  # ucxx closes the endpoint when its handler returns
+
+        listener = ucxx.create_listener(accept)
+        port_q.put(listener.port)
+        return await accepted
+
+    endpoint = call(start())
+    times = pingpong(endpoint)
+    if rank == 0:
+        result_q.put(times)
+    else:
+        time.sleep(1.0)  # let the peer's last receive complete
+    ucxx.stop_notifier_thread()  # not a daemon: the process would never exit
+
+
+def _pair(target, *args) -> dict[int, float]:
+    ctx = mp.get_context("spawn")
+    port_q, result_q = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(rank, *args, port_q, result_q)) for rank in (1, 0)]
+    for proc in procs:
+        proc.start()
+        time.sleep(0.5)  # the listener first
+    result = result_q.get(timeout=300)
+    for proc in procs:
+        proc.join(60)
+    return result
+
+
+def _dyad_pair(progress, sizes, iters, device):
+    """Each side puts its address on the other's queue."""
+    ctx = mp.get_context("spawn")
+    to_0, to_1, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_dyad_proc, args=(r, progress, sizes, iters, device, to_0, to_1, result_q)) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    result = result_q.get(timeout=300)
+    for proc in procs:
+        proc.join(60)
+    return result
+
+
+def _dyad_proc(rank, progress, sizes, iters, device, to_0, to_1, result_q):
+    from dyad.transport import Direction, MessageTag, UcxTransport
+
+    with UcxTransport(progress=progress) as transport:
+        (to_1 if rank == 0 else to_0).put(transport.address)
+        peer = (to_0 if rank == 0 else to_1).get(timeout=60)
+        transport.authorize(b"ucx-message-cost-bench-secret!!!", [peer])
+        times = {}
+        for nbytes in sizes:
+            buffer = _buffer(nbytes, device, rank)
+            samples = []
+            for i in range(iters + 3):
+                there = MessageTag("bench", i, nbytes % 1000, Direction.FORWARD, 0)
+                back = MessageTag("bench", i, nbytes % 1000, Direction.BACKWARD, 0)
+                start = time.perf_counter()
+                if rank == 0:
+                    transport.send(peer, there, buffer).result()
+                    transport.recv(peer, back, buffer).result()
+                else:
+                    transport.recv(peer, there, buffer).result()
+                    transport.send(peer, back, buffer).result()
+                samples.append((time.perf_counter() - start) / 2)
+            times[nbytes] = statistics.median(samples[3:])
+        (to_1 if rank == 0 else to_0).put("done")
+        (to_0 if rank == 0 else to_1).get(timeout=600)
+        if rank == 0:
+            result_q.put(times)
+
+
+def _perftest(sizes, iters, device) -> dict[int, float]:
+    import libucx
+
+    root = os.path.dirname(libucx.__file__)
+    binary = os.path.join(root, "bin", "ucx_perftest")
+    env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(root, "lib") + ":" + os.environ.get("LD_LIBRARY_PATH", ""))
+    memory = ["-m", "cuda,cuda"] if device == "cuda" else []
+    times = {}
+    for nbytes in sizes:
+        port = str(_free_port())
+        server_env = dict(env)
+        if device == "cuda" and torch.cuda.device_count() > 1:
+            server_env["CUDA_VISIBLE_DEVICES"], env["CUDA_VISIBLE_DEVICES"] = "1", "0"
+        server = subprocess.Popen([binary, "-p", port], env=server_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        time.sleep(1.0)
+        args = [binary, "127.0.0.1", "-p", port, "-t", "tag_lat", "-s", str(nbytes), "-n", str(iters), "-w", "3", *memory]
+        out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+        server.communicate(timeout=60)
+        final = [line for line in out.stdout.splitlines() if line.startswith("Final:")]
+        if not final:
+            raise RuntimeError(f"ucx_perftest failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
+        times[nbytes] = float(final[0].split()[2]) * 1e-6  # 50th percentile, usec
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--toy", action="store_true")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--variants", default="perftest,dyad,dyad-thread," + ",".join(f"ucxx-{m}" for m in RAW_MODES))
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
+    sizes = TOY_SIZES if args.toy else GPU_SIZES
+    rows = {}
+    for variant in args.variants.split(","):
+        start = time.perf_counter()
+        try:
+            if variant == "perftest":
+                times = _perftest(sizes, args.iters, device)
+            elif variant == "dyad" or variant.startswith("dyad-"):
+                times = _dyad_pair(variant[5:] or None, sizes, args.iters, device)
+            elif variant.startswith("ucxx-"):
+                mode, *options = variant[5:].split("+")
+                times = _pair(_raw_side, mode, set(options), sizes, args.iters, device)
+            else:
+                raise SystemExit(f"--variants: unknown variant {variant!r}")
+        except Exception as e:  # one variant failing must not lose the others
+            rows[variant] = {"error": repr(e)}
+            print(f"{variant}: failed: {e!r}", flush=True)
+            continue
+        rows[variant] = {str(n): t for n, t in times.items()}
+        cells = "  ".join(f"{n:>10d} B {t * 1e6:9.1f} us {n / t / 1e9:7.1f} GB/s" for n, t in times.items())
+        print(f"{variant:26s} ({time.perf_counter() - start:.0f}s) {cells}", flush=True)
+    if args.out:
+        info = {"device": device if device == "cpu" else torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__, "half_round_trip_s": rows}
+        with open(args.out, "w") as f:
+            json.dump(info, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
