@@ -7,6 +7,12 @@ on the same pair of devices, for boundary-sized messages.
 Two processes (rank 0 sends, rank 1 receives). Each size is timed on the receiver from a
 barrier to the completed receive, median of `--iters`. A gloo group carries the barriers and the
 UCX addresses. Prints a table (GB/s, and UCX as a fraction of NCCL); writes JSON.
+
+`--window W` times W messages of each size in flight at once (W buffers each side, all posted
+before any is waited on: `isend`/`irecv` for NCCL), as bandwidth tests such as ucx_perftest's
+tag_bw and nccl-tests count it; the default, 1, is one message at a time, where a fixed cost
+per message (about 0.15 ms in UCX itself on an H200, more through Python; see
+`bench/ucx_message_cost.py`) is part of every number.
 """
 
 from __future__ import annotations
@@ -31,34 +37,38 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time_nccl(rank, buffer, iters, device, group) -> float:
+def _time_nccl(rank, buffers, iters, device, group) -> float:
     times = []
     for _ in range(iters + 2):
         dist.barrier(group=group)
         _sync(device)
         start = time.perf_counter()
         if rank == 0:
-            dist.send(buffer, dst=1)
+            works = [dist.isend(buffer, dst=1) for buffer in buffers]
         else:
-            dist.recv(buffer, src=0)
+            works = [dist.irecv(buffer, src=0) for buffer in buffers]
+        for work in works:
+            work.wait()
         _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:])
 
 
-def _time_ucx(rank, transport, peer, buffer, iters, device, group) -> float:
+def _time_ucx(rank, transport, peer, buffers, iters, device, group) -> float:
     from dyad.transport import Direction, MessageTag
 
     times = []
     for i in range(iters + 2):
-        tag = MessageTag("bench", i, 0, Direction.FORWARD, 0)
+        tags = [MessageTag("bench", i, k, Direction.FORWARD, 0) for k in range(len(buffers))]
         dist.barrier(group=group)
         _sync(device)
         start = time.perf_counter()
         if rank == 0:
-            transport.send(peer, tag, buffer).result()
+            futures = [transport.send(peer, tag, buffer) for tag, buffer in zip(tags, buffers)]
         else:
-            transport.recv(peer, tag, buffer).result()
+            futures = [transport.recv(peer, tag, buffer) for tag, buffer in zip(tags, buffers)]
+        for future in futures:
+            future.result()
         _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:])
@@ -84,12 +94,12 @@ def _worker(rank: int, args, port: int, results) -> None:
         transport.authorize(secret, [peer])
         rows = {}
         for size_mb in (TOY_SIZES_MB if args.toy else GPU_SIZES_MB):
-            buffer = torch.empty(size_mb * MB, dtype=torch.uint8, device=device)
-            buffer.random_(0, 255)
-            nccl_s = _time_nccl(rank, buffer, args.iters, device, None if device == "cuda" else gloo)
-            ucx_s = _time_ucx(rank, transport, peer, buffer, args.iters, device, gloo)
-            rows[size_mb] = {"nccl_GBps": size_mb * MB / nccl_s / 1e9, "ucx_GBps": size_mb * MB / ucx_s / 1e9}
-            del buffer
+            buffers = [torch.randint(0, 255, (size_mb * MB,), dtype=torch.uint8, device=device) for _ in range(args.window)]
+            nccl_s = _time_nccl(rank, buffers, args.iters, device, None if device == "cuda" else gloo)
+            ucx_s = _time_ucx(rank, transport, peer, buffers, args.iters, device, gloo)
+            nbytes = size_mb * MB * args.window
+            rows[size_mb] = {"nccl_GBps": nbytes / nccl_s / 1e9, "ucx_GBps": nbytes / ucx_s / 1e9}
+            del buffers
         dist.barrier(group=gloo)
     if rank == 1:
         results.update(rows)
@@ -100,6 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--toy", action="store_true")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--window", type=int, default=1, help="messages of each size in flight at once")
     parser.add_argument("--out")
     args = parser.parse_args()
     if not args.toy and torch.cuda.device_count() < 2:
@@ -114,13 +125,17 @@ def main() -> None:
         mp.spawn(_worker, args=(args, port, results), nprocs=2, join=True)
         rows = dict(results)
     label = "gloo" if args.toy else "NCCL"
+    print(f"{args.window} message(s) in flight")
     print(f"{'MB':>5s} {label + ' GB/s':>10s} {'ucxx GB/s':>10s} {'ucxx/' + label:>10s}")
     for size_mb, row in sorted(rows.items()):
         print(f"{size_mb:5d} {row['nccl_GBps']:10.1f} {row['ucx_GBps']:10.1f} "
               f"{row['ucx_GBps'] / row['nccl_GBps']:10.2f}")
     if args.out:
+        from dyad.transport.ucx import progress_mode
+
         info = {"device": "cpu" if args.toy else torch.cuda.get_device_name(), "torch": torch.__version__,
-                "ucx_tls": os.environ.get("UCX_TLS", "(ucxx default)"), "sizes": rows}
+                "ucx_tls": os.environ.get("UCX_TLS", "(ucxx default)"), "window": args.window,
+                "ucx_progress": progress_mode(), "sizes": rows}
         with open(args.out, "w") as f:
             json.dump(info, f, indent=1)
 
