@@ -74,6 +74,18 @@ def dyad_fp8_compiled_layer(dim, hidden, experts, top_k):
     return dyad_fp8_layer(dim, hidden, experts, top_k)
 
 
+def keeping_weight_codes(make):
+    """The float8 layer `make` builds, its weight codes kept from call to call: the cost of one
+    microbatch when many share an optimizer step (weights quantized once per step, not per call)."""
+
+    def make_keeping(dim, hidden, experts, top_k):
+        layer = make(dim, hidden, experts, top_k)
+        layer.bench_keeps_weight_codes = True
+        return layer
+
+    return make_keeping
+
+
 def titan_layer(dim, hidden, experts, top_k):
     from torchtitan.models.common.config_utils import (
         make_moe_config,
@@ -120,6 +132,8 @@ LAYERS = {
     "dyad-compiled": compiled(dyad_layer),
     "dyad-fp8": dyad_fp8_layer,
     "dyad-fp8-compiled": dyad_fp8_compiled_layer,
+    "dyad-fp8-codes-kept": keeping_weight_codes(dyad_fp8_layer),
+    "dyad-fp8-compiled-codes-kept": keeping_weight_codes(dyad_fp8_compiled_layer),
     "torchtitan-0.3.0": titan_layer,
     "torchtitan-0.3.0-compiled": compiled(titan_layer),
     "hf-grouped_mm": hf_layer,
@@ -134,10 +148,12 @@ def time_layer(make, shape, device, dtype, iters) -> float:
     x = torch.randn(tokens, dim, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(tokens, dim, device=device, dtype=dtype)
     is_dyad = isinstance(layer, MoELayer)
+    requantize = not getattr(layer, "bench_keeps_weight_codes", False)
 
     def step():
         if is_dyad:
-            forget_quantized(layer)  # each step quantizes its weights once, as after an optimizer step
+            if requantize:  # each call quantizes its weights once, as after an optimizer step
+                forget_quantized(layer)
             y, aux = layer(x)
             torch.autograd.backward([y, aux], [grad, torch.ones_like(aux)])
         else:
