@@ -23,11 +23,13 @@ References: dequantize to float32 and multiply with plain matmuls (`linear_refer
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
+from dyad.kernels.fp8_layouts import scale_into_both_layouts
 from dyad.kernels.grouped_mm import grouped_mm_reference as plain_grouped_mm_reference
 
 E4M3 = torch.float8_e4m3fn
@@ -39,13 +41,18 @@ _CACHE_ATTR = "_dyad_fp8_cache"
 def quantize(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes in e4m3, inverse scales) with one power-of-two scale per slice along `dim`:
     t ~= codes.float() * inverse_scales, inverse scales float32 with `dim` kept as size 1."""
-    amax = torch.linalg.vector_norm(t.detach(), ord=math.inf, dim=dim, keepdim=True).float().clamp(min=_TINY)
-    scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
-    scale = torch.where(scale * amax > E4M3_MAX, scale / 2, scale)  # log2's rounding at a boundary
+    scale = _power_of_two_scales(t, dim)
     # scale * amax <= 448 and multiplying by a power of two is exact, so no value exceeds e4m3's
     # range: no clamp pass over the tensor is needed before the cast.
     codes = (t.detach() * scale.to(t.dtype)).to(E4M3)
     return codes, scale.reciprocal()
+
+
+def _power_of_two_scales(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """float32 powers of two, `dim` kept as size 1, that bring each slice's amax just under 448."""
+    amax = torch.linalg.vector_norm(t.detach(), ord=math.inf, dim=dim, keepdim=True).float().clamp(min=_TINY)
+    scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
+    return torch.where(scale * amax > E4M3_MAX, scale / 2, scale)  # log2's rounding at a boundary
 
 
 _quantize = quantize  # what the GEMMs call; `compile_quantization` swaps in a fused one
@@ -66,13 +73,18 @@ def dequantize(codes: torch.Tensor, inverse_scales: torch.Tensor) -> torch.Tenso
 
 def cached_per_version(w: torch.Tensor, key, make):
     """make(w), computed once per in-place version of `w` and kept on the tensor."""
+    entries = _cache_entries(w)
+    if key not in entries:
+        entries[key] = make(w)
+    return entries[key]
+
+
+def _cache_entries(w: torch.Tensor) -> dict:
     version, entries = getattr(w, _CACHE_ATTR, (None, None))
     if version != w._version:
         version, entries = w._version, {}
         setattr(w, _CACHE_ATTR, (version, entries))
-    if key not in entries:
-        entries[key] = make(w)
-    return entries[key]
+    return entries
 
 
 def forget_quantized(params) -> None:
@@ -194,27 +206,40 @@ def _grouped_scaled_mm(x_codes_ND, x_inv_N1, w_codes_EFD, w_inv_EF1, offs_E, out
     return out_NF
 
 
-def _expert_codes(w_EDF: torch.Tensor, contract_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _expert_codes(
+    w_EDF: torch.Tensor, contract_dim: int, *, with_other_layout: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes of w[e] as row-major [out, contraction] with one scale per output row, cached.
-    contract_dim 1: forward (contract over D, out F); 2: input gradient (contract over F, out D)."""
+    contract_dim 1: forward (contract over D, out F); 2: input gradient (contract over F, out D).
+    with_other_layout: make both in one pass over the weight (the backward will need the other)."""
+    entries = _cache_entries(w_EDF)
+    key = ("experts", contract_dim)
+    if key not in entries and with_other_layout:
+        entries.update(_both_expert_layouts(w_EDF))
+    return cached_per_version(w_EDF, key, functools.partial(_one_expert_layout, contract_dim=contract_dim))
 
-    def make(w):
-        codes, inv = _quantize(w, dim=contract_dim)
-        if contract_dim == 1:  # [E, D, F] scaled over D -> [E, F, D] rows
-            return codes.transpose(1, 2).contiguous(), inv.transpose(1, 2)
-        return (
-            codes,
-            inv,
-        )  # [E, D, F] scaled over F is already [E, out D, contraction F]
 
-    return cached_per_version(w_EDF, ("experts", contract_dim), make)
+def _both_expert_layouts(w_EDF: torch.Tensor) -> dict:
+    over_F_ED1, over_D_E1F = _power_of_two_scales(w_EDF, 2), _power_of_two_scales(w_EDF, 1)
+    codes_EDF, codes_EFD = scale_into_both_layouts(w_EDF, over_F_ED1, over_D_E1F)
+    return {
+        ("experts", 1): (codes_EFD, over_D_E1F.reciprocal().transpose(1, 2)),
+        ("experts", 2): (codes_EDF, over_F_ED1.reciprocal()),
+    }
+
+
+def _one_expert_layout(w, contract_dim):
+    codes, inv = _quantize(w, dim=contract_dim)
+    if contract_dim == 1:  # [E, D, F] scaled over D -> [E, F, D] rows
+        return codes.transpose(1, 2).contiguous(), inv.transpose(1, 2)
+    return codes, inv  # [E, D, F] scaled over F is already [E, out D, contraction F]
 
 
 class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, w_EDF, offs_E, out_dtype):
         x_codes, x_inv = _quantize(x_ND, dim=1)
-        w_codes, w_inv = _expert_codes(w_EDF, contract_dim=1)
+        w_codes, w_inv = _expert_codes(w_EDF, contract_dim=1, with_other_layout=ctx.needs_input_grad[0])
         ctx.save_for_backward(x_ND, w_EDF, offs_E)
         ctx.out_dtype = out_dtype
         return _grouped_scaled_mm(x_codes, x_inv, w_codes, w_inv, offs_E, out_dtype)

@@ -133,6 +133,20 @@ def test_weights_are_quantized_once_per_version():
     assert len(calls) == 2 and torch.equal(second[1], first[1] * 2)
 
 
+def test_both_expert_layouts_in_one_pass_equal_each_quantized_alone():
+    torch.manual_seed(8)
+    for w in (torch.randn(3, 40, 24) * 0.05, (torch.randn(2, 16, 48) * 3).to(torch.bfloat16)):
+        w[0, :, 5] = 0  # an all-zero column and row: their own scales, zero codes
+        w[1, 7, :] = 0
+        forward = fp8._expert_codes(w, 1, with_other_layout=True)
+        assert ("experts", 2) in fp8._cache_entries(w)  # made in the same pass, for the backward
+        backward = fp8._expert_codes(w, 2)
+        for (codes, inverse), alone in ((forward, fp8._one_expert_layout(w, 1)), (backward, fp8._one_expert_layout(w, 2))):
+            assert codes.shape == alone[0].shape and codes.is_contiguous()
+            assert torch.equal(codes.view(torch.uint8), alone[0].view(torch.uint8))
+            assert torch.equal(inverse, alone[1])
+
+
 def test_a_fused_optimizer_step_drops_the_cached_codes():
     """Fused AdamW updates in place without bumping the version: the step hook must forget."""
     w = torch.nn.Parameter(torch.randn(32, 64))
@@ -315,3 +329,20 @@ def test_a_disaggregated_job_trains_with_llm_fp8(tmp_path):
     assert job.succeeded, job.info.message
     losses = [m["loss"] for m in job.metrics]
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
+
+
+@needs_sm90
+def test_cuda_both_layouts_kernel_is_bitwise_its_reference():
+    from dyad.kernels import fp8_layouts
+
+    assert fp8_layouts._kernel() is not None, "Triton missing: the fast path would not run"
+    torch.manual_seed(9)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = (torch.randn(3, 200, 300, device="cuda") * 0.05).to(dtype)  # dims not multiples of the tiles
+        w[2, :, 17] = 0
+        scales = fp8._power_of_two_scales(w, 2), fp8._power_of_two_scales(w, 1)
+        fast = fp8_layouts.scale_into_both_layouts(w, *scales)
+        reference = fp8_layouts.scale_into_both_layouts_reference(w, *scales)
+        for got, expected in zip(fast, reference):
+            assert got.shape == expected.shape
+            assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
