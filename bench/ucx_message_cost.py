@@ -8,6 +8,10 @@ With one GPU both processes use it (cuda_ipc within the device); with two, rank 
 Each row is the median half round trip (one message one way) over `--iters`; its bandwidth is
 size / that time. `ucx_perftest` (shipped in the libucx wheel) gives UCX's own floor: C, no
 Python, its progress loop polling.
+
+Variants (`--variants`, comma-separated): `perftest`; `dyad` (the transport's default progress
+mode) and `dyad-<mode>`; `ucxx-<mode>[+option...]` with options `nofuture`, `header`, `event`,
+`hop` (see `_raw_side`). Results: docs/performance.md, "Where a message's time goes".
 """
 
 from __future__ import annotations

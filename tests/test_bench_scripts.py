@@ -18,6 +18,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
     [
         ("moe_layer.py", ["--iters", "2"]),
         ("boundary_bandwidth.py", ["--iters", "2", "--window", "2"]),
+        ("ucx_message_cost.py", ["--iters", "2", "--variants", "perftest,dyad,ucxx-thread-polling+header+hop+event"]),
         ("llm_step.py", ["--iters", "2"]),
         ("expert_gemms.py", ["--iters", "2"]),
         ("e2e_hetero.py", []),
