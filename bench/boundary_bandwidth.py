@@ -8,11 +8,11 @@ Two processes (rank 0 sends, rank 1 receives). Each size is timed on the receive
 barrier to the completed receive, median of `--iters`. A gloo group carries the barriers and the
 UCX addresses. Prints a table (GB/s, and UCX as a fraction of NCCL); writes JSON.
 
-`--window W` times W messages of each size in flight at once (W buffers each side, all posted
-before any is waited on: `isend`/`irecv` for NCCL), as bandwidth tests such as ucx_perftest's
-tag_bw and nccl-tests count it; the default, 1, is one message at a time, where a fixed cost
+`--windows 1 8` (the default) times each size twice: one message at a time, where a fixed cost
 per message (about 0.15 ms in UCX itself on an H200, more through Python; see
-`bench/ucx_message_cost.py`) is part of every number.
+`bench/ucx_message_cost.py`) is part of every number, and W = 8 messages in flight at once (W
+buffers each side, all posted before any is waited on: `isend`/`irecv` for NCCL), as bandwidth
+tests such as ucx_perftest's tag_bw and nccl-tests count it.
 """
 
 from __future__ import annotations
@@ -93,13 +93,14 @@ def _worker(rank: int, args, port: int, results) -> None:
         secret = b"boundary-bandwidth-bench-secret!"
         transport.authorize(secret, [peer])
         rows = {}
-        for size_mb in (TOY_SIZES_MB if args.toy else GPU_SIZES_MB):
-            buffers = [torch.randint(0, 255, (size_mb * MB,), dtype=torch.uint8, device=device) for _ in range(args.window)]
-            nccl_s = _time_nccl(rank, buffers, args.iters, device, None if device == "cuda" else gloo)
-            ucx_s = _time_ucx(rank, transport, peer, buffers, args.iters, device, gloo)
-            nbytes = size_mb * MB * args.window
-            rows[size_mb] = {"nccl_GBps": nbytes / nccl_s / 1e9, "ucx_GBps": nbytes / ucx_s / 1e9}
-            del buffers
+        for window in args.windows:
+            for size_mb in (TOY_SIZES_MB if args.toy else GPU_SIZES_MB):
+                buffers = [torch.randint(0, 255, (size_mb * MB,), dtype=torch.uint8, device=device) for _ in range(window)]
+                nccl_s = _time_nccl(rank, buffers, args.iters, device, None if device == "cuda" else gloo)
+                ucx_s = _time_ucx(rank, transport, peer, buffers, args.iters, device, gloo)
+                nbytes = size_mb * MB * window
+                rows[window, size_mb] = {"nccl_GBps": nbytes / nccl_s / 1e9, "ucx_GBps": nbytes / ucx_s / 1e9}
+                del buffers
         dist.barrier(group=gloo)
     if rank == 1:
         results.update(rows)
@@ -110,7 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--toy", action="store_true")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--window", type=int, default=1, help="messages of each size in flight at once")
+    parser.add_argument("--windows", type=int, nargs="+", default=[1, 8], help="messages of each size in flight at once")
     parser.add_argument("--out")
     args = parser.parse_args()
     if not args.toy and torch.cuda.device_count() < 2:
@@ -125,17 +126,16 @@ def main() -> None:
         mp.spawn(_worker, args=(args, port, results), nprocs=2, join=True)
         rows = dict(results)
     label = "gloo" if args.toy else "NCCL"
-    print(f"{args.window} message(s) in flight")
-    print(f"{'MB':>5s} {label + ' GB/s':>10s} {'ucxx GB/s':>10s} {'ucxx/' + label:>10s}")
-    for size_mb, row in sorted(rows.items()):
-        print(f"{size_mb:5d} {row['nccl_GBps']:10.1f} {row['ucx_GBps']:10.1f} "
+    print(f"{'in flight':>9s} {'MB':>5s} {label + ' GB/s':>10s} {'ucxx GB/s':>10s} {'ucxx/' + label:>10s}")
+    for (window, size_mb), row in sorted(rows.items()):
+        print(f"{window:9d} {size_mb:5d} {row['nccl_GBps']:10.1f} {row['ucx_GBps']:10.1f} "
               f"{row['ucx_GBps'] / row['nccl_GBps']:10.2f}")
     if args.out:
         from dyad.transport.ucx import progress_mode
 
         info = {"device": "cpu" if args.toy else torch.cuda.get_device_name(), "torch": torch.__version__,
-                "ucx_tls": os.environ.get("UCX_TLS", "(ucxx default)"), "window": args.window,
-                "ucx_progress": progress_mode(), "sizes": rows}
+                "ucx_tls": os.environ.get("UCX_TLS", "(ucxx default)"), "ucx_progress": progress_mode(),
+                "windows": {str(w): {str(mb): row for (w2, mb), row in sorted(rows.items()) if w2 == w} for w in args.windows}}
         with open(args.out, "w") as f:
             json.dump(info, f, indent=1)
 

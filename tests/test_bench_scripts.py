@@ -17,7 +17,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
     "script,args",
     [
         ("moe_layer.py", ["--iters", "2"]),
-        ("boundary_bandwidth.py", ["--iters", "2", "--window", "2"]),
+        ("boundary_bandwidth.py", ["--iters", "2", "--windows", "1", "2"]),
         ("ucx_message_cost.py", ["--iters", "2", "--variants", "perftest,dyad,ucxx-thread-polling+header+hop+event"]),
         ("llm_step.py", ["--iters", "2"]),
         ("expert_gemms.py", ["--iters", "2"]),
