@@ -9,8 +9,9 @@ Each row is the median half round trip (one message one way) over `--iters`; its
 size / that time. `ucx_perftest` (shipped in the libucx wheel) gives UCX's own floor: C, no
 Python, its progress loop polling.
 
-Variants (`--variants`, comma-separated): `perftest`; `dyad` (the transport's default progress
-mode) and `dyad-<mode>`; `ucxx-<mode>[+option...]` with options `nofuture`, `header`, `event`,
+Variants (`--variants`, comma-separated): `perftest` and `perftest-bw` (tag_bw: messages
+streamed, a message's time is size over bandwidth); `dyad` (the transport's default progress
+mode), `dyad-<mode>`, and `dyad-window<W>` (W messages one way at once, the time over W); `ucxx-<mode>[+option...]` with options `nofuture`, `header`, `event`,
 `hop` (see `_raw_side`). Results: docs/performance.md, "Where a message's time goes".
 """
 
@@ -136,11 +137,13 @@ def _pair(target, *args) -> dict[int, float]:
     return result
 
 
-def _dyad_pair(progress, sizes, iters, device):
-    """Each side puts its address on the other's queue."""
+def _dyad_pair(progress, window, sizes, iters, device):
+    """Each side puts its address on the other's queue. window 1: ping-pong; W > 1: rank 0 sends
+    W messages at once, rank 1 receives them, and a message's time is the whole over W."""
     ctx = mp.get_context("spawn")
     to_0, to_1, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_dyad_proc, args=(r, progress, sizes, iters, device, to_0, to_1, result_q)) for r in (0, 1)]
+    args = (progress, window, sizes, iters, device, to_0, to_1, result_q)
+    procs = [ctx.Process(target=_dyad_proc, args=(r, *args)) for r in (0, 1)]
     for proc in procs:
         proc.start()
     result = result_q.get(timeout=300)
@@ -149,15 +152,32 @@ def _dyad_pair(progress, sizes, iters, device):
     return result
 
 
-def _dyad_proc(rank, progress, sizes, iters, device, to_0, to_1, result_q):
+def _dyad_proc(rank, progress, window, sizes, iters, device, to_0, to_1, result_q):
     from dyad.transport import Direction, MessageTag, UcxTransport
+
+    def barrier():
+        (to_1 if rank == 0 else to_0).put(rank)
+        return (to_0 if rank == 0 else to_1).get(timeout=600)
 
     with UcxTransport(progress=progress) as transport:
         (to_1 if rank == 0 else to_0).put(transport.address)
-        peer = (to_0 if rank == 0 else to_1).get(timeout=60)
+        peer = barrier()
         transport.authorize(b"ucx-message-cost-bench-secret!!!", [peer])
         times = {}
-        for nbytes in sizes:
+        for size_index, nbytes in enumerate(sizes):
+            if window > 1:
+                buffers = [_buffer(nbytes, device, rank) for _ in range(window)]
+                samples = []
+                for i in range(iters + 3):
+                    tags = [MessageTag("bench", i, k, Direction.FORWARD, size_index) for k in range(window)]
+                    barrier()
+                    start = time.perf_counter()
+                    move = transport.send if rank == 0 else transport.recv
+                    for future in [move(peer, tag, buffer) for tag, buffer in zip(tags, buffers)]:
+                        future.result()
+                    samples.append((time.perf_counter() - start) / window)
+                times[nbytes] = statistics.median(samples[3:])
+                continue
             buffer = _buffer(nbytes, device, rank)
             samples = []
             for i in range(iters + 3):
@@ -172,13 +192,13 @@ def _dyad_proc(rank, progress, sizes, iters, device, to_0, to_1, result_q):
                     transport.send(peer, back, buffer).result()
                 samples.append((time.perf_counter() - start) / 2)
             times[nbytes] = statistics.median(samples[3:])
-        (to_1 if rank == 0 else to_0).put("done")
-        (to_0 if rank == 0 else to_1).get(timeout=600)
-        if rank == 0:
+        barrier()
+        if rank == (1 if window > 1 else 0):
             result_q.put(times)
 
 
-def _perftest(sizes, iters, device) -> dict[int, float]:
+def _perftest(sizes, iters, device, test="tag_lat") -> dict[int, float]:
+    """tag_lat: the median half round trip; tag_bw (messages streamed): size over bandwidth."""
     import libucx
 
     root = os.path.dirname(libucx.__file__)
@@ -193,13 +213,14 @@ def _perftest(sizes, iters, device) -> dict[int, float]:
             server_env["CUDA_VISIBLE_DEVICES"], env["CUDA_VISIBLE_DEVICES"] = "1", "0"
         server = subprocess.Popen([binary, "-p", port], env=server_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         time.sleep(1.0)
-        args = [binary, "127.0.0.1", "-p", port, "-t", "tag_lat", "-s", str(nbytes), "-n", str(iters), "-w", "3", *memory]
+        args = [binary, "127.0.0.1", "-p", port, "-t", test, "-s", str(nbytes), "-n", str(iters), "-w", "3", *memory]
         out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
         server.communicate(timeout=60)
         final = [line for line in out.stdout.splitlines() if line.startswith("Final:")]
         if not final:
             raise RuntimeError(f"ucx_perftest failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
-        times[nbytes] = float(final[0].split()[2]) * 1e-6  # 50th percentile, usec
+        fields = final[0].split()  # Final: iters p50 average overall bw-average bw-overall (MB/s)...
+        times[nbytes] = float(fields[2]) * 1e-6 if test == "tag_lat" else nbytes / (float(fields[6]) * MB)
     return times
 
 
@@ -218,8 +239,12 @@ def main() -> None:
         try:
             if variant == "perftest":
                 times = _perftest(sizes, args.iters, device)
+            elif variant.startswith("dyad-window"):
+                times = _dyad_pair(None, int(variant[len("dyad-window"):]), sizes, args.iters, device)
             elif variant == "dyad" or variant.startswith("dyad-"):
-                times = _dyad_pair(variant[5:] or None, sizes, args.iters, device)
+                times = _dyad_pair(variant[5:] or None, 1, sizes, args.iters, device)
+            elif variant == "perftest-bw":
+                times = _perftest(sizes, args.iters, device, test="tag_bw")
             elif variant.startswith("ucxx-"):
                 mode, *options = variant[5:].split("+")
                 times = _pair(_raw_side, mode, set(options), sizes, args.iters, device)
