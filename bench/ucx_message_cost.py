@@ -155,13 +155,13 @@ def _dyad_pair(progress, window, sizes, iters, device):
 def _dyad_proc(rank, progress, window, sizes, iters, device, to_0, to_1, result_q):
     from dyad.transport import Direction, MessageTag, UcxTransport
 
-    def barrier():
-        (to_1 if rank == 0 else to_0).put(rank)
+    def meet(value):
+        """Give the peer `value` and take its own: a barrier too."""
+        (to_1 if rank == 0 else to_0).put(value)
         return (to_0 if rank == 0 else to_1).get(timeout=600)
 
     with UcxTransport(progress=progress) as transport:
-        (to_1 if rank == 0 else to_0).put(transport.address)
-        peer = barrier()
+        peer = meet(transport.address)
         transport.authorize(b"ucx-message-cost-bench-secret!!!", [peer])
         times = {}
         for size_index, nbytes in enumerate(sizes):
@@ -170,7 +170,7 @@ def _dyad_proc(rank, progress, window, sizes, iters, device, to_0, to_1, result_
                 samples = []
                 for i in range(iters + 3):
                     tags = [MessageTag("bench", i, k, Direction.FORWARD, size_index) for k in range(window)]
-                    barrier()
+                    meet(i)
                     start = time.perf_counter()
                     move = transport.send if rank == 0 else transport.recv
                     for future in [move(peer, tag, buffer) for tag, buffer in zip(tags, buffers)]:
@@ -181,8 +181,8 @@ def _dyad_proc(rank, progress, window, sizes, iters, device, to_0, to_1, result_
             buffer = _buffer(nbytes, device, rank)
             samples = []
             for i in range(iters + 3):
-                there = MessageTag("bench", i, nbytes % 1000, Direction.FORWARD, 0)
-                back = MessageTag("bench", i, nbytes % 1000, Direction.BACKWARD, 0)
+                there = MessageTag("bench", i, size_index, Direction.FORWARD, 0)
+                back = MessageTag("bench", i, size_index, Direction.BACKWARD, 0)
                 start = time.perf_counter()
                 if rank == 0:
                     transport.send(peer, there, buffer).result()
@@ -192,7 +192,7 @@ def _dyad_proc(rank, progress, window, sizes, iters, device, to_0, to_1, result_
                     transport.send(peer, back, buffer).result()
                 samples.append((time.perf_counter() - start) / 2)
             times[nbytes] = statistics.median(samples[3:])
-        barrier()
+        meet("done")
         if rank == (1 if window > 1 else 0):
             result_q.put(times)
 
