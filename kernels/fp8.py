@@ -23,7 +23,6 @@ References: dequantize to float32 and multiply with plain matmuls (`linear_refer
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -214,9 +213,10 @@ def _expert_codes(
     with_other_layout: make both in one pass over the weight (the backward will need the other)."""
     entries = _cache_entries(w_EDF)
     key = ("experts", contract_dim)
-    if key not in entries and with_other_layout:
-        entries.update(_both_expert_layouts(w_EDF))
-    return cached_per_version(w_EDF, key, functools.partial(_one_expert_layout, contract_dim=contract_dim))
+    if key not in entries:
+        made = _both_expert_layouts(w_EDF) if with_other_layout else {key: _one_expert_layout(w_EDF, contract_dim)}
+        entries.update(made)
+    return entries[key]
 
 
 def _both_expert_layouts(w_EDF: torch.Tensor) -> dict:
