@@ -37,7 +37,7 @@ def scale_into_both_layouts(w_EDF, scale_over_F_ED1, scale_over_D_E1F):
     codes_EDF = torch.empty((E, D, F), dtype=E4M3, device=w.device)
     codes_EFD = torch.empty((E, F, D), dtype=E4M3, device=w.device)
     block_d = block_f = 64
-    grid = (triton_cdiv(D, block_d), triton_cdiv(F, block_f), E)
+    grid = (_cdiv(D, block_d), _cdiv(F, block_f), E)
     kernel[grid](
         w, scale_over_F_ED1.float().contiguous(), scale_over_D_E1F.float().contiguous(),
         codes_EDF, codes_EFD, D, F, BLOCK_D=block_d, BLOCK_F=block_f,
@@ -45,7 +45,7 @@ def scale_into_both_layouts(w_EDF, scale_over_F_ED1, scale_over_D_E1F):
     return codes_EDF, codes_EFD
 
 
-def triton_cdiv(n: int, block: int) -> int:
+def _cdiv(n: int, block: int) -> int:
     return -(-n // block)
 
 
