@@ -51,60 +51,82 @@ def _ucxx_buffer(tensor: torch.Tensor):
     return tensor if tensor.is_cuda else tensor.numpy()  # CUDA: via __cuda_array_interface__
 
 
-def _raw_side(rank, mode, options, sizes, iters, device, port_q, result_q):
+def _raw_side(rank, mode, options, sizes, iters, device, to_0, to_1, result_q):
     """Plain ucxx on a loop in a background thread. Options, to find what dyad's path adds:
     "nofuture" (requests polled by the loop, no notifier thread), "header" (an 8-byte host
     message beside each payload, as dyad sends), "hop" (every message posted from the main
     thread and waited on there, as dyad's callers do), "event" (a CUDA event recorded and
-    queried before each message, as dyad does)."""
+    queried before each message, as dyad does), "direct" (requests posted on ucxx's Cython
+    endpoint and their futures gathered, without its coroutines), "window<W>" (W messages one
+    way at once between barriers, the time over W, instead of a ping-pong)."""
     import array
     import threading
 
     import ucxx
+    from ucxx._lib.arr import Array
+    from ucxx.types import Tag, TagMaskFull
 
+    window = next((int(o[len("window"):]) for o in options if o.startswith("window")), 1)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
     def call(coro):
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
+    meet = _meeting(rank, to_0, to_1)
+    def post(endpoint, buffer, sending):
+        """One request on the Cython endpoint, no coroutine (ucxx cancels a request whose
+        object is collected: the caller keeps it until it completes)."""
+        if sending:
+            return endpoint._ep.tag_send(Array(buffer), Tag(1))
+        return endpoint._ep.tag_recv(Array(buffer), Tag(1), TagMaskFull)
+
     async def transfer(endpoint, buffer, sending):
         if "event" in options and device == "cuda":
             event = torch.cuda.Event()
             event.record()
             event.query()
+        buffers = [array.array("Q", [buffer.nbytes]), buffer] if "header" in options else [buffer]
+        if "direct" in options:
+            requests = [post(endpoint, b, sending) for b in buffers]
+            await asyncio.gather(*[request.future for request in requests])
+            return
         operation = endpoint.send if sending else endpoint.recv
-        if "header" in options:
-            header = array.array("Q", [buffer.nbytes])
-            await asyncio.gather(operation(header), operation(buffer))
-        else:
-            await operation(buffer)
+        await asyncio.gather(*[operation(b) for b in buffers])
 
     async def exchange(endpoint, buffer):
         await transfer(endpoint, buffer, rank == 0)
         await transfer(endpoint, buffer, rank == 1)
 
-    def pingpong(endpoint):
-        times = {}
-        for nbytes in sizes:
-            buffer = _ucxx_buffer(_buffer(nbytes, device, rank))
-            samples = []
-            for _ in range(iters + 3):
-                start = time.perf_counter()
-                if "hop" in options:
-                    call(transfer(endpoint, buffer, rank == 0))
-                    call(transfer(endpoint, buffer, rank == 1))
-                else:
-                    call(exchange(endpoint, buffer))
-                samples.append((time.perf_counter() - start) / 2)
-            times[nbytes] = statistics.median(samples[3:])
-        return times
+    def pingpong(endpoint, buffer):
+        start = time.perf_counter()
+        if "hop" in options:
+            call(transfer(endpoint, buffer, rank == 0))
+            call(transfer(endpoint, buffer, rank == 1))
+        else:
+            call(exchange(endpoint, buffer))
+        return (time.perf_counter() - start) / 2
+
+    def one_way(endpoint, buffers):
+        sending = rank == 0
+        start = time.perf_counter()
+        if "hop" in options:
+            futures = [asyncio.run_coroutine_threadsafe(transfer(endpoint, b, sending), loop) for b in buffers]
+            for future in futures:
+                future.result()
+        else:
+
+            async def together():
+                await asyncio.gather(*[transfer(endpoint, b, sending) for b in buffers])
+
+            call(together())
+        return (time.perf_counter() - start) / len(buffers)
 
     async def start():
         future = "nofuture" not in options and mode.startswith("thread")
         ucxx.init(progress_mode=mode, enable_python_future=future)
         if rank == 0:
-            return await ucxx.create_endpoint("127.0.0.1", port_q.get())
+            return await ucxx.create_endpoint("127.0.0.1", meet(None))
         accepted = asyncio.get_running_loop().create_future()
 
         async def accept(endpoint):
@@ -112,38 +134,43 @@ def _raw_side(rank, mode, options, sizes, iters, device, port_q, result_q):
             await asyncio.sleep(3600)  # ucxx closes the endpoint when its handler returns
 
         listener = ucxx.create_listener(accept)
-        port_q.put(listener.port)
+        meet(listener.port)
         return await accepted
 
     endpoint = call(start())
-    times = pingpong(endpoint)
-    if rank == 0:
+    times = {}
+    for nbytes in sizes:
+        buffers = [_ucxx_buffer(_buffer(nbytes, device, rank)) for _ in range(window)]
+        samples = []
+        for i in range(iters + 3):
+            if window > 1:
+                meet(i)
+                samples.append(one_way(endpoint, buffers))
+            else:
+                samples.append(pingpong(endpoint, buffers[0]))
+        times[nbytes] = statistics.median(samples[3:])
+    meet("done")
+    if rank == 1:
         result_q.put(times)
-    else:
-        time.sleep(1.0)  # let the peer's last receive complete
+    meet("reported")  # the receiver's last messages completed before anyone closes
     ucxx.stop_notifier_thread()  # not a daemon: the process would never exit
 
 
+def _meeting(rank, to_0, to_1):
+    """`meet(value)`: give the peer `value` and take its own; a barrier too."""
+
+    def meet(value):
+        (to_1 if rank == 0 else to_0).put(value)
+        return (to_0 if rank == 0 else to_1).get(timeout=600)
+
+    return meet
+
+
 def _pair(target, *args) -> dict[int, float]:
-    ctx = mp.get_context("spawn")
-    port_q, result_q = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=target, args=(rank, *args, port_q, result_q)) for rank in (1, 0)]
-    for proc in procs:
-        proc.start()
-        time.sleep(0.5)  # the listener first
-    result = result_q.get(timeout=300)
-    for proc in procs:
-        proc.join(60)
-    return result
-
-
-def _dyad_pair(progress, window, sizes, iters, device):
-    """Each side puts its address on the other's queue. window 1: ping-pong; W > 1: rank 0 sends
-    W messages at once, rank 1 receives them, and a message's time is the whole over W."""
+    """Two processes, each with the other's queue for `meet`; rank 1 reports."""
     ctx = mp.get_context("spawn")
     to_0, to_1, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    args = (progress, window, sizes, iters, device, to_0, to_1, result_q)
-    procs = [ctx.Process(target=_dyad_proc, args=(r, *args)) for r in (0, 1)]
+    procs = [ctx.Process(target=target, args=(rank, *args, to_0, to_1, result_q)) for rank in (0, 1)]
     for proc in procs:
         proc.start()
     result = result_q.get(timeout=300)
@@ -155,10 +182,7 @@ def _dyad_pair(progress, window, sizes, iters, device):
 def _dyad_proc(rank, progress, window, sizes, iters, device, to_0, to_1, result_q):
     from dyad.transport import Direction, MessageTag, UcxTransport
 
-    def meet(value):
-        """Give the peer `value` and take its own: a barrier too."""
-        (to_1 if rank == 0 else to_0).put(value)
-        return (to_0 if rank == 0 else to_1).get(timeout=600)
+    meet = _meeting(rank, to_0, to_1)
 
     with UcxTransport(progress=progress) as transport:
         peer = meet(transport.address)
@@ -193,7 +217,7 @@ def _dyad_proc(rank, progress, window, sizes, iters, device, to_0, to_1, result_
                 samples.append((time.perf_counter() - start) / 2)
             times[nbytes] = statistics.median(samples[3:])
         meet("done")
-        if rank == (1 if window > 1 else 0):
+        if rank == 1:
             result_q.put(times)
 
 
@@ -240,9 +264,9 @@ def main() -> None:
             if variant == "perftest":
                 times = _perftest(sizes, args.iters, device)
             elif variant.startswith("dyad-window"):
-                times = _dyad_pair(None, int(variant[len("dyad-window"):]), sizes, args.iters, device)
+                times = _pair(_dyad_proc, None, int(variant[len("dyad-window"):]), sizes, args.iters, device)
             elif variant == "dyad" or variant.startswith("dyad-"):
-                times = _dyad_pair(variant[5:] or None, 1, sizes, args.iters, device)
+                times = _pair(_dyad_proc, variant[5:] or None, 1, sizes, args.iters, device)
             elif variant == "perftest-bw":
                 times = _perftest(sizes, args.iters, device, test="tag_bw")
             elif variant.startswith("ucxx-"):
