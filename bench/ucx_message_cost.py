@@ -11,8 +11,9 @@ Python, its progress loop polling.
 
 Variants (`--variants`, comma-separated): `perftest` and `perftest-bw` (tag_bw: messages
 streamed, a message's time is size over bandwidth); `dyad` (the transport's default progress
-mode), `dyad-<mode>`, and `dyad-window<W>` (W messages one way at once, the time over W); `ucxx-<mode>[+option...]` with options `nofuture`, `header`, `event`,
-`hop` (see `_raw_side`). Results: docs/performance.md, "Where a message's time goes".
+mode), `dyad-<mode>`, and `dyad-window<W>` (W messages one way at once, the time over W);
+`ucxx-<mode>[+option...]` with options `nofuture`, `header`, `event`, `hop`, `direct` and
+`window<W>` (see `_raw_side`). Results: docs/performance.md, "Where a message's time goes".
 """
 
 from __future__ import annotations
@@ -173,7 +174,15 @@ def _pair(target, *args) -> dict[int, float]:
     procs = [ctx.Process(target=target, args=(rank, *args, to_0, to_1, result_q)) for rank in (0, 1)]
     for proc in procs:
         proc.start()
-    result = result_q.get(timeout=300)
+    deadline = time.monotonic() + 300
+    while result_q.empty():  # a side that died fails the variant now, not at the deadline
+        dead = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
+        if dead or time.monotonic() > deadline:
+            for proc in procs:
+                proc.kill()
+            raise RuntimeError(f"a side exited with {dead}" if dead else "no result within 300 s")
+        time.sleep(0.1)
+    result = result_q.get()
     for proc in procs:
         proc.join(60)
     return result

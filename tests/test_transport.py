@@ -10,6 +10,7 @@ refusals are tested in test_transport_auth.py.
 import multiprocessing
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -213,6 +214,33 @@ def test_close_fails_pending_work_on_both_sides(pair):
         theirs.result(WAIT_S)
     with pytest.raises(TransportError, match="closed"):
         b.send(a.address, _tag(), torch.ones(3))
+
+
+def test_ucx_message_sent_before_its_sender_closed_is_still_received():
+    """A small message goes eagerly: its send completes before the recv is posted (the twin,
+    rendezvous only, would wait). Once the sender has closed, the receiver's endpoint to it is
+    closed too, and the recv must still take the message waiting in its worker."""
+    with UcxTransport() as a, UcxTransport() as b:
+        _authorized(a, b)
+        a.send(b.address, _tag(microbatch=1), torch.ones(3))
+        b.recv(a.address, _tag(microbatch=1), torch.empty(3)).result(WAIT_S)  # connected
+        sent = _random_bits((5,), torch.float32)
+        a.send(b.address, _tag(microbatch=2), sent).result(WAIT_S)
+        a.close()
+        time.sleep(0.5)  # b's endpoint to a sees the close
+        out = b.recv(a.address, _tag(microbatch=2), torch.empty(5)).result(WAIT_S)
+        assert _same_bytes(out, sent)
+
+
+def test_ucx_recv_posted_after_its_peer_closed_fails_at_once():
+    with UcxTransport() as a, UcxTransport() as b:
+        _authorized(a, b)
+        a.send(b.address, _tag(microbatch=1), torch.ones(3))
+        b.recv(a.address, _tag(microbatch=1), torch.empty(3)).result(WAIT_S)  # connected
+        a.close()
+        time.sleep(0.5)
+        with pytest.raises(ConnectionError, match=a.address):
+            b.recv(a.address, _tag(microbatch=2), torch.empty(5)).result(WAIT_S)
 
 
 def test_rejects_non_contiguous_tensors(pair):

@@ -1,10 +1,13 @@
 """UCX transport over `ucxx`: one listener per worker, one outgoing endpoint per peer.
 
 Threading: every ucxx call runs on one private asyncio loop in a background thread; the public
-methods only validate, post a coroutine there and hand back its `concurrent.futures.Future`.
-ucxx's own progress thread drives UCX, and its notifier thread completes requests as asyncio
-futures (`enable_python_future=True`): the default mode instead busy-polls `asyncio.sleep(0)`
-while any request is pending and would burn a core beside the training loop.
+methods only validate, schedule the message there and hand back a `concurrent.futures.Future`.
+A message to a connected peer whose buffer's kernels are done is posted in that one loop
+callback and completed in another, without an asyncio task (`_InFlight`); connecting or
+waiting for kernels goes through a task first. ucxx's own progress thread drives UCX, and its
+notifier thread completes requests as asyncio futures (`enable_python_future=True`): the
+default mode instead busy-polls `asyncio.sleep(0)` while any request is pending and would burn
+a core beside the training loop.
 
 Progress (`progress`, see `progress_mode`): where CUDA is present the progress thread polls
 UCX ("thread-polling", a C++ thread that never takes the GIL but keeps one core busy), because
@@ -56,8 +59,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
+from ucxx._lib.arr import Array
 from ucxx._lib_async import ApplicationContext, Endpoint
 from ucxx.exceptions import UCXError
+from ucxx.types import Tag, TagMaskFull
 
 from dyad.transport.base import (
     TRANSPORT_BIT,
@@ -109,7 +114,7 @@ class UcxTransport(Transport):
         message = self._message(peer, tag, tensor, "sent")
         if message is None:
             return completed()
-        return self._engine.submit(self._engine.send(message))
+        return self._engine.transfer(message, None, None)
 
     def recv(
         self, peer: str, tag: MessageTag, out: torch.Tensor, timeout: float | None = None
@@ -117,7 +122,7 @@ class UcxTransport(Transport):
         message = self._message(peer, tag, out, "receive")
         if message is None:
             return completed(out)
-        return self._engine.submit(self._engine.recv(message, out, timeout))
+        return self._engine.transfer(message, out, timeout)
 
     def authorize(self, secret: bytes, peers: Iterable[str]) -> None:
         self._engine.grant = Grant.of(secret, peers)  # swapped whole: the loop reads it as is
@@ -138,7 +143,9 @@ class UcxTransport(Transport):
             raise TransportError(f"transport {self.address} is not authorized: call authorize()")
         if tensor.numel() == 0:
             return None  # both sides know the size: nothing goes on the wire
-        return _Message(peer, host, int(port), tag, key, _wire(tensor), _pending_writes(tensor))
+        sending = what == "sent"
+        buffer, writes = _wire(tensor), _pending_writes(tensor)
+        return _Message(peer, host, int(port), tag, key, sending, buffer, writes)
 
 
 @dataclass(frozen=True)
@@ -148,6 +155,7 @@ class _Message:
     port: int
     tag: MessageTag
     key: int  # tag.pack()
+    sending: bool
     buffer: object  # the tensor's bytes, see _wire
     pending_writes: torch.cuda.Event | None
 
@@ -168,50 +176,75 @@ def _pending_writes(tensor: torch.Tensor) -> torch.cuda.Event | None:
     return event
 
 
+def _written_already(message: _Message) -> bool:
+    return message.pending_writes is None or message.pending_writes.query()
+
+
 async def _written(message: _Message) -> None:
-    """Wait for the kernels `message.pending_writes` marks, off the loop, unless they are done
-    (a thread hop costs tens of microseconds)."""
-    if message.pending_writes is not None and not message.pending_writes.query():
+    """Wait for the kernels `message.pending_writes` marks, off the loop (a thread hop)."""
+    if not _written_already(message):
         await asyncio.to_thread(message.pending_writes.synchronize)
 
 
-async def _send_message(endpoint: Endpoint, worker, message: _Message) -> None:
-    header = array.array("Q", [message.buffer.nbytes])
-    errors = await asyncio.gather(
-        _posted(worker, endpoint.send(header, tag=TRANSPORT_BIT | message.key, force_tag=True)),
-        _posted(worker, endpoint.send(message.buffer, tag=message.key, force_tag=True)),
-        return_exceptions=True,
-    )
-    for error in errors:
-        if error is not None:
-            raise error
+class _InFlight:
+    """One message as two tagged requests, its size header and its payload, and what must
+    live until UCX is done with them: the buffers (ucxx keeps raw pointers) and the requests
+    (ucxx cancels one whose object is collected). `done` completes when both have, with their
+    errors as values.
+
+    On a live endpoint the requests are posted on ucxx's Cython endpoint, as ucxx's own
+    `Endpoint.send`/`recv` post them, without their coroutines: no asyncio task per request,
+    since this per-message Python work, not the wire, bounds the messages a second
+    (`bench/ucx_message_cost.py`). On a closed one they go through those coroutines, which
+    fail a send and still receive what arrived before the endpoint closed."""
+
+    def __init__(self, endpoint: Endpoint, message: _Message, out, result: Future):
+        self.message, self.out, self.result = message, out, result
+        self.header = array.array("Q", [message.buffer.nbytes if message.sending else 0])
+        self.timer: asyncio.TimerHandle | None = None
+        keys = (TRANSPORT_BIT | message.key, message.key)
+        buffers = (self.header, message.buffer)
+        if endpoint.closed:
+            move = endpoint.send if message.sending else endpoint.recv
+            work = [move(buffer, tag=key, force_tag=True) for buffer, key in zip(buffers, keys)]
+            self.requests = ()
+        elif message.sending:
+            core = endpoint._ep
+            self.requests = [core.tag_send(Array(b), Tag(k)) for b, k in zip(buffers, keys)]
+            work = [request.future for request in self.requests]
+        else:
+            core = endpoint._ep
+            self.requests = [
+                core.tag_recv(Array(b), Tag(k), TagMaskFull) for b, k in zip(buffers, keys)
+            ]
+            work = [request.future for request in self.requests]
+        self.done = asyncio.gather(*work, return_exceptions=True)
+
+    def error(self, done: asyncio.Future) -> BaseException | None:
+        """A size header that disagrees wins over the payload's own error: too long arrives
+        as UCX truncation, too short silently."""
+        if done.cancelled():
+            return asyncio.CancelledError()
+        header_error, payload_error = [
+            r if isinstance(r, BaseException) else None for r in done.result()
+        ]
+        if header_error is not None:
+            return header_error
+        expected, sent = self.message.buffer.nbytes, self.header[0]
+        if not self.message.sending and sent != expected:
+            return size_mismatch(self.message.tag, self.message.peer, expected, sent)
+        return payload_error
+
+    def time_out(self, timeout: float) -> None:
+        if not self.result.done():
+            what = _describe(self.message)
+            self.result.set_exception(TimeoutError(f"{what} timed out after {timeout}s"))
 
 
-async def _recv_message(endpoint: Endpoint, worker, message: _Message) -> None:
-    header = array.array("Q", [0])
-    header_error, payload_error = await asyncio.gather(
-        _posted(worker, endpoint.recv(header, tag=TRANSPORT_BIT | message.key, force_tag=True)),
-        _posted(worker, endpoint.recv(message.buffer, tag=message.key, force_tag=True)),
-        return_exceptions=True,
-    )
-    if header_error is not None:
-        raise header_error
-    expected = message.buffer.nbytes
-    if header[0] != expected:  # too long arrives as UCX truncation, too short silently
-        raise size_mismatch(message.tag, message.peer, expected, header[0])
-    if payload_error is not None:
-        raise payload_error
-
-
-async def _posted(worker, request):
-    """Await one ucxx request, topping up its pool of Python futures right before it is posted.
-
-    Every request takes a pre-made future from a pool that ucxx's notifier thread refills
-    only when it wakes; a burst of requests would drain it (ucxx then warns and refills
-    inline). The top-up is a no-op while the pool is over half full.
-    """
-    worker.populate_python_futures_pool()
-    return await request
+def _describe(message: _Message) -> str:
+    if message.sending:
+        return f"send of {message.tag} to {message.peer}"
+    return f"recv of {message.tag} from {message.peer}"
 
 
 PROGRESS_MODES = ("thread", "thread-polling")
@@ -244,30 +277,20 @@ class _Engine:
         self.listener = None
         self.outgoing: dict[str, asyncio.Task[Endpoint]] = {}
         self.incoming: dict[str, Endpoint] = {}
-        self.operations: set[asyncio.Future] = set()  # UCX work in flight, with its buffers
+        self.operations: set[asyncio.Future] = set()  # handshakes, messages connecting
+        self.flights: set[_InFlight] = set()  # messages posted to UCX, with their buffers
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="dyad-ucx", daemon=True)
         self.thread.start()
 
-    def submit(self, coro) -> Future:
-        return asyncio.run_coroutine_threadsafe(self._failing_on_close(coro), self.loop)
-
-    async def _failing_on_close(self, coro):
-        """Work cut short by `close()` fails with TransportError rather than "cancelled"."""
-        try:
-            return await coro
-        except asyncio.CancelledError:
-            if self.closed:
-                raise TransportError(f"transport {self.address} closed") from None
-            raise
-
     def call(self, coro, timeout: float | None = None):
-        return self.submit(coro).result(timeout)
+        """Run `coro` on the loop and wait for its result (setup and shutdown only)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def start(self, port: int) -> int:
         # Created on the running loop: ucxx binds its progress and notifier to it.
         self.ctx = ApplicationContext(progress_mode=self.progress, enable_python_future=True)
-        self.ctx.worker.populate_python_futures_pool()  # see _posted
+        self.ctx.worker.populate_python_futures_pool()  # see _post
         try:
             self.listener = self.ctx.create_listener(
                 self._accept, port=port, connect_timeout=self.connect_timeout
@@ -276,44 +299,92 @@ class _Engine:
             raise OSError(f"UCX cannot listen on port {port}: {e!r}") from e
         return self.listener.port
 
-    async def send(self, message: _Message) -> None:
+    def transfer(self, message: _Message, out, timeout: float | None) -> Future:
+        """From the caller's thread: the message starts on the loop and its future completes
+        there. Once started it cannot be cancelled (UCX cannot take a request back)."""
+        result = Future()
+        try:
+            self.loop.call_soon_threadsafe(self._begin, message, out, timeout, result)
+        except RuntimeError:  # the loop is closed
+            raise TransportError(f"transport {self.address} is closed") from None
+        return result
+
+    def _begin(self, message: _Message, out, timeout: float | None, result: Future) -> None:
+        """Post at once where the peer is connected and the buffer's kernels are done (the
+        common case: no asyncio task); otherwise connect and wait for them in a task first."""
+        if not result.set_running_or_notify_cancel():
+            return
+        endpoint = None if self.closed else self._connected(message.peer)
+        if endpoint is not None and _written_already(message):
+            self._post(endpoint, message, out, timeout, result)
+            return
+        preparing = self._track(self._prepare(message))
+
+        def prepared(done: asyncio.Future) -> None:
+            if done.cancelled() or self.closed:
+                result.set_exception(TransportError(f"transport {self.address} closed"))
+            elif done.exception() is not None:
+                result.set_exception(done.exception())
+            else:
+                self._post(done.result(), message, out, timeout, result)
+
+        preparing.add_done_callback(prepared)
+
+    async def _prepare(self, message: _Message) -> Endpoint:
+        if self.closed:
+            raise TransportError(f"transport {self.address} closed")
         endpoint = await self._endpoint(message)
         await _written(message)
-        what = f"send of {message.tag} to {message.peer}"
-        work = _send_message(endpoint, self.ctx.worker, message)
-        await self._transfer(work, what, message.peer, endpoint)
+        return endpoint
 
-    async def recv(self, message: _Message, out: torch.Tensor, timeout: float | None):
-        endpoint = await self._endpoint(message)
-        await _written(message)
-        what = f"recv of {message.tag} from {message.peer}"
+    def _post(self, endpoint: Endpoint, message: _Message, out, timeout, result: Future):
+        """`result` completes when both requests have, or fails on `timeout` with them still
+        posted: their buffers must live until UCX is done or the endpoint closes, so the
+        operation stays tracked until then."""
+        # Each request takes a Python future from a pool that ucxx's notifier thread refills
+        # only when it wakes; a burst would drain it (ucxx then warns and refills inline).
+        # The top-up is a no-op while the pool is over half full.
+        self.ctx.worker.populate_python_futures_pool()
         try:
-            work = _recv_message(endpoint, self.ctx.worker, message)
-            await self._transfer(work, what, message.peer, endpoint, timeout)
-        except TimeoutError:
-            raise TimeoutError(f"{what} timed out after {timeout}s") from None
-        return out
+            flight = _InFlight(endpoint, message, out, result)
+        except Exception as e:  # e.g. the endpoint closed under a request being posted
+            result.set_exception(self._failure(e, message, endpoint))
+            return
+        self.flights.add(flight)
+        if timeout is not None:
+            flight.timer = self.loop.call_later(timeout, flight.time_out, timeout)
+        flight.done.add_done_callback(lambda done: self._finish(flight, endpoint, done))
 
-    async def _transfer(self, work, what: str, peer: str, endpoint: Endpoint, timeout=None):
-        """Await UCX work that keeps running if the wait is cancelled or times out.
+    def _finish(self, flight: _InFlight, endpoint: Endpoint, done: asyncio.Future) -> None:
+        self.flights.discard(flight)
+        if flight.timer is not None:
+            flight.timer.cancel()
+        if flight.result.done():  # timed out before
+            return
+        error = flight.error(done)
+        if error is None:
+            flight.result.set_result(flight.out)
+        else:
+            flight.result.set_exception(self._failure(error, flight.message, endpoint))
 
-        ucxx hands UCX raw pointers (it does not keep our buffers alive) and cannot cancel one
-        request, so the buffers must live until UCX is done or their endpoint is closed.
-        """
-        try:
-            await asyncio.wait_for(asyncio.shield(self._track(work)), timeout)
-        except (TimeoutError, TransportError):
-            raise
-        except Exception as e:
-            # Ours closing cancels requests, or races a task about to post one on an endpoint
-            # it just closed (ucxx then fails on `None._ep`, endpoint.py:447): one error.
-            if self.closed:
-                raise TransportError(f"transport {self.address} closed during {what}") from e
-            if not isinstance(e, UCXError):
-                raise
-            if endpoint.closed:
-                self._forget(peer, endpoint)
-            raise ConnectionError(f"{what} failed: {e!r}") from e
+    def _failure(self, error: BaseException, message: _Message, endpoint) -> BaseException:
+        """What the caller sees: TransportError once we are closing (ours closing cancels the
+        requests), ConnectionError for UCX's errors (a dead endpoint is forgotten, so the
+        next message reconnects: the peer restarted), any other error as it is."""
+        what = _describe(message)
+        if self.closed:
+            return _caused(TransportError(f"transport {self.address} closed during {what}"), error)
+        if not isinstance(error, UCXError):
+            return error
+        if endpoint.closed:
+            self._forget(message.peer, endpoint)
+        return _caused(ConnectionError(f"{what} failed: {error!r}"), error)
+
+    def _connected(self, peer: str) -> Endpoint | None:
+        connecting = self.outgoing.get(peer)
+        if connecting is None or not connecting.done() or _failed(connecting):
+            return None
+        return connecting.result()
 
     def _track(self, work) -> asyncio.Future:
         operation = asyncio.ensure_future(work)
@@ -344,7 +415,7 @@ class _Engine:
         setup is in progress, so closing the endpoint can never cut the peer's listener short
         (ucxx logs a traceback for a handler interrupted in its own peer-info exchange)."""
         peer = f"{host}:{port}"
-        self.ctx.worker.populate_python_futures_pool()  # see _posted
+        self.ctx.worker.populate_python_futures_pool()  # see _post
         try:
             endpoint = await self.ctx.create_endpoint(
                 host, port, connect_timeout=self.connect_timeout
@@ -456,8 +527,9 @@ class _Engine:
         self.incoming.clear()
         while endpoints:  # dropped one by one: their finalizers must run while UCX progresses
             await endpoints.pop().close()
-        if self.operations:  # closing the endpoints cancelled them; let them settle
-            await asyncio.wait(set(self.operations), timeout=_CLOSE_TIMEOUT_S / 2)
+        settling = {*self.operations, *(flight.done for flight in self.flights)}
+        if settling:  # closing the endpoints cancelled their requests; let them settle
+            await asyncio.wait(settling, timeout=_CLOSE_TIMEOUT_S / 2)
 
     async def _cancel_leftovers(self) -> None:
         """Whatever still waits is cancelled so that no caller's future hangs."""
@@ -465,6 +537,11 @@ class _Engine:
         for task in leftovers:
             task.cancel()
         await asyncio.gather(*leftovers, return_exceptions=True)
+        for flight in self.flights:
+            if not flight.result.done():
+                what = _describe(flight.message)
+                closed = TransportError(f"transport {self.address} closed during {what}")
+                flight.result.set_exception(closed)
 
 
 def _mac(secret: bytes, nonce: bytes, connecting: str, listening: str) -> bytes:
@@ -484,6 +561,11 @@ def _answer_buffer(nbytes: int) -> bytearray:
 def _printable(claimed: str) -> str:
     """A claimed address as it may go into a log line (an unproven peer chose it)."""
     return claimed if claimed.isprintable() else ascii(claimed)
+
+
+def _caused(error: BaseException, cause: BaseException) -> BaseException:
+    error.__cause__ = cause
+    return error
 
 
 def _failed(task: asyncio.Future) -> bool:
