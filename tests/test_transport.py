@@ -243,6 +243,36 @@ def test_ucx_recv_posted_after_its_peer_closed_fails_at_once():
             b.recv(a.address, _tag(microbatch=2), torch.empty(5)).result(WAIT_S)
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device here: UCX on GPU buffers and the wait for their kernels are not exercised",
+)
+def test_ucx_gpu_buffers_arrive_bit_exact_while_their_kernels_still_run():
+    """Each sent buffer is written by a copy queued behind a long matmul, so it is posted while
+    its kernels are pending: the transport must wait for them (UCX does not follow streams).
+    Eight messages of each spec are in flight at once, both dtypes."""
+    specs = [((1 << 20,), torch.float32), ((1024, 513), torch.bfloat16), ((3,), torch.float32)]
+    busy = torch.randn(4096, 4096, device="cuda")
+    with UcxTransport() as a, UcxTransport() as b:
+        _authorized(a, b)
+        for shape, dtype in specs:
+            expected = [_random_bits(shape, dtype, seed=i).cuda() for i in range(8)]
+            outs = [torch.full(shape, 7, dtype=dtype, device="cuda") for _ in expected]
+            recvs = [b.recv(a.address, _tag(i), out) for i, out in enumerate(outs)]
+            sent, sends = [], []
+            for i, bits in enumerate(expected):
+                buffer = torch.zeros_like(bits)
+                for _ in range(4):
+                    busy = busy @ busy / 64  # keeps the stream busy for milliseconds
+                buffer.copy_(bits)
+                sent.append(buffer)
+                sends.append(a.send(b.address, _tag(i), buffer))
+            for future in sends + recvs:
+                future.result(WAIT_S)
+            for i, out in enumerate(outs):
+                assert _same_bytes(out, expected[i]), f"{shape} {dtype} message {i}"
+
+
 def test_rejects_non_contiguous_tensors(pair):
     a, b = pair
     with pytest.raises(ValueError, match="contiguous"):
