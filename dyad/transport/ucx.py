@@ -50,7 +50,6 @@ import asyncio
 import hashlib
 import hmac
 import logging
-import os
 import secrets
 import threading
 import weakref
@@ -75,6 +74,7 @@ from dyad.transport.base import (
     refusal,
     size_mismatch,
 )
+from dyad.transport.progress import progress_mode
 
 logger = logging.getLogger(__name__)
 
@@ -245,23 +245,6 @@ def _describe(message: _Message) -> str:
     if message.sending:
         return f"send of {message.tag} to {message.peer}"
     return f"recv of {message.tag} from {message.peer}"
-
-
-PROGRESS_MODES = ("thread", "thread-polling")
-PROGRESS_ENV = "DYAD_UCX_PROGRESS"
-
-
-def progress_mode(asked: str | None = None) -> str:
-    """`asked`, else $DYAD_UCX_PROGRESS, else polling where CUDA is present. Only ucxx's two
-    threaded modes: the others turn off the notifier thread that completes our futures (and an
-    inherited UCXPY_PROGRESS_MODE is never read)."""
-    source = "progress" if asked is not None else PROGRESS_ENV
-    mode = asked if asked is not None else os.environ.get(PROGRESS_ENV)
-    if mode is None:
-        return "thread-polling" if torch.cuda.is_available() else "thread"
-    if mode not in PROGRESS_MODES:
-        raise ValueError(f"{source} must be one of {', '.join(PROGRESS_MODES)}, got {mode!r}")
-    return mode
 
 
 class _Engine:
