@@ -20,6 +20,7 @@ from e2e_8gpu import LARGER_ENCODER  # beside this script
 from e2e_hetero import TOY, VIT_L_224, print_table, run_arguments, run_layout, with_compile, write_results
 
 from dyad.cpus import usable_cpus, worker_threads
+from dyad.transport.progress import busy_threads
 
 GPU_POOLS = [
     "train.global_batch=60",
@@ -47,7 +48,7 @@ def main() -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-threads-"))
     workers = 2 if args.toy else 4
-    default, share = torch_default_threads(), worker_threads(usable_cpus(), workers)
+    default, share = torch_default_threads(), worker_threads(usable_cpus(), workers, busy_threads())
     choices = {f"torch default ({default})": default, f"share ({share})": share}
     results = {}
     for name, threads in choices.items():

@@ -3,7 +3,8 @@
 Every process would otherwise start a thread per CPU for its CPU-side operations, and the
 threads of a dozen processes spinning between parallel regions take the CPUs that launch the
 GPU kernels (torchrun sets one thread for the same reason). The local launcher and a pod's
-entrypoint give each worker its share through OMP_NUM_THREADS, unless the user set it.
+entrypoint give each worker its share through OMP_NUM_THREADS, unless the user set it, leaving
+out the core each worker's UCX progress thread keeps busy where it polls (GPU hosts).
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from pathlib import Path
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 
 
-def worker_threads(cpus: int, workers: int) -> int:
-    """CPU threads for each of `workers` processes sharing `cpus`: their share, at least one."""
-    return max(1, cpus // max(1, workers))
+def worker_threads(cpus: int, workers: int, busy_per_worker: int = 0) -> int:
+    """CPU threads for each of `workers` processes sharing `cpus`: their share of what is left
+    after each keeps `busy_per_worker` cores busy on its own (UCX's polling progress thread,
+    `dyad.transport.progress.busy_threads`), at least one."""
+    workers = max(1, workers)
+    return max(1, (cpus - workers * busy_per_worker) // workers)
 
 
 def worker_environment(base: Mapping[str, str], extra: Mapping[str, str], threads: int) -> dict[str, str]:

@@ -38,6 +38,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dyad.cpus import usable_cpus, worker_environment, worker_threads
+from dyad.transport.progress import busy_threads
 
 log = logging.getLogger("dyad.pod")
 HEALTH_PORT = 8081
@@ -110,7 +111,8 @@ def run_pod(pool: str, health_port: int = HEALTH_PORT) -> int:
     run_id = os.environ.get("DYAD_RUN_ID", "")
     silent_s = float(os.environ.get("DYAD_WORKER_SILENT_S", "60"))
     health_server, health_servicer = _serve_health(health_port)
-    env = worker_environment(os.environ, {}, worker_threads(usable_cpus(), len(ranks)))
+    threads = worker_threads(usable_cpus(), len(ranks), busy_threads(os.environ))
+    env = worker_environment(os.environ, {}, threads)
     pulses = {rank: _Pulses() for rank in ranks}
     workers = {
         rank: subprocess.Popen(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dyad.cpus import usable_cpus, worker_environment, worker_threads
+from dyad.transport.progress import busy_threads
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,9 @@ class LocalLauncher(Launcher):
     def start(self, run_id, router_address, workers, log_dir, env=None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         alive = {spec for spec, proc in self._procs.items() if proc.poll() is None} | set(workers)
-        env = worker_environment(os.environ, env or {}, worker_threads(usable_cpus(), len(alive)))
+        busy = busy_threads(os.environ | (env or {}))
+        threads = worker_threads(usable_cpus(), len(alive), busy)
+        env = worker_environment(os.environ, env or {}, threads)
         for spec in workers:
             running = self._procs.get(spec)
             if running is not None and running.poll() is None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 import dyad.pod
 from dyad.cpus import cgroup_cpu_quota, usable_cpus, worker_environment, worker_threads
+from dyad.transport.progress import PROGRESS_ENV, busy_threads
 
 
 def test_each_worker_gets_its_share_of_the_cpus():
@@ -11,6 +14,16 @@ def test_each_worker_gets_its_share_of_the_cpus():
     assert worker_threads(cpus=128, workers=9) == 14
     assert worker_threads(cpus=2, workers=3) == 1  # never zero
     assert worker_threads(cpus=4, workers=0) == 4
+
+
+def test_a_polling_ucx_progress_thread_keeps_its_core():
+    assert worker_threads(cpus=128, workers=16, busy_per_worker=1) == 7
+    assert worker_threads(cpus=16, workers=2, busy_per_worker=1) == 7
+    assert worker_threads(cpus=2, workers=3, busy_per_worker=1) == 1  # never zero
+    assert busy_threads({PROGRESS_ENV: "thread-polling"}) == 1
+    assert busy_threads({PROGRESS_ENV: "thread"}) == 0
+    with pytest.raises(ValueError, match=PROGRESS_ENV):
+        busy_threads({PROGRESS_ENV: "polling"})
 
 
 def test_the_users_setting_wins():
@@ -34,7 +47,8 @@ def test_a_pods_cpu_limit_caps_the_cpus(tmp_path):
     assert cgroup_cpu_quota(cpu_max) is None
 
 
-def test_a_pods_workers_get_their_share(monkeypatch):
+@pytest.mark.parametrize("progress,share", [("thread", "4"), ("thread-polling", "3")])
+def test_a_pods_workers_get_their_share(monkeypatch, progress, share):
     started = []
 
     class FakeWorker:
@@ -65,7 +79,8 @@ def test_a_pods_workers_get_their_share(monkeypatch):
         "DYAD_GPUS_PER_POD": "4",
         "DYAD_ROUTER": "r:1",
         "DYAD_JOIN_TOKEN": "t",
+        PROGRESS_ENV: progress,
     }.items():
         monkeypatch.setenv(name, value)
     assert dyad.pod.run_pod("llm") == 0
-    assert [env["OMP_NUM_THREADS"] for env in started] == ["4"] * 4
+    assert [env["OMP_NUM_THREADS"] for env in started] == [share] * 4
