@@ -208,15 +208,13 @@ class _InFlight:
             move = endpoint.send if message.sending else endpoint.recv
             work = [move(buffer, tag=key, force_tag=True) for buffer, key in zip(buffers, keys)]
             self.requests = ()
-        elif message.sending:
-            core = endpoint._ep
-            self.requests = [core.tag_send(Array(b), Tag(k)) for b, k in zip(buffers, keys)]
-            work = [request.future for request in self.requests]
         else:
             core = endpoint._ep
-            self.requests = [
-                core.tag_recv(Array(b), Tag(k), TagMaskFull) for b, k in zip(buffers, keys)
-            ]
+            if message.sending:
+                post = lambda b, k: core.tag_send(Array(b), Tag(k))  # noqa: E731
+            else:
+                post = lambda b, k: core.tag_recv(Array(b), Tag(k), TagMaskFull)  # noqa: E731
+            self.requests = [post(b, k) for b, k in zip(buffers, keys)]
             work = [request.future for request in self.requests]
         self.done = asyncio.gather(*work, return_exceptions=True)
 
@@ -354,14 +352,16 @@ class _Engine:
         """What the caller sees: TransportError once we are closing (ours closing cancels the
         requests), ConnectionError for UCX's errors (a dead endpoint is forgotten, so the
         next message reconnects: the peer restarted), any other error as it is."""
-        what = _describe(message)
         if self.closed:
-            return _caused(TransportError(f"transport {self.address} closed during {what}"), error)
+            return _caused(self._closed_during(message), error)
         if not isinstance(error, UCXError):
             return error
         if endpoint.closed:
             self._forget(message.peer, endpoint)
-        return _caused(ConnectionError(f"{what} failed: {error!r}"), error)
+        return _caused(ConnectionError(f"{_describe(message)} failed: {error!r}"), error)
+
+    def _closed_during(self, message: _Message) -> TransportError:
+        return TransportError(f"transport {self.address} closed during {_describe(message)}")
 
     def _connected(self, peer: str) -> Endpoint | None:
         connecting = self.outgoing.get(peer)
@@ -522,9 +522,7 @@ class _Engine:
         await asyncio.gather(*leftovers, return_exceptions=True)
         for flight in self.flights:
             if not flight.result.done():
-                what = _describe(flight.message)
-                closed = TransportError(f"transport {self.address} closed during {what}")
-                flight.result.set_exception(closed)
+                flight.result.set_exception(self._closed_during(flight.message))
 
 
 def _mac(secret: bytes, nonce: bytes, connecting: str, listening: str) -> bytes:
