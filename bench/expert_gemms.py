@@ -1,10 +1,16 @@
-"""Where the Mixtral-like MoE layer's floor lies: its three expert GEMMs forward and backward
-(SwiGLU between them) on balanced routing, computed three ways on one GPU:
+"""Where an MoE layer's floor lies: its three expert GEMMs forward and backward (SwiGLU between
+them) on balanced routing, computed several ways on one GPU, and the pieces around them:
 
-- `grouped`: one `F.grouped_mm` per GEMM over all experts (what dyad's layer runs);
-- `looped`: one cuBLAS `torch.mm` per expert and GEMM (row counts known on the host);
-- `dense`: one `torch.mm` over all rows with one expert's weights (the same FLOPs in the
-  largest GEMMs; no layer can beat it).
+- `grouped`: one `F.grouped_mm` per GEMM over all experts (what dyad's layer runs), the weight
+  gradients added into `.grad` as the layer benchmark's layers do (never cleared);
+- `grouped-fresh`: the same with `.grad` cleared before each call (gradients written, not added);
+- `looped-fresh`: one cuBLAS `torch.mm` per expert and GEMM, each expert's weights their own
+  tensor (no indexing in the graph), `.grad` cleared;
+- `dense-fresh`: one `torch.mm` over all rows with one weight of one expert's shape, `.grad`
+  cleared: the same FLOPs in the largest GEMMs there are, the floor no layer gets under;
+- `swiglu` / `swiglu-fused` / `swiglu-compiled`: SwiGLU's gate alone (silu(h1) * h3, forward
+  and backward) on the rows' hidden activations: eager, dyad's Triton kernels
+  (`kernels/swiglu.py`, what the layer runs on CUDA), and compiled by inductor.
 
     python bench/expert_gemms.py --out $OUT/expert_gemms.json
     python bench/expert_gemms.py --toy                            # CPU, tiny (CI)
@@ -19,43 +25,85 @@ import torch
 import torch.nn.functional as F
 
 from dyad.kernels.grouped_mm import grouped_mm
+from dyad.kernels.swiglu import swiglu as fused_swiglu
 from moe_layer import SHAPES, TOY, expert_flops, median_ms  # beside this script
+
+METHODS = ["grouped", "grouped-fresh", "looped-fresh", "dense-fresh", "swiglu", "swiglu-fused", "swiglu-compiled"]
+
+
+def swiglu(h1, h3):
+    return F.silu(h1) * h3
 
 
 def swiglu_experts(mm, x_ND, w1, w3, w2):
-    return mm(F.silu(mm(x_ND, w1)) * mm(x_ND, w3), w2)
+    return mm(swiglu(mm(x_ND, w1), mm(x_ND, w3)), w2)
 
 
-def make_operands(shape, device, dtype):
+def _leaf(*shape, device, dtype, scale=1.0):
+    return (torch.randn(*shape, device=device, dtype=dtype) * scale).requires_grad_(True)
+
+
+def expert_step(method, shape, device, dtype):
+    """One forward + backward of the expert GEMMs by `method`, and the tensors whose `.grad`
+    it leaves (cleared before each call unless the method accumulates)."""
     dim, hidden, experts, top_k, tokens = shape
     rows = tokens * top_k
-    x = torch.randn(rows, dim, device=device, dtype=dtype, requires_grad=True)
-    ws = [(torch.randn(experts, *s, device=device, dtype=dtype) * 0.02).requires_grad_(True)
-          for s in ((dim, hidden), (dim, hidden), (hidden, dim))]
-    return x, ws, torch.randn(rows, dim, device=device, dtype=dtype)
+    counts = [rows // experts] * experts
+    x = _leaf(rows, dim, device=device, dtype=dtype)
+    grad = torch.randn(rows, dim, device=device, dtype=dtype)
+    shapes = ((dim, hidden), (dim, hidden), (hidden, dim))
+    if method in ("grouped", "grouped-fresh"):
+        offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+        ws = [_leaf(experts, *s, device=device, dtype=dtype, scale=0.02) for s in shapes]
+        run = lambda: swiglu_experts(lambda a, w: grouped_mm(a, w, offs), x, *ws)  # noqa: E731
+        leaves = ws + [x]
+    elif method == "looped-fresh":
+        per_expert = [[_leaf(*s, device=device, dtype=dtype, scale=0.02) for s in shapes] for _ in range(experts)]
+        run = lambda: torch.cat(  # noqa: E731
+            [swiglu_experts(torch.mm, block, *ws) for block, ws in zip(x.split(counts), per_expert)]
+        )
+        leaves = [w for ws in per_expert for w in ws] + [x]
+    elif method == "dense-fresh":
+        ws = [_leaf(*s, device=device, dtype=dtype, scale=0.02) for s in shapes]
+        run = lambda: swiglu_experts(torch.mm, x, *ws)  # noqa: E731
+        leaves = ws + [x]
+    else:
+        raise ValueError(f"method {method!r}")
+    accumulates = method == "grouped"
+
+    def step():
+        if not accumulates:
+            for leaf in leaves:
+                leaf.grad = None
+        run().backward(grad)
+
+    return step
+
+
+def swiglu_step(shape, device, dtype, how: str):
+    dim, hidden, experts, top_k, tokens = shape
+    rows = tokens * top_k
+    h1, h3 = _leaf(rows, hidden, device=device, dtype=dtype), _leaf(rows, hidden, device=device, dtype=dtype)
+    grad = torch.randn(rows, hidden, device=device, dtype=dtype)
+    fn = {"swiglu": swiglu, "swiglu-fused": fused_swiglu, "swiglu-compiled": torch.compile(swiglu)}[how]
+
+    def step():
+        h1.grad = h3.grad = None
+        fn(h1, h3).backward(grad)
+
+    return step
 
 
 def time_method(method, shape, device, dtype, iters) -> float:
-    experts, rows = shape[2], shape[3] * shape[4]
-    x, ws, grad = make_operands(shape, device, dtype)
-    counts = [rows // experts] * experts
-    offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
-
-    def grouped(a, w):
-        return grouped_mm(a, w, offs)
-
-    def looped(a, w):
-        return torch.cat([block @ w[e] for e, block in enumerate(a.split(counts))])
-
-    def dense(a, w):
-        return a @ w[0]
-
-    mm = {"grouped": grouped, "looped": looped, "dense": dense}[method]
-
-    def step():
-        swiglu_experts(mm, x, *ws).backward(grad)
-
-    return median_ms(step, iters, device)
+    if method.startswith("swiglu"):
+        step = swiglu_step(shape, device, dtype, method)
+    else:
+        step = expert_step(method, shape, device, dtype)
+    ms = median_ms(step, iters, device)
+    del step
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return ms
 
 
 def main() -> None:
@@ -67,16 +115,21 @@ def main() -> None:
     device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = TOY if device == "cpu" else SHAPES
+    methods = [m for m in METHODS if device == "cuda" or not m.endswith("compiled")]  # Triton: GPUs
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                "torch": torch.__version__, "shapes": {}}
-    print(f"{'shape':13s} {'method':8s} {'ms':>8s} {'TFLOP/s':>8s}")
+    print(f"{'shape':13s} {'method':16s} {'ms':>8s} {'TFLOP/s':>8s}")
     for name, shape in shapes.items():
         flops = expert_flops(shape[0], shape[1], shape[4], shape[3])
         entry = results["shapes"][name] = {}
-        for method in ("grouped", "looped", "dense"):
+        for method in methods:
             ms = time_method(method, shape, device, dtype, args.iters)
-            entry[method] = {"ms": ms, "tflops": flops / ms / 1e9}
-            print(f"{name:13s} {method:8s} {ms:8.2f} {flops / ms / 1e9:8.1f}")
+            entry[method] = {"ms": ms}
+            rate = ""
+            if not method.startswith("swiglu"):
+                entry[method]["tflops"] = flops / ms / 1e9
+                rate = f"{flops / ms / 1e9:8.1f}"
+            print(f"{name:13s} {method:16s} {ms:8.2f} {rate}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -56,6 +56,7 @@ from torch import nn
 
 from dyad.kernels.grouped_mm import grouped_mm
 from dyad.kernels.moe_permute import expert_counts, permute, unpermute
+from dyad.kernels.swiglu import swiglu
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSSES = ("micro_batch", "seq", "none")
@@ -141,7 +142,7 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x_TD)) * self.w3(x_TD))
+        return self.w2(swiglu(self.w1(x_TD), self.w3(x_TD)))
 
 
 # ---- selection -----------------------------------------------------------------------------------
@@ -336,7 +337,7 @@ class MoELayer(nn.Module):
         offs_E = torch.cumsum(counts_E, dim=0).to(torch.int32)
         h1_NF = self.expert_matmul(x_sorted_ND, self.w1_EDF, offs_E)
         h3_NF = self.expert_matmul(x_sorted_ND, self.w3_EDF, offs_E)
-        return self.expert_matmul(F.silu(h1_NF) * h3_NF, self.w2_EFD, offs_E)
+        return self.expert_matmul(swiglu(h1_NF, h3_NF), self.w2_EFD, offs_E)
 
     def routed_experts(self, x_TD: torch.Tensor, gates_TK: torch.Tensor, expert_idx_TK: torch.Tensor) -> torch.Tensor:
         """sum_k gates[t, k] * expert_{idx[t, k]}(x[t]): permute, grouped experts, unpermute.
