@@ -4,6 +4,9 @@ them) on balanced routing, computed several ways on one GPU, and the pieces arou
 - `grouped`: one `F.grouped_mm` per GEMM over all experts (what dyad's layer runs), the weight
   gradients added into `.grad` as the layer benchmark's layers do (never cleared);
 - `grouped-fresh`: the same with `.grad` cleared before each call (gradients written, not added);
+- `grouped-into-grad`: `grouped`, the weight gradients added into `.grad` by one cuBLAS GEMM per
+  expert (`kernels/expert_weight_grads.py`, what the layer runs on CUDA with few experts; with
+  more than its MAX_EXPERTS this is `grouped`);
 - `looped-fresh`: one cuBLAS `torch.mm` per expert and GEMM, each expert's weights their own
   tensor (no indexing in the graph), `.grad` cleared;
 - `dense-fresh`: one `torch.mm` over all rows with one weight of one expert's shape, `.grad`
@@ -24,11 +27,12 @@ import json
 import torch
 import torch.nn.functional as F
 
+from dyad.kernels.expert_weight_grads import expert_grouped_mm
 from dyad.kernels.grouped_mm import grouped_mm
 from dyad.kernels.swiglu import swiglu as fused_swiglu
 from moe_layer import SHAPES, TOY, expert_flops, median_ms  # beside this script
 
-METHODS = ["grouped", "grouped-fresh", "looped-fresh", "dense-fresh", "swiglu", "swiglu-fused", "swiglu-compiled"]
+METHODS = ["grouped", "grouped-fresh", "grouped-into-grad", "looped-fresh", "dense-fresh", "swiglu", "swiglu-fused", "swiglu-compiled"]
 
 
 def swiglu(h1, h3):
@@ -52,10 +56,11 @@ def expert_step(method, shape, device, dtype):
     x = _leaf(rows, dim, device=device, dtype=dtype)
     grad = torch.randn(rows, dim, device=device, dtype=dtype)
     shapes = ((dim, hidden), (dim, hidden), (hidden, dim))
-    if method in ("grouped", "grouped-fresh"):
+    if method in ("grouped", "grouped-fresh", "grouped-into-grad"):
         offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
         ws = [_leaf(experts, *s, device=device, dtype=dtype, scale=0.02) for s in shapes]
-        run = lambda: swiglu_experts(lambda a, w: grouped_mm(a, w, offs), x, *ws)  # noqa: E731
+        mm = expert_grouped_mm if method == "grouped-into-grad" else grouped_mm
+        run = lambda: swiglu_experts(lambda a, w: mm(a, w, offs), x, *ws)  # noqa: E731
         leaves = ws + [x]
     elif method == "looped-fresh":
         per_expert = [[_leaf(*s, device=device, dtype=dtype, scale=0.02) for s in shapes] for _ in range(experts)]
@@ -69,7 +74,7 @@ def expert_step(method, shape, device, dtype):
         leaves = ws + [x]
     else:
         raise ValueError(f"method {method!r}")
-    accumulates = method == "grouped"
+    accumulates = method in ("grouped", "grouped-into-grad")
 
     def step():
         if not accumulates:
@@ -118,7 +123,7 @@ def main() -> None:
     methods = [m for m in METHODS if device == "cuda" or not m.endswith("compiled")]  # Triton: GPUs
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                "torch": torch.__version__, "shapes": {}}
-    print(f"{'shape':13s} {'method':16s} {'ms':>8s} {'TFLOP/s':>8s}")
+    print(f"{'shape':13s} {'method':18s} {'ms':>8s} {'TFLOP/s':>8s}")
     for name, shape in shapes.items():
         flops = expert_flops(shape[0], shape[1], shape[4], shape[3])
         entry = results["shapes"][name] = {}
@@ -129,7 +134,7 @@ def main() -> None:
             if not method.startswith("swiglu"):
                 entry[method]["tflops"] = flops / ms / 1e9
                 rate = f"{flops / ms / 1e9:8.1f}"
-            print(f"{name:13s} {method:16s} {ms:8.2f} {rate}", flush=True)
+            print(f"{name:13s} {method:18s} {ms:8.2f} {rate}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

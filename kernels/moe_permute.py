@@ -10,6 +10,8 @@ The `*_reference` versions compute the same thing with plain Python loops.
 
 import torch
 
+from dyad.kernels.token_rows import gathered_sum, scaled_scatter_and_dots
+
 
 def expert_counts(flat_expert_N: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Assignments per expert, int64 [E]: `bincount(minlength=E)` with a shape that does not
@@ -35,21 +37,16 @@ def unpermute(y_sorted_ND: torch.Tensor, sorted_order_N: torch.Tensor, gates_TK:
     return _CombineCopies.apply(y_sorted_ND, sorted_order_N, gates_TK)
 
 
-def _inverse(sorted_order_N: torch.Tensor) -> torch.Tensor:
-    """Where each flat assignment t*K + k sits in expert-major order."""
-    positions_N = torch.arange(sorted_order_N.shape[0], device=sorted_order_N.device)
-    return torch.empty_like(sorted_order_N).scatter_(0, sorted_order_N, positions_N)
-
-
-def _copies_TKD(sorted_ND: torch.Tensor, sorted_order_N: torch.Tensor, T: int, K: int) -> torch.Tensor:
-    """The K rows of each token, gathered back into token order."""
-    return sorted_ND.index_select(0, _inverse(sorted_order_N)).view(T, K, sorted_ND.shape[1])
+def _positions_TK(sorted_order_N: torch.Tensor, T: int, K: int) -> torch.Tensor:
+    """Where each assignment t*K + k sits in expert-major order, as [T, K]."""
+    flat_N = torch.arange(sorted_order_N.shape[0], device=sorted_order_N.device)
+    return torch.empty_like(sorted_order_N).scatter_(0, sorted_order_N, flat_N).view(T, K)
 
 
 class _GatherCopies(torch.autograd.Function):
-    """x_sorted = x[order // K]. The backward sums each token's K gradient rows by gathering
-    them into token order (float32 sum), not by index_add's atomics: deterministic, and several
-    times faster on a GPU when K copies of a token collide."""
+    """x_sorted = x[order // K]. The backward sums each token's K gradient rows in token order
+    (float32 sum, `gathered_sum`), not by index_add's atomics: deterministic, and several times
+    faster on a GPU when K copies of a token collide."""
 
     @staticmethod
     def forward(ctx, x_TD, sorted_order_N, K):
@@ -60,51 +57,30 @@ class _GatherCopies(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_sorted_ND):
         (sorted_order_N,) = ctx.saved_tensors
-        grad_TKD = _copies_TKD(grad_sorted_ND, sorted_order_N, ctx.T, ctx.K)
-        return grad_TKD.sum(dim=1, dtype=torch.float32).to(grad_sorted_ND.dtype), None, None
-
-
-def _gated_sum_TD(gates_TK: torch.Tensor, y_TKD: torch.Tensor) -> torch.Tensor:
-    """sum_k gates[t, k] * y[t, k], accumulated in float32, in y's dtype; the gates enter in y's
-    dtype (as a bf16 matmul's operands would). Eagerly one batched (1 x K) @ (K x D) product per
-    token (no float32 copy of the K rows); traced, products and sum in float32 (bf16 products
-    are exact there), which inductor fuses with the gather into one reduction."""
-    gates_TK = gates_TK.to(y_TKD.dtype)
-    if torch.compiler.is_compiling():
-        return (gates_TK.float().unsqueeze(2) * y_TKD.float()).sum(1).to(y_TKD.dtype)
-    return torch.bmm(gates_TK.unsqueeze(1), y_TKD).squeeze(1)
-
-
-def _row_dots_TK(y_TKD: torch.Tensor, grad_TD: torch.Tensor) -> torch.Tensor:
-    """<y[t, k], grad[t]> for every k, accumulated in float32, rounded to y's dtype (the same
-    choice of kernels as `_gated_sum_TD`)."""
-    if torch.compiler.is_compiling():
-        return (y_TKD.float() * grad_TD.float().unsqueeze(1)).sum(2).to(y_TKD.dtype)
-    return torch.bmm(y_TKD, grad_TD.unsqueeze(2)).squeeze(2)
+        positions_TK = _positions_TK(sorted_order_N, ctx.T, ctx.K)
+        return gathered_sum(grad_sorted_ND.contiguous(), positions_TK), None, None
 
 
 class _CombineCopies(torch.autograd.Function):
-    """y[t] = sum_k gates[t, k] * y_sorted[position of t*K + k] (see `_gated_sum_TD`)."""
+    """y[t] = sum_k gates[t, k] * y_sorted[position of t*K + k], accumulated in float32 with the
+    gates in y's dtype (as a bf16 matmul's operands would be), rounded once (`gathered_sum`)."""
 
     @staticmethod
     def forward(ctx, y_sorted_ND, sorted_order_N, gates_TK):
         T, K = gates_TK.shape
-        ctx.save_for_backward(y_sorted_ND, sorted_order_N, gates_TK)
-        return _gated_sum_TD(gates_TK, _copies_TKD(y_sorted_ND, sorted_order_N, T, K))
+        positions_TK = _positions_TK(sorted_order_N, T, K)
+        y_sorted_ND = y_sorted_ND.contiguous()
+        ctx.save_for_backward(y_sorted_ND, positions_TK, gates_TK)
+        return gathered_sum(y_sorted_ND, positions_TK, gates_TK)
 
     @staticmethod
     def backward(ctx, grad_TD):
-        y_sorted_ND, sorted_order_N, gates_TK = ctx.saved_tensors
-        T, K = gates_TK.shape
-        grad_TD = grad_TD.contiguous()
-        grad_y_sorted = grad_gates = None
-        if ctx.needs_input_grad[0]:
-            row_gates_N = gates_TK.reshape(-1).index_select(0, sorted_order_N).to(grad_TD.dtype)
-            grad_y_sorted = grad_TD.index_select(0, sorted_order_N // K) * row_gates_N.unsqueeze(1)
-        if ctx.needs_input_grad[2]:
-            y_TKD = _copies_TKD(y_sorted_ND, sorted_order_N, T, K)
-            grad_gates = _row_dots_TK(y_TKD, grad_TD).to(gates_TK.dtype)
-        return grad_y_sorted, None, grad_gates
+        y_sorted_ND, positions_TK, gates_TK = ctx.saved_tensors
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[2]):
+            return None, None, None
+        grad_y_sorted, dots_TK = scaled_scatter_and_dots(grad_TD, y_sorted_ND, positions_TK, gates_TK)
+        grad_gates = dots_TK.to(gates_TK.dtype) if ctx.needs_input_grad[2] else None
+        return (grad_y_sorted if ctx.needs_input_grad[0] else None), None, grad_gates
 
 
 def permute_reference(

@@ -54,7 +54,7 @@ import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
 
-from dyad.kernels.grouped_mm import grouped_mm
+from dyad.kernels.expert_weight_grads import expert_grouped_mm
 from dyad.kernels.moe_permute import expert_counts, permute, unpermute
 from dyad.kernels.swiglu import swiglu
 
@@ -296,7 +296,7 @@ class MoELayer(nn.Module):
             "expert_counts_E", torch.zeros(E, dtype=torch.long) if cfg.expert_bias else None, persistent=False
         )
         self.stats_group = None  # set from outside: ranks holding different tokens of one microbatch
-        self.expert_matmul = grouped_mm  # llm_service/fp8.py swaps in the float8 one
+        self.expert_matmul = expert_grouped_mm  # llm_service/fp8.py swaps in the float8 one
         self.last_expert_counts_E: torch.Tensor | None = None
 
     def router_logits(self, x_TD: torch.Tensor) -> torch.Tensor:

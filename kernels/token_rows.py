@@ -1,0 +1,157 @@
+"""Each token's K expert rows, gathered and reduced in one pass: the heavy part of unpermute
+(combine) forward and backward and of permute's backward.
+
+Legend: T tokens, K experts per token, N = T*K rows in expert-major order, D model dim;
+positions_TK[t, k] is the row (in expert-major order) of assignment t*K + k.
+
+- `gathered_sum(rows_ND, positions_TK, weights_TK=None)`: y[t] = sum_k w[t, k] * rows[pos[t, k]]
+  (w = 1 without weights), accumulated in float32, rounded to the rows' dtype once; weights enter
+  in the rows' dtype, as a bf16 matmul's operands would.
+- `scaled_scatter_and_dots(grad_TD, rows_ND, positions_TK, weights_TK)`: the backward of the
+  weighted sum, (grad_rows_ND with grad_rows[pos[t, k]] = w[t, k] * grad[t] rounded to the
+  dtype, dots_TK = <rows[pos[t, k]], grad[t]> accumulated in float32 and rounded to the rows'
+  dtype, as the bmm that computes them eagerly rounds).
+
+Eagerly PyTorch needs a gather of all N rows into token order (N x D written and read again)
+and a batched matmul for each; one Triton program per token here reads each row once and writes
+only the result. The `*_reference` functions are the same math in plain PyTorch (index_select
+and bmm); they run off CUDA, without Triton, under torch.compile and in float32 (float32 runs
+check the math, eager against compiled among others, so they keep eager PyTorch's kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_BLOCK_D = 1024
+
+
+# ---- plain PyTorch -------------------------------------------------------------------------------
+
+
+def gathered_sum_reference(rows_ND, positions_TK, weights_TK=None):
+    T, K = positions_TK.shape
+    rows_TKD = rows_ND.index_select(0, positions_TK.reshape(-1)).view(T, K, rows_ND.shape[1])
+    if weights_TK is None:
+        return rows_TKD.sum(dim=1, dtype=torch.float32).to(rows_ND.dtype)
+    weights_TK = weights_TK.to(rows_ND.dtype)
+    if torch.compiler.is_compiling():  # bf16 products are exact in float32; inductor fuses it all
+        return (weights_TK.float().unsqueeze(2) * rows_TKD.float()).sum(1).to(rows_ND.dtype)
+    return torch.bmm(weights_TK.unsqueeze(1), rows_TKD).squeeze(1)  # float32 accumulation
+
+
+def scaled_scatter_and_dots_reference(grad_TD, rows_ND, positions_TK, weights_TK):
+    T, K = positions_TK.shape
+    order_N = _order(positions_TK)  # the flat assignment t*K + k of each row
+    row_weights_N = weights_TK.reshape(-1).index_select(0, order_N).to(grad_TD.dtype)
+    grad_rows_ND = grad_TD.index_select(0, order_N // K) * row_weights_N.unsqueeze(1)
+    rows_TKD = rows_ND.index_select(0, positions_TK.reshape(-1)).view(T, K, rows_ND.shape[1])
+    if torch.compiler.is_compiling():
+        dots_TK = (rows_TKD.float() * grad_TD.float().unsqueeze(1)).sum(2).to(rows_ND.dtype)
+    else:
+        dots_TK = torch.bmm(rows_TKD, grad_TD.unsqueeze(2)).squeeze(2)
+    return grad_rows_ND, dots_TK
+
+
+def _order(positions_TK: torch.Tensor) -> torch.Tensor:
+    flat_N = torch.arange(positions_TK.numel(), device=positions_TK.device)
+    return torch.empty_like(flat_N).scatter_(0, positions_TK.reshape(-1), flat_N)
+
+
+# ---- dispatch ------------------------------------------------------------------------------------
+
+
+def gathered_sum(rows_ND, positions_TK, weights_TK=None):
+    if not _fused_applies(rows_ND, positions_TK):
+        return gathered_sum_reference(rows_ND, positions_TK, weights_TK)
+    T, K = positions_TK.shape
+    D = rows_ND.shape[1]
+    out_TD = rows_ND.new_empty(T, D)
+    weighted = weights_TK is not None
+    weights = weights_TK.to(rows_ND.dtype).contiguous() if weighted else rows_ND  # unread if not
+    kernel, _ = _kernels()
+    kernel[(T,)](rows_ND, positions_TK, weights, out_TD, D, K=K, K_P2=_pow2(K),
+                 WEIGHTED=weighted, BLOCK_D=_BLOCK_D)
+    return out_TD
+
+
+def scaled_scatter_and_dots(grad_TD, rows_ND, positions_TK, weights_TK):
+    if not _fused_applies(rows_ND, positions_TK) or grad_TD.dtype != rows_ND.dtype:
+        return scaled_scatter_and_dots_reference(grad_TD, rows_ND, positions_TK, weights_TK)
+    T, K = positions_TK.shape
+    D = rows_ND.shape[1]
+    grad_TD = grad_TD.contiguous()
+    grad_rows_ND = torch.empty_like(rows_ND)
+    dots_TK = torch.empty(T, K, dtype=torch.float32, device=rows_ND.device)
+    _, kernel = _kernels()
+    kernel[(T,)](grad_TD, rows_ND, positions_TK, weights_TK.to(rows_ND.dtype).contiguous(),
+                 grad_rows_ND, dots_TK, D, K=K, K_P2=_pow2(K), BLOCK_D=_BLOCK_D)
+    return grad_rows_ND, dots_TK.to(rows_ND.dtype)
+
+
+def _fused_applies(rows_ND: torch.Tensor, positions_TK: torch.Tensor) -> bool:
+    return (
+        rows_ND.is_cuda
+        and not torch.compiler.is_compiling()
+        and rows_ND.dtype in (torch.bfloat16, torch.float16)  # float32: see the module docstring
+        and rows_ND.dim() == 2
+        and rows_ND.is_contiguous()
+        and positions_TK.is_contiguous()
+        and positions_TK.numel() > 0
+        and _kernels() is not None
+    )
+
+
+def _pow2(k: int) -> int:
+    return 1 << (k - 1).bit_length()
+
+
+@functools.cache
+def _kernels():
+    """(gathered_sum, scaled_scatter_and_dots) Triton kernels, or None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def sum_rows(rows_ptr, pos_ptr, w_ptr, out_ptr, D, K: tl.constexpr, K_P2: tl.constexpr,
+                 WEIGHTED: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, K_P2)
+        has_k = k < K
+        pos = tl.load(pos_ptr + t * K + k, mask=has_k, other=0).to(tl.int64)
+        if WEIGHTED:
+            w = tl.load(w_ptr + t * K + k, mask=has_k, other=0.0).to(tl.float32)
+        for start in range(0, D, BLOCK_D):
+            d = start + tl.arange(0, BLOCK_D)
+            inside = has_k[:, None] & (d[None, :] < D)
+            rows = tl.load(rows_ptr + pos[:, None] * D + d[None, :], mask=inside, other=0.0).to(tl.float32)
+            if WEIGHTED:
+                rows = rows * w[:, None]
+            tl.store(out_ptr + t * D + d, tl.sum(rows, axis=0).to(out_ptr.dtype.element_ty), mask=d < D)
+
+    @triton.jit
+    def scatter_and_dots(grad_ptr, rows_ptr, pos_ptr, w_ptr, grad_rows_ptr, dots_ptr, D,
+                         K: tl.constexpr, K_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, K_P2)
+        has_k = k < K
+        pos = tl.load(pos_ptr + t * K + k, mask=has_k, other=0).to(tl.int64)
+        w = tl.load(w_ptr + t * K + k, mask=has_k, other=0.0).to(tl.float32)
+        dots = tl.zeros((K_P2,), dtype=tl.float32)
+        for start in range(0, D, BLOCK_D):
+            d = start + tl.arange(0, BLOCK_D)
+            inside = has_k[:, None] & (d[None, :] < D)
+            grad = tl.load(grad_ptr + t * D + d, mask=d < D, other=0.0).to(tl.float32)
+            at = pos[:, None] * D + d[None, :]
+            rows = tl.load(rows_ptr + at, mask=inside, other=0.0).to(tl.float32)
+            dots += tl.sum(rows * grad[None, :], axis=1)
+            scaled = (w[:, None] * grad[None, :]).to(grad_rows_ptr.dtype.element_ty)
+            tl.store(grad_rows_ptr + at, scaled, mask=inside)
+        tl.store(dots_ptr + t * K + k, dots, mask=has_k)
+
+    return sum_rows, scatter_and_dots

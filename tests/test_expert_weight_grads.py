@@ -1,0 +1,60 @@
+"""Expert GEMMs that add their weight gradients into `.grad` themselves agree with autograd's."""
+
+import pytest
+import torch
+
+from dyad.kernels import expert_weight_grads
+from dyad.kernels.grouped_mm import grouped_mm
+
+COUNTS = [5, 0, 300, 64]  # an expert without rows among them
+
+
+def _two_backwards(matmul, w_dtype, autocast):
+    """Output, x.grad and w.grad after two forward + backward passes (the second accumulates)."""
+    torch.manual_seed(5)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    offs = torch.tensor(COUNTS, device=device).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(COUNTS), 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(len(COUNTS), 256, 512, device=device) * 0.05).to(w_dtype).requires_grad_(True)
+    grads = torch.randn(2, sum(COUNTS), 512, device=device, dtype=torch.bfloat16)
+    for grad in grads:
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            y = matmul(x, w, offs)
+        y.backward(grad)
+    return y.detach(), x.grad, w.grad
+
+
+def test_off_cuda_it_is_grouped_mm():
+    x, w = torch.randn(6, 4), torch.randn(2, 4, 3, requires_grad=True)
+    assert not expert_weight_grads._into_grad_applies(x, w, w)
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="no CUDA device of compute capability 9.0+ here: grouped_mm's fast path and the fused weight-gradient GEMMs are not exercised",
+)
+
+
+@needs_cuda
+@pytest.mark.parametrize("w_dtype,autocast", [(torch.bfloat16, False), (torch.float32, True)])
+def test_cuda_weight_grads_added_by_the_gemm_agree_with_autograds(w_dtype, autocast):
+    fused = _two_backwards(expert_weight_grads.expert_grouped_mm, w_dtype, autocast)
+    plain = _two_backwards(grouped_mm, w_dtype, autocast)
+    assert torch.equal(fused[0], plain[0]), "forward"
+    torch.testing.assert_close(fused[1], plain[1], msg="input gradient")
+    assert fused[2].dtype == w_dtype
+    assert torch.all(fused[2][1] == 0), "an expert without rows gets a zero gradient"
+    # autograd rounds each pass's gradient to bf16 before adding it; the GEMM adds it unrounded
+    error = (fused[2].float() - plain[2].float()).norm() / plain[2].float().norm()
+    assert error < 2**-8, f"weight gradient: relative error {error.item():.3g} beyond bf16 rounding"
+
+
+@needs_cuda
+def test_cuda_the_fused_path_runs_for_a_few_experts_and_not_for_many():
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    few = torch.zeros(4, 256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    many = torch.zeros(expert_weight_grads.MAX_EXPERTS + 1, 256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert expert_weight_grads._into_grad_applies(x, few, few)
+    assert not expert_weight_grads._into_grad_applies(x, many, many)
+    offs = torch.tensor([16, 32, 48, 64], device="cuda")
+    assert "GroupedMmIntoGrad" in type(expert_weight_grads.expert_grouped_mm(x, few, offs).grad_fn).__name__

@@ -1,0 +1,78 @@
+"""The fused per-token gather-reduce kernels agree with their plain-PyTorch references."""
+
+import pytest
+import torch
+
+from dyad.kernels import token_rows
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device here: the fused token-row kernels are not exercised"
+)
+SHAPES = [(300, 2, 4103), (257, 8, 2048), (100, 6, 1000)]  # K not a power of two; D not a block multiple
+
+
+def _operands(T, K, D, dtype, device="cuda"):
+    torch.manual_seed(T + K + D)
+    rows_ND = torch.randn(T * K, D, device=device).to(dtype)
+    positions_TK = torch.randperm(T * K, device=device).view(T, K)
+    weights_TK = torch.rand(T, K, device=device)  # float32, as the router's gates are
+    grad_TD = torch.randn(T, D, device=device).to(dtype)
+    return rows_ND, positions_TK, weights_TK, grad_TD
+
+
+def _assert_agree(got, expected, magnitudes, terms, what):
+    """Both sides sum the same float32 terms in another order and round once to the dtype: each
+    element within one unit in the last place of the dtype plus the float32 summation bound of
+    two sums of `terms` terms, 2 * terms * eps32 * sum |term| (`magnitudes`)."""
+    assert got.dtype == expected.dtype and got.shape == expected.shape, what
+    expected32, magnitudes32 = expected.float(), magnitudes.float()
+    bound = torch.finfo(expected.dtype).eps * expected32.abs() + 2 * terms * torch.finfo(torch.float32).eps * magnitudes32
+    excess = ((got.float() - expected32).abs() - bound - 1e-30).max().item()
+    assert excess <= 0, f"{what}: differs by {excess:g} beyond one rounding"
+
+
+def test_off_cuda_the_references_run():
+    rows_ND, positions_TK, weights_TK, grad_TD = _operands(5, 3, 7, torch.float32, device="cpu")
+    assert not token_rows._fused_applies(rows_ND, positions_TK)
+    expected = torch.stack([(rows_ND[positions_TK[t]] * weights_TK[t, :, None]).sum(0) for t in range(5)])
+    torch.testing.assert_close(token_rows.gathered_sum(rows_ND, positions_TK, weights_TK), expected)
+    grad_rows, dots = token_rows.scaled_scatter_and_dots(grad_TD, rows_ND, positions_TK, weights_TK)
+    for t in range(5):
+        for k in range(3):
+            torch.testing.assert_close(grad_rows[positions_TK[t, k]], weights_TK[t, k] * grad_TD[t])
+            torch.testing.assert_close(dots[t, k], rows_ND[positions_TK[t, k]] @ grad_TD[t])
+
+
+@needs_cuda
+@pytest.mark.parametrize("T,K,D", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_gathered_sum_agrees_with_the_reference(T, K, D, dtype):
+    assert token_rows._kernels() is not None, "Triton missing: the fused path would not run"
+    rows_ND, positions_TK, weights_TK, _ = _operands(T, K, D, dtype)
+    assert token_rows._fused_applies(rows_ND, positions_TK)
+    for weights in (weights_TK, None):
+        got = token_rows.gathered_sum(rows_ND, positions_TK, weights)
+        expected = token_rows.gathered_sum_reference(rows_ND, positions_TK, weights)
+        abs_weights = None if weights is None else weights.abs()
+        magnitudes = token_rows.gathered_sum_reference(rows_ND.abs(), positions_TK, abs_weights)
+        _assert_agree(got, expected, magnitudes, K, f"gathered_sum, weighted={weights is not None}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("T,K,D", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_scaled_scatter_and_dots_agree_with_the_reference(T, K, D, dtype):
+    rows_ND, positions_TK, weights_TK, grad_TD = _operands(T, K, D, dtype)
+    grad_rows, dots = token_rows.scaled_scatter_and_dots(grad_TD, rows_ND, positions_TK, weights_TK)
+    expected_rows, expected_dots = token_rows.scaled_scatter_and_dots_reference(
+        grad_TD, rows_ND, positions_TK, weights_TK
+    )
+    assert torch.equal(grad_rows, expected_rows)  # one product, rounded once, either way
+    _, magnitudes = token_rows.scaled_scatter_and_dots_reference(grad_TD.abs(), rows_ND.abs(), positions_TK, weights_TK)
+    _assert_agree(dots, expected_dots, magnitudes, D, "dots")
+
+
+@needs_cuda
+def test_cuda_float32_takes_the_references():
+    rows_ND, positions_TK, _, _ = _operands(4, 2, 8, torch.float32)
+    assert not token_rows._fused_applies(rows_ND, positions_TK)
