@@ -103,8 +103,9 @@ def _kernels():
         h1 = tl.load(h1_ptr + at, mask=inside, other=0.0)
         h3 = tl.load(h3_ptr + at, mask=inside, other=0.0)
         x = h1.to(tl.float32)
-        sigmoid = 1.0 / (1.0 + tl.exp(-x))
-        silu = (x / (1.0 + tl.exp(-x))).to(h1.dtype).to(tl.float32)
+        one_plus_exp = 1.0 + tl.exp(-x)
+        sigmoid = 1.0 / one_plus_exp
+        silu = (x / one_plus_exp).to(h1.dtype).to(tl.float32)  # as the forward rounds it
         grad_h3 = grad * silu
         grad_silu = (grad * h3.to(tl.float32)).to(h1.dtype).to(tl.float32)
         grad_h1 = grad_silu * sigmoid * (1.0 + x * (1.0 - sigmoid))  # silu's derivative, as eager's
