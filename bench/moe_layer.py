@@ -22,7 +22,9 @@ from torch import nn
 
 from dyad.kernels.fp8 import forget_quantized, fp8_grouped_mm
 from dyad.kernels.grouped_mm import grouped_mm
+from dyad.kernels.moe_router import router_logits_reference
 from dyad.llm_service.moe import MoEConfig, MoELayer
+from kernel_timeline import write_timeline  # beside this script
 
 SHAPES = {  # name: (dim, expert hidden, experts, top-k, tokens)
     "qwen3-like": (2048, 768, 128, 8, 16384),
@@ -31,24 +33,36 @@ SHAPES = {  # name: (dim, expert hidden, experts, top-k, tokens)
 TOY = {"toy": (64, 32, 8, 2, 256)}
 
 
-def median_ms(fn, iters: int, device: str) -> float:
-    for _ in range(3):
+def elapsed_ms(fn, device: str) -> float:
+    """One call of `fn`, timed with CUDA events from an idle GPU (host clock on CPU)."""
+    if device != "cuda":
+        t = time.perf_counter()
         fn()
-    times = []
+        return (time.perf_counter() - t) * 1e3
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def median_ms(fn, iters: int, device: str) -> float:
+    return time_interleaved({"": fn}, iters, device)[""]
+
+
+def time_interleaved(fns: dict, iters: int, device: str) -> dict:
+    """Median ms of each function, called in turn (a, b, c, a, b, c, ...) so that the GPU's
+    clock and temperature drift over the run falls on all of them alike."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(iters):
-        if device == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            times[name].append(elapsed_ms(fn, device))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def expert_flops(dim, hidden, tokens, top_k) -> float:
@@ -59,6 +73,22 @@ def expert_flops(dim, hidden, tokens, top_k) -> float:
 def dyad_layer(dim, hidden, experts, top_k):
     cfg = MoEConfig(num_experts=experts, top_k=top_k, expert_dim=hidden, aux_loss_coef=0.01)
     return MoELayer(dim, cfg)
+
+
+class ReferenceRouterLayer(MoELayer):
+    """dyad's layer with the router's plain-PyTorch references (float32 copies, softmax, sort,
+    gather): the path before `kernels/moe_router.py`, for A/B runs. Default router options only."""
+
+    def router_logits(self, x_TD):
+        return router_logits_reference(x_TD, self.router.weight)
+
+    def route(self, x_TD, valid_T=None):
+        return self._select(self.router_logits(x_TD))
+
+
+def dyad_reference_router_layer(dim, hidden, experts, top_k):
+    cfg = MoEConfig(num_experts=experts, top_k=top_k, expert_dim=hidden, aux_loss_coef=0.01)
+    return ReferenceRouterLayer(dim, cfg)
 
 
 def dyad_fp8_layer(dim, hidden, experts, top_k):
@@ -130,6 +160,7 @@ def compiled(make):
 LAYERS = {
     "dyad": dyad_layer,
     "dyad-compiled": compiled(dyad_layer),
+    "dyad-reference-router": dyad_reference_router_layer,
     "dyad-fp8": dyad_fp8_layer,
     "dyad-fp8-compiled": dyad_fp8_compiled_layer,
     "dyad-fp8-codes-kept": keeping_weight_codes(dyad_fp8_layer),
@@ -140,7 +171,8 @@ LAYERS = {
 }
 
 
-def time_layer(make, shape, device, dtype, iters) -> float:
+def layer_step(make, shape, device, dtype):
+    """One forward + backward of the layer `make` builds, as a function of no arguments."""
     dim, hidden, experts, top_k, tokens = shape
     layer = make(dim, hidden, experts, top_k).to(device, dtype)
     for p in layer.parameters():
@@ -161,7 +193,7 @@ def time_layer(make, shape, device, dtype, iters) -> float:
             out = out[0] if isinstance(out, tuple) else out
             out.backward(grad.view_as(out))
 
-    return median_ms(step, iters, device)
+    return step
 
 
 def profile_dyad(shape, device, dtype, path) -> None:
@@ -211,6 +243,16 @@ def time_ceiling(shape, device, dtype, iters) -> float:
     return median_ms(step, iters, device)
 
 
+def report(shape_name, layer_name, entry, flops, ceiling_ms, step, timeline_dir) -> None:
+    """Print a layer's line; add its expert TFLOP/s (and, on a GPU, its kernel timeline) to `entry`."""
+    ms = entry[layer_name]["ms"]
+    entry[layer_name]["expert_tflops"] = flops / ms / 1e9
+    print(f"{shape_name:13s} {layer_name:18s} {ms:8.2f} {flops / ms / 1e9:15.1f} {ceiling_ms / ms:11.2f}")
+    if timeline_dir and torch.cuda.is_available():
+        path = f"{timeline_dir}/timeline_{shape_name}_{layer_name}.txt"
+        entry[layer_name]["timeline"] = write_timeline(step, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--toy", action="store_true", help="tiny shape on CPU (keeps the script working)")
@@ -218,11 +260,17 @@ def main() -> None:
     parser.add_argument("--out", help="write results as JSON here")
     parser.add_argument("--profile-dir", help="GPU: write a kernel table of dyad's layer per shape here")
     parser.add_argument("--layers", help="comma-separated names from LAYERS (default: all)")
+    parser.add_argument("--shapes", help="comma-separated names from SHAPES (default: all)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="build every layer first, then time their steps in turn (needs memory for all)")
+    parser.add_argument("--timeline-dir", help="GPU: write each layer's kernels in order, with the idle gaps, here")
     args = parser.parse_args()
     layers = {name: LAYERS[name] for name in args.layers.split(",")} if args.layers else LAYERS
     device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = TOY if device == "cpu" else SHAPES
+    if args.shapes and device == "cuda":
+        shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                "torch": torch.__version__, "dtype": str(dtype), "shapes": {}}
     print(f"{'shape':13s} {'layer':18s} {'ms':>8s} {'expert TFLOP/s':>15s} {'of ceiling':>11s}")
@@ -232,23 +280,27 @@ def main() -> None:
         ceiling_ms = time_ceiling(shape, device, dtype, args.iters)
         entry["grouped_mm_ceiling_ms"] = ceiling_ms
         print(f"{name:13s} {'grouped_mm ceiling':18s} {ceiling_ms:8.2f} {flops / ceiling_ms / 1e9:15.1f} {'1.00':>11s}")
+        steps = {}
         for layer_name, make in layers.items():
             if layer_name.endswith("compiled") and device == "cpu":
                 continue  # compiled layers and quantization are for GPUs (Triton); CI's toy run stays eager
             try:
-                ms = time_layer(make, shape, device, dtype, args.iters)
+                steps[layer_name] = layer_step(make, shape, device, dtype)
+                if not args.interleave:
+                    entry[layer_name] = {"ms": median_ms(steps[layer_name], args.iters, device)}
+                    report(name, layer_name, entry, flops, ceiling_ms, steps.pop(layer_name), args.timeline_dir)
             except ImportError as error:
                 entry[layer_name] = {"error": f"not installed: {error}"}
                 print(f"{name:13s} {layer_name:18s} not installed ({error})")
-                continue
             except RuntimeError as error:  # one layer failing must not lose the others' numbers
                 entry[layer_name] = {"error": str(error)[:2000]}
                 print(f"{name:13s} {layer_name:18s} failed: {str(error)[:300]}")
-                continue
-            entry[layer_name] = {"ms": ms, "expert_tflops": flops / ms / 1e9}
-            print(f"{name:13s} {layer_name:18s} {ms:8.2f} {flops / ms / 1e9:15.1f} {ceiling_ms / ms:11.2f}")
-            if device == "cuda":
-                torch.cuda.empty_cache()
+        for layer_name, ms in time_interleaved(steps, args.iters, device).items() if steps else ():
+            entry[layer_name] = {"ms": ms}
+            report(name, layer_name, entry, flops, ceiling_ms, steps[layer_name], args.timeline_dir)
+        del steps
+        if device == "cuda":
+            torch.cuda.empty_cache()
         results["shapes"][name] = entry
         if args.profile_dir and device == "cuda":
             profile_dyad(shape, device, dtype, f"{args.profile_dir}/moe_profile_{name}.txt")
