@@ -3,7 +3,8 @@
 Legend: T tokens, D model dim, E experts, K experts per token (top_k), N = T*K assignments,
 F expert ffn dim, H shared-expert ffn dim, G expert groups, S sequences.
 
-Router (all in float32, autocast off), with the defaults first:
+Router (all in float32, autocast off; `kernels/moe_router.py` runs the logits and the default
+softmax top-k on CUDA in one pass each), with the defaults first:
 - scores = softmax(x @ router) or sigmoid(x @ router).
 - Selection is the top k of a key: the scores, or the logits when topk_before_softmax; plus the
   aux-loss-free expert bias when enabled (the bias changes which experts are chosen, never a gate
@@ -55,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dyad.kernels.expert_weight_grads import expert_grouped_mm
+from dyad.kernels.moe_router import router_logits, softmax_topk
 from dyad.kernels.moe_permute import expert_counts, permute, unpermute
 from dyad.kernels.swiglu import swiglu
 
@@ -300,8 +302,7 @@ class MoELayer(nn.Module):
         self.last_expert_counts_E: torch.Tensor | None = None
 
     def router_logits(self, x_TD: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x_TD.device.type, enabled=False):
-            return F.linear(x_TD.float(), self.router.weight.float())
+        return router_logits(x_TD, self.router.weight)
 
     def route(
         self, x_TD: torch.Tensor, valid_T: torch.Tensor | None = None
@@ -310,20 +311,12 @@ class MoELayer(nn.Module):
         cfg = self.cfg
         logits_TE = self.router_logits(x_TD)
         with torch.autocast(x_TD.device.type, enabled=False):
-            scores_TE = torch.softmax(logits_TE, dim=-1) if cfg.score_func == "softmax" else torch.sigmoid(logits_TE)
-            key_TE = logits_TE if cfg.topk_before_softmax else scores_TE
-            if self.expert_bias_E is not None:
-                key_TE = key_TE + self.expert_bias_E.float()
-            if cfg.n_groups > 1:
-                allowed_TE = group_limited_mask(key_TE, cfg.n_groups, cfg.topk_groups, cfg.top_k)
-                key_TE = key_TE.masked_fill(~allowed_TE, -math.inf)
-            expert_idx_TK = top_k_indices(key_TE, cfg.top_k)
-            if cfg.topk_before_softmax:
-                gates_TK = torch.softmax(logits_TE.gather(1, expert_idx_TK), dim=-1)
+            if cfg.score_func == "softmax" and not cfg.topk_before_softmax and cfg.n_groups == 1:
+                scores_TE, gates_TK, expert_idx_TK = softmax_topk(
+                    logits_TE, cfg.top_k, self.expert_bias_E, cfg.norm_topk_prob
+                )
             else:
-                gates_TK = scores_TE.gather(1, expert_idx_TK)
-                if cfg.norm_topk_prob:  # the epsilon only matters for underflowed sigmoid scores
-                    gates_TK = gates_TK / (gates_TK.sum(dim=-1, keepdim=True) + 1e-20)
+                scores_TE, gates_TK, expert_idx_TK = self._select(logits_TE)
             if cfg.capacity_factor is not None:
                 capacity = expert_capacity(cfg.capacity_factor, x_TD.shape[0], cfg.top_k, cfg.num_experts)
                 chosen_scores_TK = scores_TE.gather(1, expert_idx_TK)
@@ -331,6 +324,26 @@ class MoELayer(nn.Module):
                     chosen_scores_TK, expert_idx_TK, valid_T, capacity, cfg.num_experts, cfg.drop_policy
                 )
                 gates_TK = gates_TK * keep_TK
+        return scores_TE, gates_TK, expert_idx_TK
+
+    def _select(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(scores_TE, gates_TK, expert_idx_TK) for every router option (`softmax_topk` is the
+        default options' fast path)."""
+        cfg = self.cfg
+        scores_TE = torch.softmax(logits_TE, dim=-1) if cfg.score_func == "softmax" else torch.sigmoid(logits_TE)
+        key_TE = logits_TE if cfg.topk_before_softmax else scores_TE
+        if self.expert_bias_E is not None:
+            key_TE = key_TE + self.expert_bias_E.float()
+        if cfg.n_groups > 1:
+            allowed_TE = group_limited_mask(key_TE, cfg.n_groups, cfg.topk_groups, cfg.top_k)
+            key_TE = key_TE.masked_fill(~allowed_TE, -math.inf)
+        expert_idx_TK = top_k_indices(key_TE, cfg.top_k)
+        if cfg.topk_before_softmax:
+            gates_TK = torch.softmax(logits_TE.gather(1, expert_idx_TK), dim=-1)
+        else:
+            gates_TK = scores_TE.gather(1, expert_idx_TK)
+            if cfg.norm_topk_prob:  # the epsilon only matters for underflowed sigmoid scores
+                gates_TK = gates_TK / (gates_TK.sum(dim=-1, keepdim=True) + 1e-20)
         return scores_TE, gates_TK, expert_idx_TK
 
     def experts(self, x_sorted_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
