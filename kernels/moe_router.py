@@ -59,7 +59,7 @@ def softmax_topk_reference(
 
 
 def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
-    if not _fused_applies(x_TD) or x_TD.dim() != 2 or not w_ED.is_cuda:
+    if not (_fused_applies(x_TD) and x_TD.dim() == 2 and x_TD.shape[0] > 0 and w_ED.is_cuda):
         return router_logits_reference(x_TD, w_ED)
     return _RouterLogits.apply(x_TD.contiguous(), w_ED)
 
@@ -71,14 +71,14 @@ def softmax_topk(
         logits_TE.is_cuda
         and logits_TE.dtype == torch.float32
         and logits_TE.dim() == 2
+        and logits_TE.shape[0] > 0
         and logits_TE.shape[1] <= _TOPK_MAX_EXPERTS
         and not torch.compiler.is_compiling()
         and _kernels() is not None
     )
     if not fused:
         return softmax_topk_reference(logits_TE, k, bias_E, normalize)
-    scores_TE, gates_TK, expert_idx_TK = _SoftmaxTopK.apply(logits_TE.contiguous(), k, bias_E, normalize)
-    return scores_TE, gates_TK, expert_idx_TK
+    return _SoftmaxTopK.apply(logits_TE.contiguous(), k, bias_E, normalize)
 
 
 def _fused_applies(x: torch.Tensor) -> bool:
@@ -97,7 +97,7 @@ class _RouterLogits(torch.autograd.Function):
         E = w_ED.shape[0]
         logits_TE = torch.empty(T, E, dtype=torch.float32, device=x_TD.device)
         kernels = _kernels()
-        grid = (triton_cdiv(T, _LOGITS_BLOCK_T),)
+        grid = (_cdiv(T, _LOGITS_BLOCK_T),)
         kernels.logits[grid](x_TD, w_ED.contiguous(), logits_TE, T, D, E,
                              E_P=_experts_padded(E), BLOCK_T=_LOGITS_BLOCK_T, BLOCK_D=_BLOCK_D)
         return logits_TE
@@ -112,14 +112,14 @@ class _RouterLogits(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.empty_like(x_TD)
-            grid = (triton_cdiv(T, _BLOCK_T), triton_cdiv(D, _BLOCK_D))
+            grid = (_cdiv(T, _BLOCK_T), _cdiv(D, _BLOCK_D))
             kernels.input_grad[grid](grad_TE, w_ED.contiguous(), grad_x, T, D, E,
                                      E_P=E_P, BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D)
         if ctx.needs_input_grad[1]:
-            splits = max(1, min(_WEIGHT_GRAD_SPLITS, triton_cdiv(T, _BLOCK_T)))
+            splits = max(1, min(_WEIGHT_GRAD_SPLITS, _cdiv(T, _BLOCK_T)))
             partial_SED = torch.empty(splits, E, D, dtype=torch.float32, device=x_TD.device)
-            grid = (triton_cdiv(D, _BLOCK_D), splits)
-            kernels.weight_grad[grid](grad_TE, x_TD, partial_SED, T, D, E, triton_cdiv(T, splits),
+            grid = (_cdiv(D, _BLOCK_D), splits)
+            kernels.weight_grad[grid](grad_TE, x_TD, partial_SED, T, D, E, _cdiv(T, splits),
                                       E_P=E_P, BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D)
             grad_w = partial_SED.sum(dim=0).to(w_ED.dtype)
         return grad_x, grad_w
@@ -134,10 +134,9 @@ class _SoftmaxTopK(torch.autograd.Function):
         expert_idx_TK = torch.empty(T, k, dtype=torch.long, device=logits_TE.device)
         has_bias = bias_E is not None
         bias = bias_E.float().contiguous() if has_bias else logits_TE  # unread without a bias
-        _kernels().softmax_topk[(triton_cdiv(T, _TOPK_BLOCK_T),)](
+        _kernels().softmax_topk[(_cdiv(T, _TOPK_BLOCK_T),)](
             logits_TE, bias, scores_TE, gates_TK, expert_idx_TK, T, E, K=k, K_P=1 << (k - 1).bit_length(),
-            E_P=_experts_padded(E),
-            HAS_BIAS=has_bias, NORMALIZE=normalize, BLOCK_T=_TOPK_BLOCK_T)
+            E_P=_experts_padded(E), HAS_BIAS=has_bias, NORMALIZE=normalize, BLOCK_T=_TOPK_BLOCK_T)
         ctx.save_for_backward(scores_TE, gates_TK, expert_idx_TK)
         ctx.normalize = normalize
         ctx.mark_non_differentiable(expert_idx_TK)
@@ -167,7 +166,7 @@ _WEIGHT_GRAD_SPLITS = 16
 _TOPK_BLOCK_T = 32
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 

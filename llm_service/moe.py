@@ -52,12 +52,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
-import torch.nn.functional as F
 from torch import nn
 
 from dyad.kernels.expert_weight_grads import expert_grouped_mm
-from dyad.kernels.moe_router import router_logits, softmax_topk
 from dyad.kernels.moe_permute import expert_counts, permute, unpermute
+from dyad.kernels.moe_router import router_logits, softmax_topk
 from dyad.kernels.swiglu import swiglu
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -347,7 +346,7 @@ class MoELayer(nn.Module):
         return scores_TE, gates_TK, expert_idx_TK
 
     def experts(self, x_sorted_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        offs_E = torch.cumsum(counts_E, dim=0).to(torch.int32)
+        offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
         h1_NF = self.expert_matmul(x_sorted_ND, self.w1_EDF, offs_E)
         h3_NF = self.expert_matmul(x_sorted_ND, self.w3_EDF, offs_E)
         return self.expert_matmul(swiglu(h1_NF, h3_NF), self.w2_EFD, offs_E)
