@@ -7,6 +7,10 @@ them) on balanced routing, computed several ways on one GPU, and the pieces arou
 - `grouped-into-grad`: `grouped`, the weight gradients added into `.grad` by one cuBLAS GEMM per
   expert (`kernels/expert_weight_grads.py`, what the layer runs on CUDA with few experts; with
   more than its MAX_EXPERTS this is `grouped`);
+- `w13-into-grad`: `grouped-into-grad` with w1 and w3 as one [E, D, 2F] weight: one GEMM for
+  both up-projections forward, one input-gradient GEMM over both (no add of two), the gate
+  reading the two halves in place and writing both halves' gradients into one buffer (an
+  experiment: the layer keeps w1 and w3 apart);
 - `looped-fresh`: one cuBLAS `torch.mm` per expert and GEMM, each expert's weights their own
   tensor (no indexing in the graph), `.grad` cleared;
 - `dense-fresh`: one `torch.mm` over all rows with one weight of one expert's shape, `.grad`
@@ -32,7 +36,7 @@ from dyad.kernels.grouped_mm import grouped_mm
 from dyad.kernels.swiglu import swiglu as fused_swiglu
 from moe_layer import SHAPES, TOY, expert_flops, median_ms  # beside this script
 
-METHODS = ["grouped", "grouped-fresh", "grouped-into-grad", "looped-fresh", "dense-fresh", "swiglu", "swiglu-fused", "swiglu-compiled"]
+METHODS = ["grouped", "grouped-fresh", "grouped-into-grad", "w13-into-grad", "looped-fresh", "dense-fresh", "swiglu", "swiglu-fused", "swiglu-compiled"]
 
 
 def swiglu(h1, h3):
@@ -41,6 +45,28 @@ def swiglu(h1, h3):
 
 def swiglu_experts(mm, x_ND, w1, w3, w2):
     return mm(swiglu(mm(x_ND, w1), mm(x_ND, w3)), w2)
+
+
+class _HalvesGate(torch.autograd.Function):
+    """silu(h[:, :F]) * h[:, F:] for h = [h1 | h3], with eager SwiGLU's kernels (silu and the
+    product forward; two products and silu's backward), the gradient of h written into one buffer."""
+
+    @staticmethod
+    def forward(ctx, h13_N2F):
+        h1, h3 = h13_N2F.chunk(2, dim=1)
+        silu = F.silu(h1)
+        ctx.save_for_backward(h13_N2F, silu)
+        return silu * h3
+
+    @staticmethod
+    def backward(ctx, grad_NF):
+        h13_N2F, silu = ctx.saved_tensors
+        h1, h3 = h13_N2F.chunk(2, dim=1)
+        grad_N2F = torch.empty_like(h13_N2F)
+        grad_h1, grad_h3 = grad_N2F.chunk(2, dim=1)
+        torch.mul(grad_NF, silu, out=grad_h3)
+        torch.ops.aten.silu_backward.grad_input(grad_NF * h3, h1, grad_input=grad_h1)
+        return grad_N2F
 
 
 def _leaf(*shape, device, dtype, scale=1.0):
@@ -62,6 +88,13 @@ def expert_step(method, shape, device, dtype):
         mm = expert_grouped_mm if method == "grouped-into-grad" else grouped_mm
         run = lambda: swiglu_experts(lambda a, w: mm(a, w, offs), x, *ws)  # noqa: E731
         leaves = ws + [x]
+    elif method == "w13-into-grad":
+        offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+        w13 = _leaf(experts, dim, 2 * hidden, device=device, dtype=dtype, scale=0.02)
+        w2 = _leaf(experts, hidden, dim, device=device, dtype=dtype, scale=0.02)
+        run = lambda: expert_grouped_mm(  # noqa: E731
+            _HalvesGate.apply(expert_grouped_mm(x, w13, offs)), w2, offs)
+        leaves = [w13, w2, x]
     elif method == "looped-fresh":
         per_expert = [[_leaf(*s, device=device, dtype=dtype, scale=0.02) for s in shapes] for _ in range(experts)]
         run = lambda: torch.cat(  # noqa: E731
@@ -74,7 +107,7 @@ def expert_step(method, shape, device, dtype):
         leaves = ws + [x]
     else:
         raise ValueError(f"method {method!r}")
-    accumulates = method in ("grouped", "grouped-into-grad")
+    accumulates = method in ("grouped", "grouped-into-grad", "w13-into-grad")
 
     def step():
         if not accumulates:
@@ -116,11 +149,13 @@ def main() -> None:
     parser.add_argument("--toy", action="store_true")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out")
+    parser.add_argument("--methods", help="comma-separated names from METHODS (default: all)")
     args = parser.parse_args()
     device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = TOY if device == "cpu" else SHAPES
-    methods = [m for m in METHODS if device == "cuda" or not m.endswith("compiled")]  # Triton: GPUs
+    methods = args.methods.split(",") if args.methods else METHODS
+    methods = [m for m in methods if device == "cuda" or not m.endswith("compiled")]  # Triton: GPUs
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                "torch": torch.__version__, "shapes": {}}
     print(f"{'shape':13s} {'method':18s} {'ms':>8s} {'TFLOP/s':>8s}")

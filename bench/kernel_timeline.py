@@ -74,6 +74,17 @@ def host_op_lines(events: list[dict], start: float, end: float, limit: int) -> l
     return lines[:limit]
 
 
+def kernel_ms(step, steps: int = 10) -> float:
+    """Median over `steps` profiled calls of the GPU time of the kernels each call launched
+    (their durations summed): what the step costs the GPU, whatever its host overhead."""
+    import statistics
+
+    for _ in range(3):  # compile and warm up outside the profile
+        step()
+    summaries = [step_lines(start, kernels)[0] for start, _, kernels in _steps(_trace_events(step, steps))]
+    return statistics.median(s["kernel_us"] for s in summaries) / 1e3
+
+
 def write_timeline(step, path: str, *, steps: int = 3, host_ops: int = 60) -> list[dict]:
     """Profile `steps` calls of `step`; write their kernel timelines and the first `host_ops`
     host ops of each to `path`; return the steps' summaries."""

@@ -33,13 +33,18 @@ SHAPES = {  # name: (dim, expert hidden, experts, top-k, tokens)
 TOY = {"toy": (64, 32, 8, 2, 256)}
 
 
-def elapsed_ms(fn, device: str) -> float:
-    """One call of `fn`, timed with CUDA events from an idle GPU (host clock on CPU)."""
+def elapsed_ms(fn, device: str, head_start: bool = False) -> float:
+    """One call of `fn`, timed with CUDA events from an idle GPU (host clock on CPU). With
+    `head_start`, two large matmuls are queued before the start event: the host launches `fn`'s
+    first kernels while the GPU is still busy, as it does inside a model whose earlier layers'
+    kernels are queued, so the time is the GPU's and not the host's launches."""
     if device != "cuda":
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
     torch.cuda.synchronize()
+    if head_start:
+        _queue_busy_work()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
@@ -48,11 +53,21 @@ def elapsed_ms(fn, device: str) -> float:
     return start.elapsed_time(end)
 
 
+_BUSY = {}
+
+
+def _queue_busy_work() -> None:
+    if "a" not in _BUSY:
+        _BUSY["a"] = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):  # about 3 ms on an H100
+        torch.mm(_BUSY["a"], _BUSY["a"])
+
+
 def median_ms(fn, iters: int, device: str) -> float:
     return time_interleaved({"": fn}, iters, device)[""]
 
 
-def time_interleaved(fns: dict, iters: int, device: str) -> dict:
+def time_interleaved(fns: dict, iters: int, device: str, head_start: bool = False) -> dict:
     """Median ms of each function, called in turn (a, b, c, a, b, c, ...) so that the GPU's
     clock and temperature drift over the run falls on all of them alike."""
     for fn in fns.values():
@@ -61,7 +76,7 @@ def time_interleaved(fns: dict, iters: int, device: str) -> dict:
     times = {name: [] for name in fns}
     for _ in range(iters):
         for name, fn in fns.items():
-            times[name].append(elapsed_ms(fn, device))
+            times[name].append(elapsed_ms(fn, device, head_start))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -263,6 +278,8 @@ def main() -> None:
     parser.add_argument("--shapes", help="comma-separated names from SHAPES (default: all)")
     parser.add_argument("--interleave", action="store_true",
                         help="build every layer first, then time their steps in turn (needs memory for all)")
+    parser.add_argument("--head-start", action="store_true",
+                        help="with --interleave: also time each step with the GPU busy when it starts")
     parser.add_argument("--timeline-dir", help="GPU: write each layer's kernels in order, with the idle gaps, here")
     args = parser.parse_args()
     layers = {name: LAYERS[name] for name in args.layers.split(",")} if args.layers else LAYERS
@@ -298,6 +315,10 @@ def main() -> None:
         for layer_name, ms in time_interleaved(steps, args.iters, device).items() if steps else ():
             entry[layer_name] = {"ms": ms}
             report(name, layer_name, entry, flops, ceiling_ms, steps[layer_name], args.timeline_dir)
+        if args.head_start and device == "cuda" and steps:
+            for layer_name, ms in time_interleaved(steps, args.iters, device, head_start=True).items():
+                entry[layer_name]["ms_host_ahead"] = ms
+                print(f"{name:13s} {layer_name:18s} {ms:8.2f} ms with the host ahead (--head-start)")
         del steps
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -1,8 +1,10 @@
 """The MoE router's kernels (`kernels/moe_router.py`) against their plain-PyTorch references, on
 one GPU: the logits forward, its backward (input and weight gradients), and the softmax top-k,
 for the MoE layer benchmark's shapes, with bf16 activations and a bf16 or float32 router weight
-(float32: a master weight under autocast). Each row also gives the bytes the kernel must move
-over the device's copy bandwidth, measured in the same run.
+(float32: a master weight under autocast). On a GPU each row is the kernels' own time (summed
+from a profile: these steps are small enough that a timer around them measures the host's
+launches, which the layer benchmark shows in context) and the bytes the kernels must move over
+the device's copy bandwidth, measured in the same run.
 
     python bench/router_kernels.py --out $OUT/router_kernels.json     # on a GPU host
     python bench/router_kernels.py --toy                               # CPU, references only (CI)
@@ -16,7 +18,8 @@ import json
 import torch
 
 from dyad.kernels import moe_router
-from moe_layer import SHAPES, TOY, time_interleaved  # beside this script
+from kernel_timeline import kernel_ms  # beside this script
+from moe_layer import SHAPES, TOY, time_interleaved
 
 
 def router_steps(shape, device, weight_dtype):
@@ -59,7 +62,7 @@ def floor_us(shape, weight_dtype, step_name, bandwidth) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--toy", action="store_true", help="tiny shape on CPU (keeps the script working)")
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", help="write results as JSON here")
     args = parser.parse_args()
     device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
@@ -72,7 +75,11 @@ def main() -> None:
     for name, shape in shapes.items():
         for weight_dtype in (torch.bfloat16, torch.float32):
             steps = router_steps(shape, device, weight_dtype)
-            for step_name, ms in time_interleaved(steps, args.iters, device).items():
+            if device == "cuda":
+                timed = {step_name: kernel_ms(step, args.iters) for step_name, step in steps.items()}
+            else:
+                timed = time_interleaved(steps, args.iters, device)
+            for step_name, ms in timed.items():
                 floor = floor_us(shape, weight_dtype, step_name, bandwidth)
                 results["rows"].append({"shape": name, "weight": str(weight_dtype), "step": step_name,
                                         "us": ms * 1e3, "floor_us": floor})
