@@ -2,6 +2,7 @@
 and Hugging Face transformers' Qwen3-MoE sparse block, same shapes, same run, bf16.
 
     python bench/moe_layer.py --out $OUT/moe_layer.json          # on a GPU host
+    python bench/moe_layer.py --interleave --head-start --layers dyad,torchtitan-0.3.0   # in turn, also host ahead
     python bench/moe_layer.py --toy                             # CPU, tiny shape (CI)
 
 Also times the grouped-matmul ceiling of each shape (the three expert GEMMs forward and backward
