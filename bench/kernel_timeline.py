@@ -5,7 +5,8 @@ with the idle gaps between them, from a torch.profiler trace.
 "bench_step" range) and writes, per step: the wall time from the range's start to its last
 kernel's end, the time the GPU ran kernels, the idle time before the first kernel (the host
 launching the step's first work) and between kernels, then every kernel with its start offset,
-duration and the gap before it. Used by `bench/moe_layer.py --timeline-dir`.
+duration and the gap before it. Used by `bench/moe_layer.py --timeline-dir`. `kernel_ms(step)`
+is the median GPU time of the kernels a step launches (`bench/router_kernels.py`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ are not installed are reported as such. Prints a table; writes JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -54,14 +55,15 @@ def elapsed_ms(fn, device: str, head_start: bool = False) -> float:
     return start.elapsed_time(end)
 
 
-_BUSY = {}
+@functools.cache
+def _busy_operand() -> torch.Tensor:
+    return torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 
 
 def _queue_busy_work() -> None:
-    if "a" not in _BUSY:
-        _BUSY["a"] = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a = _busy_operand()
     for _ in range(2):  # about 3 ms on an H100
-        torch.mm(_BUSY["a"], _BUSY["a"])
+        torch.mm(a, a)
 
 
 def median_ms(fn, iters: int, device: str) -> float:
@@ -86,9 +88,9 @@ def expert_flops(dim, hidden, tokens, top_k) -> float:
     return 3 * 3 * 2 * tokens * top_k * dim * hidden
 
 
-def dyad_layer(dim, hidden, experts, top_k):
+def dyad_layer(dim, hidden, experts, top_k, layer_type=MoELayer):
     cfg = MoEConfig(num_experts=experts, top_k=top_k, expert_dim=hidden, aux_loss_coef=0.01)
-    return MoELayer(dim, cfg)
+    return layer_type(dim, cfg)
 
 
 class ReferenceRouterLayer(MoELayer):
@@ -103,8 +105,7 @@ class ReferenceRouterLayer(MoELayer):
 
 
 def dyad_reference_router_layer(dim, hidden, experts, top_k):
-    cfg = MoEConfig(num_experts=experts, top_k=top_k, expert_dim=hidden, aux_loss_coef=0.01)
-    return ReferenceRouterLayer(dim, cfg)
+    return dyad_layer(dim, hidden, experts, top_k, ReferenceRouterLayer)
 
 
 def dyad_fp8_layer(dim, hidden, experts, top_k):
