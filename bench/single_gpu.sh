@@ -11,7 +11,10 @@ cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch; print(torch.__version__, torch.version.cuda)" >> "$OUT/gpu.txt"
 source bench/parts.sh
-part kernel_tests 150 python3 -m pytest -q -rs tests/test_fp8.py tests/test_kernels.py tests/test_moe_router.py tests/test_swiglu.py tests/test_token_rows.py
+# The float8 job test starts a router, whose gRPC stubs need grpc_tools, absent on the GPU hosts
+# (CI runs it on CPU).
+part kernel_tests 150 python3 -m pytest -q -rs tests/test_fp8.py tests/test_kernels.py tests/test_moe_router.py \
+    tests/test_swiglu.py tests/test_token_rows.py --deselect tests/test_fp8.py::test_a_disaggregated_job_trains_with_llm_fp8
 part moe_layer 170 python3 bench/moe_layer.py --out "$OUT/moe_layer.json" --profile-dir "$OUT"
 part moe_layer_interleaved 200 python3 bench/moe_layer.py --interleave --head-start --iters 40 \
     --layers dyad,dyad-reference-router,torchtitan-0.3.0 --out "$OUT/moe_layer_interleaved.json"
