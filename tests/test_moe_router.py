@@ -87,7 +87,7 @@ def _routing_and_grads(fn, logits_TE, k, bias_E, normalize, grad_scores_TE, grad
 
 
 @needs_cuda
-@pytest.mark.parametrize("E, k", [(8, 2), (128, 8), (6, 3), (8, 1), (256, 4)])
+@pytest.mark.parametrize("E, k", [(8, 2), (128, 8), (6, 3), (8, 1), (256, 4), (5, 5)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("normalize", [True, False])
 def test_cuda_softmax_top_k_agrees_with_the_reference(E, k, with_bias, normalize):
@@ -113,3 +113,14 @@ def test_cuda_softmax_top_k_agrees_with_the_reference(E, k, with_bias, normalize
 def test_cuda_float32_activations_take_the_reference():
     x_TD = torch.randn(4, 16, device="cuda", requires_grad=True)
     assert "RouterLogits" not in type(moe_router.router_logits(x_TD, torch.randn(8, 16, device="cuda")).grad_fn).__name__
+
+
+@needs_cuda
+def test_cuda_zero_tokens_route_to_nothing():
+    """A rank with no tokens gets empty results (the kernels are not launched on an empty grid)."""
+    x_TD = torch.randn(0, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    logits_TE = moe_router.router_logits(x_TD, torch.randn(8, 16, device="cuda"))
+    scores_TE, gates_TK, expert_idx_TK = moe_router.softmax_topk(logits_TE, 2)
+    assert logits_TE.shape == scores_TE.shape == (0, 8) and gates_TK.shape == expert_idx_TK.shape == (0, 2)
+    (scores_TE.sum() + gates_TK.sum()).backward()
+    assert x_TD.grad.shape == (0, 16)
