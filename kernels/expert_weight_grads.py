@@ -9,7 +9,8 @@ three 8 x 4096 x 14,336 weights that add alone reads and writes 8.5 GB, 2 ms on 
 each expert's weight gradient, x_e^T @ grad_e, into `w.grad[e]` with one cuBLAS GEMM (beta = 1,
 float32 accumulation, written in the gradient's dtype), as Megatron-LM's gradient accumulation
 fusion does; autograd sees no gradient for the weight. Row counts reach the host through a
-pinned copy made in the forward, read in the backward (no stall).
+pinned copy made in the forward, read in the backward (no stall). The experts' GEMMs alternate
+between two streams (see `add_weight_grads`).
 
 It applies to CUDA leaf weights with few experts (one GEMM launch per expert: with many small
 experts the launches would cost more than the add) outside torch.compile; everywhere else
@@ -18,6 +19,8 @@ experts the launches would cost more than the add) outside torch.compile; everyw
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -71,22 +74,39 @@ class _GroupedMmIntoGrad(torch.autograd.Function):
 
 
 def add_weight_grads(weight: torch.Tensor, x_ND: torch.Tensor, grad_NF: torch.Tensor, ends: list[int]) -> None:
-    """weight.grad[e] += x[rows of e]^T @ grad[rows of e] (created at the first call)."""
+    """weight.grad[e] += x[rows of e]^T @ grad[rows of e] (created at the first call).
+
+    The experts' GEMMs alternate between the current stream and a side stream, so that the next
+    expert's GEMM fills what the tail of the last one leaves idle (its last, partial wave of
+    tiles): 0.6-0.9 ms of a Mixtral-like layer's 29 on an H100. Each expert's slice is written by
+    one GEMM on one stream, so the result is the same as on one stream."""
     fresh = weight.grad is None
     if fresh:
         weight.grad = torch.empty_like(weight)
+    main, side = torch.cuda.current_stream(), _side_stream(weight.device)
+    side.wait_stream(main)
+    for t in (x_ND, grad_NF, weight.grad):
+        t.record_stream(side)  # their memory is not reused before the side stream is done
     start = 0
     for e, end in enumerate(ends):
-        out = weight.grad[e]
-        if end == start:
-            if fresh:
-                out.zero_()
-            continue
-        rows_x, rows_grad = x_ND[start:end].t(), grad_NF[start:end]
-        if out.dtype == rows_x.dtype:
-            torch.mm(rows_x, rows_grad, out=out) if fresh else out.addmm_(rows_x, rows_grad)
-        elif fresh:  # e.g. bf16 operands of a float32 master weight under autocast
-            torch.mm(rows_x, rows_grad, out_dtype=out.dtype, out=out)
-        else:
-            torch.addmm(out, rows_x, rows_grad, out_dtype=out.dtype, out=out)
+        with torch.cuda.stream(main if e % 2 == 0 else side):
+            _add_expert_grad(weight.grad[e], x_ND[start:end].t(), grad_NF[start:end], fresh)
         start = end
+    main.wait_stream(side)
+
+
+def _add_expert_grad(out: torch.Tensor, rows_x: torch.Tensor, rows_grad: torch.Tensor, fresh: bool) -> None:
+    if rows_grad.shape[0] == 0:
+        if fresh:
+            out.zero_()
+    elif out.dtype == rows_x.dtype:
+        torch.mm(rows_x, rows_grad, out=out) if fresh else out.addmm_(rows_x, rows_grad)
+    elif fresh:  # e.g. bf16 operands of a float32 master weight under autocast
+        torch.mm(rows_x, rows_grad, out_dtype=out.dtype, out=out)
+    else:
+        torch.addmm(out, rows_x, rows_grad, out_dtype=out.dtype, out=out)
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=device)
