@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from dyad.kernels.launch_sizes import cdiv
+
 E4M3 = torch.float8_e4m3fn
 
 
@@ -37,16 +39,12 @@ def scale_into_both_layouts(w_EDF, scale_over_F_ED1, scale_over_D_E1F):
     codes_EDF = torch.empty((E, D, F), dtype=E4M3, device=w.device)
     codes_EFD = torch.empty((E, F, D), dtype=E4M3, device=w.device)
     block_d = block_f = 64
-    grid = (_cdiv(D, block_d), _cdiv(F, block_f), E)
+    grid = (cdiv(D, block_d), cdiv(F, block_f), E)
     kernel[grid](
         w, scale_over_F_ED1.float().contiguous(), scale_over_D_E1F.float().contiguous(),
         codes_EDF, codes_EFD, D, F, BLOCK_D=block_d, BLOCK_F=block_f,
     )
     return codes_EDF, codes_EFD
-
-
-def _cdiv(n: int, block: int) -> int:
-    return -(-n // block)
 
 
 @functools.cache

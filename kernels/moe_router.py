@@ -29,6 +29,8 @@ from collections import namedtuple
 import torch
 import torch.nn.functional as F
 
+from dyad.kernels.launch_sizes import cdiv, next_pow2
+
 _DTYPES = (torch.bfloat16, torch.float16)
 _Kernels = namedtuple("_Kernels", "logits input_grad weight_grad softmax_topk")
 _TOPK_MAX_EXPERTS = 256  # one block of tokens holds every expert's score in registers
@@ -86,7 +88,7 @@ def _fused_applies(x: torch.Tensor) -> bool:
 
 
 def _experts_padded(E: int) -> int:
-    return max(16, 1 << (E - 1).bit_length())  # tl.dot needs 16 or more
+    return max(16, next_pow2(E))  # tl.dot needs 16 or more
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -97,7 +99,7 @@ class _RouterLogits(torch.autograd.Function):
         E = w_ED.shape[0]
         logits_TE = torch.empty(T, E, dtype=torch.float32, device=x_TD.device)
         kernels = _kernels()
-        grid = (_cdiv(T, _LOGITS_BLOCK_T),)
+        grid = (cdiv(T, _LOGITS_BLOCK_T),)
         kernels.logits[grid](x_TD, w_ED.contiguous(), logits_TE, T, D, E,
                              E_P=_experts_padded(E), BLOCK_T=_LOGITS_BLOCK_T, BLOCK_D=_BLOCK_D)
         return logits_TE
@@ -112,14 +114,14 @@ class _RouterLogits(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.empty_like(x_TD)
-            grid = (_cdiv(T, _BLOCK_T), _cdiv(D, _BLOCK_D))
+            grid = (cdiv(T, _BLOCK_T), cdiv(D, _BLOCK_D))
             kernels.input_grad[grid](grad_TE, w_ED.contiguous(), grad_x, T, D, E,
                                      E_P=E_P, BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D)
         if ctx.needs_input_grad[1]:
-            splits = max(1, min(_WEIGHT_GRAD_SPLITS, _cdiv(T, _BLOCK_T)))
+            splits = max(1, min(_WEIGHT_GRAD_SPLITS, cdiv(T, _BLOCK_T)))
             partial_SED = torch.empty(splits, E, D, dtype=torch.float32, device=x_TD.device)
-            grid = (_cdiv(D, _BLOCK_D), splits)
-            kernels.weight_grad[grid](grad_TE, x_TD, partial_SED, T, D, E, _cdiv(T, splits),
+            grid = (cdiv(D, _BLOCK_D), splits)
+            kernels.weight_grad[grid](grad_TE, x_TD, partial_SED, T, D, E, cdiv(T, splits),
                                       E_P=E_P, BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D)
             grad_w = partial_SED.sum(dim=0).to(w_ED.dtype)
         return grad_x, grad_w
@@ -134,8 +136,8 @@ class _SoftmaxTopK(torch.autograd.Function):
         expert_idx_TK = torch.empty(T, k, dtype=torch.long, device=logits_TE.device)
         has_bias = bias_E is not None
         bias = bias_E.float().contiguous() if has_bias else logits_TE  # unread without a bias
-        _kernels().softmax_topk[(_cdiv(T, _TOPK_BLOCK_T),)](
-            logits_TE, bias, scores_TE, gates_TK, expert_idx_TK, T, E, K=k, K_P=1 << (k - 1).bit_length(),
+        _kernels().softmax_topk[(cdiv(T, _TOPK_BLOCK_T),)](
+            logits_TE, bias, scores_TE, gates_TK, expert_idx_TK, T, E, K=k, K_P=next_pow2(k),
             E_P=_experts_padded(E), HAS_BIAS=has_bias, NORMALIZE=normalize, BLOCK_T=_TOPK_BLOCK_T)
         ctx.save_for_backward(scores_TE, gates_TK, expert_idx_TK)
         ctx.normalize = normalize
@@ -164,10 +166,6 @@ _LOGITS_BLOCK_T = 32  # more programs: each streams its rows of x once
 _BLOCK_D = 64
 _WEIGHT_GRAD_SPLITS = 16
 _TOPK_BLOCK_T = 32
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @functools.cache

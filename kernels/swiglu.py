@@ -23,6 +23,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from dyad.kernels.launch_sizes import cdiv
+
 _BLOCK = 2048
 _DTYPES = (torch.bfloat16, torch.float16)  # float32 runs verify the math: they take the reference
 
@@ -57,7 +59,7 @@ class _FusedSwiGLU(torch.autograd.Function):
         out = torch.empty_like(h1)
         forward_kernel, _ = _kernels()
         n = h1.numel()
-        forward_kernel[(_cdiv(n, _BLOCK),)](h1, h3, out, n, BLOCK=_BLOCK)
+        forward_kernel[(cdiv(n, _BLOCK),)](h1, h3, out, n, BLOCK=_BLOCK)
         return out
 
     @staticmethod
@@ -67,12 +69,8 @@ class _FusedSwiGLU(torch.autograd.Function):
         grad_h1, grad_h3 = torch.empty_like(h1), torch.empty_like(h3)
         _, backward_kernel = _kernels()
         n = h1.numel()
-        backward_kernel[(_cdiv(n, _BLOCK),)](grad, h1, h3, grad_h1, grad_h3, n, BLOCK=_BLOCK)
+        backward_kernel[(cdiv(n, _BLOCK),)](grad, h1, h3, grad_h1, grad_h3, n, BLOCK=_BLOCK)
         return grad_h1, grad_h3
-
-
-def _cdiv(n: int, block: int) -> int:
-    return -(-n // block)
 
 
 @functools.cache

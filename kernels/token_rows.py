@@ -25,6 +25,8 @@ import functools
 
 import torch
 
+from dyad.kernels.launch_sizes import next_pow2
+
 _BLOCK_D = 1024
 
 
@@ -72,7 +74,7 @@ def gathered_sum(rows_ND, positions_TK, weights_TK=None):
     weighted = weights_TK is not None
     weights = weights_TK.to(rows_ND.dtype).contiguous() if weighted else rows_ND  # unread if not
     kernel, _ = _kernels()
-    kernel[(T,)](rows_ND, positions_TK, weights, out_TD, D, K=K, K_P2=_pow2(K),
+    kernel[(T,)](rows_ND, positions_TK, weights, out_TD, D, K=K, K_P2=next_pow2(K),
                  WEIGHTED=weighted, BLOCK_D=_BLOCK_D)
     return out_TD
 
@@ -87,7 +89,7 @@ def scaled_scatter_and_dots(grad_TD, rows_ND, positions_TK, weights_TK):
     dots_TK = torch.empty(T, K, dtype=torch.float32, device=rows_ND.device)
     _, kernel = _kernels()
     kernel[(T,)](grad_TD, rows_ND, positions_TK, weights_TK.to(rows_ND.dtype).contiguous(),
-                 grad_rows_ND, dots_TK, D, K=K, K_P2=_pow2(K), BLOCK_D=_BLOCK_D)
+                 grad_rows_ND, dots_TK, D, K=K, K_P2=next_pow2(K), BLOCK_D=_BLOCK_D)
     return grad_rows_ND, dots_TK.to(rows_ND.dtype)
 
 
@@ -102,10 +104,6 @@ def _fused_applies(rows_ND: torch.Tensor, positions_TK: torch.Tensor) -> bool:
         and positions_TK.numel() > 0
         and _kernels() is not None
     )
-
-
-def _pow2(k: int) -> int:
-    return 1 << (k - 1).bit_length()
 
 
 @functools.cache
