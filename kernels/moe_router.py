@@ -6,10 +6,13 @@ Legend: T tokens, D model dim, E experts, K experts per token.
   multiplies (an SGEMM); with bf16 activations that writes a float32 copy of x forward and a
   float32 gradient backward, then casts it (on the Mixtral-like layer, 8,192 x 4,096: about
   0.5 ms of the layer's 29). Here Triton kernels read x in its own dtype and compute in float32
-  (tensor-core "3xTF32": float32 accuracy; x's bf16/fp16 values are exact in TF32), whatever
-  w's dtype: logits forward; backward the input
-  gradient rounded once to x's dtype and the weight gradient summed in float32 over T (in a
-  fixed order: per block of rows, then over the blocks).
+  whatever w's dtype: logits forward; backward the input gradient rounded once to x's dtype and
+  the weight gradient summed in float32 over T (in a fixed order: per block of rows, then over
+  the blocks). The products are exact and summed in float32 on tensor cores: with bf16 x, a
+  float32 operand is split into three bf16 pieces whose sum is it (`bf16_pieces` in
+  `kernels/moe_router_triton.py`), and each piece's product with a bf16 operand is exact;
+  otherwise (fp16 x, or a float32 w against the float32 logits gradient) "3xTF32", float32
+  accuracy (16-bit values are exact in TF32).
 - `softmax_topk(logits_TE, k, bias_E, normalize)`: scores = softmax(logits); the k largest of
   scores (+ bias, which only selects) per token, largest first, ties to the lower expert;
   gates = the chosen scores, divided by their sum (+1e-20) when `normalize`. One program per
@@ -32,7 +35,6 @@ import torch.nn.functional as F
 from dyad.kernels.launch_sizes import cdiv, next_pow2
 
 _DTYPES = (torch.bfloat16, torch.float16)
-_Kernels = namedtuple("_Kernels", "logits input_grad weight_grad softmax_topk")
 _TOPK_MAX_EXPERTS = 256  # one block of tokens holds every expert's score in registers
 
 
@@ -95,36 +97,66 @@ class _RouterLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, w_ED):
         ctx.save_for_backward(x_TD, w_ED)
-        T, D = x_TD.shape
-        E = w_ED.shape[0]
-        logits_TE = torch.empty(T, E, dtype=torch.float32, device=x_TD.device)
-        kernels = _kernels()
-        grid = (cdiv(T, _LOGITS_BLOCK_T),)
-        kernels.logits[grid](x_TD, w_ED.contiguous(), logits_TE, T, D, E,
-                             E_P=_experts_padded(E), BLOCK_T=_LOGITS_BLOCK_T, BLOCK_D=_BLOCK_D)
-        return logits_TE
+        return fused_logits(x_TD, w_ED.contiguous())
 
     @staticmethod
     def backward(ctx, grad_TE):
         x_TD, w_ED = ctx.saved_tensors
-        T, D = x_TD.shape
-        E = w_ED.shape[0]
-        grad_TE = grad_TE.contiguous()
-        kernels, E_P = _kernels(), _experts_padded(E)
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.empty_like(x_TD)
-            grid = (cdiv(T, _BLOCK_T), cdiv(D, _BLOCK_D))
-            kernels.input_grad[grid](grad_TE, w_ED.contiguous(), grad_x, T, D, E,
-                                     E_P=E_P, BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D)
-        if ctx.needs_input_grad[1]:
-            splits = max(1, min(_WEIGHT_GRAD_SPLITS, cdiv(T, _BLOCK_T)))
-            partial_SED = torch.empty(splits, E, D, dtype=torch.float32, device=x_TD.device)
-            grid = (cdiv(D, _BLOCK_D), splits)
-            kernels.weight_grad[grid](grad_TE, x_TD, partial_SED, T, D, E, cdiv(T, splits),
-                                      E_P=E_P, BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D)
-            grad_w = partial_SED.sum(dim=0).to(w_ED.dtype)
+        grad_TE, w_ED = grad_TE.contiguous(), w_ED.contiguous()
+        grad_x = fused_input_grad(grad_TE, x_TD, w_ED) if ctx.needs_input_grad[0] else None
+        grad_w = fused_weight_grad(grad_TE, x_TD, w_ED) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w
+
+
+# One launch each, contiguous CUDA operands (`bench/router_kernels.py --sweep` times them alone).
+# MATH is how a kernel multiplies; the operands' products are exact in each: "native" both bf16,
+# one tensor-core pass; "bf16_pieces" a float32 operand in three bf16 pieces against a bf16 one,
+# three passes; "tf32x3" both widened to float32.
+
+
+def fused_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    (T, D), E = x_TD.shape, w_ED.shape[0]
+    logits_TE = torch.empty(T, E, dtype=torch.float32, device=x_TD.device)
+    E_P = _experts_padded(E)
+    launch = _launch("logits", E_P)
+    math = "tf32x3"
+    if x_TD.dtype == torch.bfloat16:
+        math = {torch.bfloat16: "native", torch.float32: "bf16_pieces"}.get(w_ED.dtype, "tf32x3")
+    _kernels().logits[(cdiv(T, launch.block_t),)](
+        x_TD, w_ED, logits_TE, T, D, E, zero=0.0, E_P=E_P, MATH=math, BLOCK_T=launch.block_t, BLOCK_D=launch.block_d,
+        num_warps=launch.warps, num_stages=launch.stages)
+    return logits_TE
+
+
+def fused_input_grad(grad_TE: torch.Tensor, x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """grad @ w, rounded once to x's dtype."""
+    (T, D), E = x_TD.shape, w_ED.shape[0]
+    grad_x = torch.empty_like(x_TD)
+    E_P = _experts_padded(E)
+    math = _pieces_against(w_ED)
+    launch = _launch("input_grad" if math == "bf16_pieces" else "input_grad/tf32x3", E_P)
+    _kernels().input_grad[(cdiv(T, launch.block_t),)](
+        grad_TE, w_ED, grad_x, T, D, E, E_P=E_P, MATH=math, BLOCK_T=launch.block_t,
+        BLOCK_D=launch.block_d, num_warps=launch.warps, num_stages=launch.stages)
+    return grad_x
+
+
+def fused_weight_grad(grad_TE: torch.Tensor, x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """grad^T @ x in float32, per block of `splits` blocks of rows and then over them; w's dtype."""
+    (T, D), E = x_TD.shape, w_ED.shape[0]
+    E_P = _experts_padded(E)
+    launch = _launch("weight_grad", E_P)
+    splits = max(1, min(launch.splits, cdiv(T, launch.block_t)))
+    partial_SED = torch.empty(splits, E, D, dtype=torch.float32, device=x_TD.device)
+    _kernels().weight_grad[(cdiv(D, launch.block_d), splits)](
+        grad_TE, x_TD, partial_SED, T, D, E, cdiv(T, splits), zero=0.0, E_P=E_P, MATH=_pieces_against(x_TD),
+        BLOCK_T=launch.block_t, BLOCK_D=launch.block_d, num_warps=launch.warps, num_stages=launch.stages)
+    return partial_SED.sum(dim=0).to(w_ED.dtype)
+
+
+def _pieces_against(other: torch.Tensor) -> str:
+    """The float32 logits gradient times `other`: in bf16 pieces when `other` is bf16."""
+    return "bf16_pieces" if other.dtype == torch.bfloat16 else "tf32x3"
 
 
 class _SoftmaxTopK(torch.autograd.Function):
@@ -161,92 +193,34 @@ class _SoftmaxTopK(torch.autograd.Function):
 
 # ---- Triton --------------------------------------------------------------------------------------
 
-_BLOCK_T = 64
-_LOGITS_BLOCK_T = 32  # more programs: each streams its rows of x once
-_BLOCK_D = 64
-_WEIGHT_GRAD_SPLITS = 16
+_Launch = namedtuple("_Launch", "block_t block_d warps stages splits", defaults=(1,))
+# Per kernel, (largest padded expert count, launch) in increasing order; the last one covers the
+# rest. Chosen by measurement on an H100 (`bench/router_kernels.py --sweep`: 16 experts padded
+# from the Mixtral-like 8, 128 the Qwen3-like): the fastest over bf16 and float32 router weights.
+# The input gradient against a float32 w ("tf32x3") has a launch of its own. weight_grad's
+# `splits` blocks of rows are summed after the kernel; it and block_t fix the order of that sum.
+_LAUNCHES = {
+    "logits": [(16, _Launch(64, 128, warps=4, stages=4)), (1 << 30, _Launch(128, 64, warps=8, stages=4))],
+    "input_grad": [(16, _Launch(32, 128, warps=4, stages=3)), (1 << 30, _Launch(128, 128, warps=8, stages=3))],
+    "input_grad/tf32x3": [(16, _Launch(32, 128, warps=4, stages=3)), (1 << 30, _Launch(32, 64, warps=4, stages=3))],
+    "weight_grad": [(16, _Launch(64, 128, warps=4, stages=3, splits=8)),
+                    (1 << 30, _Launch(64, 128, warps=8, stages=3, splits=8))],
+}
 _TOPK_BLOCK_T = 32
+
+
+def _launch(kernel: str, E_P: int) -> _Launch:
+    return next(launch for most, launch in _LAUNCHES[kernel] if E_P <= most)
 
 
 @functools.cache
 def _kernels():
-    """The Triton kernels (logits, input_grad, weight_grad, softmax_topk), or None without Triton."""
+    """The Triton kernels (`kernels/moe_router_triton.py`: logits, input_grad, weight_grad,
+    softmax_topk), or None without Triton."""
     try:
-        import triton
-        import triton.language as tl
+        import triton  # noqa: F401
     except ImportError:
         return None
+    from dyad.kernels import moe_router_triton
 
-    @triton.jit
-    def logits(x_ptr, w_ptr, out_ptr, T, D, E, E_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        e = tl.arange(0, E_P)
-        acc = tl.zeros((BLOCK_T, E_P), dtype=tl.float32)
-        for start in range(0, D, BLOCK_D):
-            d = start + tl.arange(0, BLOCK_D)
-            x = tl.load(x_ptr + t[:, None] * D + d[None, :], mask=(t[:, None] < T) & (d[None, :] < D), other=0.0)
-            w = tl.load(w_ptr + e[None, :] * D + d[:, None], mask=(e[None, :] < E) & (d[:, None] < D), other=0.0)
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="tf32x3")
-        tl.store(out_ptr + t[:, None] * E + e[None, :], acc, mask=(t[:, None] < T) & (e[None, :] < E))
-
-    @triton.jit
-    def input_grad(g_ptr, w_ptr, out_ptr, T, D, E, E_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        e = tl.arange(0, E_P)
-        g = tl.load(g_ptr + t[:, None] * E + e[None, :], mask=(t[:, None] < T) & (e[None, :] < E), other=0.0)
-        w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=(e[:, None] < E) & (d[None, :] < D), other=0.0)
-        grad = tl.dot(g, w.to(tl.float32), input_precision="tf32x3")
-        tl.store(out_ptr + t[:, None] * D + d[None, :], grad.to(out_ptr.dtype.element_ty),
-                 mask=(t[:, None] < T) & (d[None, :] < D))
-
-    @triton.jit
-    def weight_grad(g_ptr, x_ptr, out_ptr, T, D, E, rows_per_split, E_P: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-        d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-        split = tl.program_id(1)
-        e = tl.arange(0, E_P)
-        acc = tl.zeros((E_P, BLOCK_D), dtype=tl.float32)
-        first = split * rows_per_split
-        for start in range(first, tl.minimum(first + rows_per_split, T), BLOCK_T):
-            t = (start + tl.arange(0, BLOCK_T)).to(tl.int64)
-            inside = (t < T) & (t < first + rows_per_split)
-            g = tl.load(g_ptr + t[None, :] * E + e[:, None], mask=inside[None, :] & (e[:, None] < E), other=0.0)
-            x = tl.load(x_ptr + t[:, None] * D + d[None, :], mask=inside[:, None] & (d[None, :] < D), other=0.0)
-            acc += tl.dot(g, x.to(tl.float32), input_precision="tf32x3")
-        tl.store(out_ptr + (split * E + e[:, None]).to(tl.int64) * D + d[None, :], acc,
-                 mask=(e[:, None] < E) & (d[None, :] < D))
-
-    @triton.jit
-    def softmax_topk(logits_ptr, bias_ptr, scores_ptr, gates_ptr, idx_ptr, T, E, K: tl.constexpr, K_P: tl.constexpr,
-                     E_P: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        e = tl.arange(0, E_P)
-        j = tl.arange(0, K_P)
-        inside = (t[:, None] < T) & (e[None, :] < E)
-        logits = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=inside, other=0.0)
-        logits = tl.where(e[None, :] < E, logits, -float("inf"))  # rows past T stay finite
-        shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-        scores = shifted / tl.sum(shifted, axis=1)[:, None]
-        tl.store(scores_ptr + t[:, None] * E + e[None, :], scores, mask=inside)
-        key = scores
-        if HAS_BIAS:
-            key = scores + tl.load(bias_ptr + e, mask=e < E, other=0.0)[None, :]
-        key = tl.where(e[None, :] < E, key, -float("inf"))
-        gates = tl.zeros((BLOCK_T, K_P), dtype=tl.float32)
-        idx = tl.zeros((BLOCK_T, K_P), dtype=tl.int64)
-        for rank in tl.static_range(K):
-            best = tl.argmax(key, axis=1, tie_break_left=True)
-            chosen = e[None, :] == best[:, None]
-            gate = tl.sum(tl.where(chosen, scores, 0.0), axis=1)
-            gates = tl.where(j[None, :] == rank, gate[:, None], gates)
-            idx = tl.where(j[None, :] == rank, best[:, None].to(tl.int64), idx)
-            key = tl.where(chosen, -float("inf"), key)
-        if NORMALIZE:
-            gates = gates / (tl.sum(gates, axis=1)[:, None] + 1e-20)
-        at = t[:, None] * K + j[None, :]
-        stored = (t[:, None] < T) & (j[None, :] < K)
-        tl.store(gates_ptr + at, gates, mask=stored)
-        tl.store(idx_ptr + at, idx, mask=stored)
-
-    return _Kernels(logits, input_grad, weight_grad, softmax_topk)
+    return moe_router_triton
