@@ -1,0 +1,84 @@
+"""Host time of one launch of each op before the MoE layer's first expert GEMM, with the GPU
+kept busy, so that the time is the host's alone: what the layer's step exposes when it starts
+from an idle GPU (`bench/moe_layer.py` without `--head-start`). Mixtral-like routing shape.
+
+    python bench/launch_costs.py --out $OUT/launch_costs.json     # on a GPU host
+    python bench/launch_costs.py --toy                             # CPU (CI: keeps it working)
+
+Each row is the median over `--iters` calls, after warm-up, with about 30 ms of matmuls queued
+first (on CPU nothing is queued and each time includes the op's work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from dyad.kernels import moe_permute, moe_router
+
+
+def ops(device: str, tokens: int, dim: int, experts: int, top_k: int) -> dict:
+    act = torch.bfloat16 if device == "cuda" else torch.float32
+    x_TD = torch.randn(tokens, dim, device=device, dtype=act)
+    w_ED = torch.randn(experts, dim, device=device, dtype=act) * 0.02
+    logits_TE = torch.randn(tokens, experts, device=device)
+    flat_N = torch.randint(0, experts, (tokens * top_k,), device=device)
+    small = torch.randn(16, device=device)
+    rows = {
+        "a small add (torch)": lambda: small + small,
+        "torch.empty": lambda: torch.empty(tokens, experts, device=device),
+        "F.linear (cuBLAS on CUDA)": lambda: F.linear(x_TD, w_ED),
+        "router_logits (autograd Function)": lambda: moe_router.router_logits(x_TD, w_ED),
+        "softmax_topk (autograd Function)": lambda: moe_router.softmax_topk(logits_TE, top_k),
+        "argsort, stable": lambda: torch.argsort(flat_N, stable=True),
+        "expert_counts": lambda: moe_permute.expert_counts(flat_N, experts),
+        "cumsum to int32": lambda: torch.cumsum(small, 0, dtype=torch.int32),
+    }
+    if device == "cuda":  # the Triton launch alone, no autograd
+        rows["fused_logits (one Triton launch)"] = lambda: moe_router.fused_logits(x_TD, w_ED)
+    return rows
+
+
+def host_us(fn, device: str, iters: int, busy: torch.Tensor | None) -> float:
+    for _ in range(5):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(20):
+            torch.mm(busy, busy)
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--toy", action="store_true", help="small shape on CPU (keeps the script working)")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--out", help="write results as JSON here")
+    args = parser.parse_args()
+    device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
+    shape = (8192, 4096, 8, 2) if device == "cuda" else (64, 32, 8, 2)
+    busy = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) if device == "cuda" else None
+    results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+               "torch": torch.__version__, "shape": dict(zip(("tokens", "dim", "experts", "top_k"), shape)), "us": {}}
+    for name, fn in ops(device, *shape).items():
+        results["us"][name] = host_us(fn, device, args.iters, busy)
+        print(f"{name:36s} {results['us'][name]:8.1f} µs host", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
