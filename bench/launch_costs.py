@@ -20,9 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from dyad.kernels import moe_permute, moe_router
+from moe_layer import SHAPES, TOY, _queue_busy_work  # beside this script
 
 
-def ops(device: str, tokens: int, dim: int, experts: int, top_k: int) -> dict:
+def ops(device: str, shape: tuple) -> dict:
+    dim, _, experts, top_k, tokens = shape
     act = torch.bfloat16 if device == "cuda" else torch.float32
     x_TD = torch.randn(tokens, dim, device=device, dtype=act)
     w_ED = torch.randn(experts, dim, device=device, dtype=act) * 0.02
@@ -44,13 +46,12 @@ def ops(device: str, tokens: int, dim: int, experts: int, top_k: int) -> dict:
     return rows
 
 
-def host_us(fn, device: str, iters: int, busy: torch.Tensor | None) -> float:
+def host_us(fn, device: str, iters: int) -> float:
     for _ in range(5):
         fn()
     if device == "cuda":
         torch.cuda.synchronize()
-        for _ in range(20):
-            torch.mm(busy, busy)
+        _queue_busy_work(matmuls=20)
     samples = []
     for _ in range(iters):
         start = time.perf_counter()
@@ -68,12 +69,11 @@ def main() -> None:
     parser.add_argument("--out", help="write results as JSON here")
     args = parser.parse_args()
     device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
-    shape = (8192, 4096, 8, 2) if device == "cuda" else (64, 32, 8, 2)
-    busy = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) if device == "cuda" else None
-    results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-               "torch": torch.__version__, "shape": dict(zip(("tokens", "dim", "experts", "top_k"), shape)), "us": {}}
-    for name, fn in ops(device, *shape).items():
-        results["us"][name] = host_us(fn, device, args.iters, busy)
+    shape = SHAPES["mixtral-like"] if device == "cuda" else TOY["toy"]
+    results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+               "shape": dict(zip(("dim", "hidden", "experts", "top_k", "tokens"), shape)), "us": {}}
+    for name, fn in ops(device, shape).items():
+        results["us"][name] = host_us(fn, device, args.iters)
         print(f"{name:36s} {results['us'][name]:8.1f} µs host", flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -122,7 +122,7 @@ def run_sweep(shapes, rep_ms: int) -> list[dict]:
 def _print_best(rows, name, experts, weight_dtype, kernel) -> None:
     mine = [r for r in rows if r["shape"] == name and r["weight"] == str(weight_dtype) and r["kernel"] == kernel]
     timed = sorted((r for r in mine if "us" in r), key=lambda r: r["us"])
-    key = "input_grad/tf32x3" if kernel == "input_grad" and weight_dtype == torch.float32 else kernel
+    key = moe_router.input_grad_launch_key(weight_dtype) if kernel == "input_grad" else kernel
     current = moe_router._launch(key, moe_router._experts_padded(experts))
     now = next((r["us"] for r in timed if r["launch"] == current._asdict()), float("nan"))
     for r in timed[:3]:

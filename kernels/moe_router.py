@@ -133,10 +133,9 @@ def fused_input_grad(grad_TE: torch.Tensor, x_TD: torch.Tensor, w_ED: torch.Tens
     (T, D), E = x_TD.shape, w_ED.shape[0]
     grad_x = torch.empty_like(x_TD)
     E_P = _experts_padded(E)
-    math = _pieces_against(w_ED)
-    launch = _launch("input_grad" if math == "bf16_pieces" else "input_grad/tf32x3", E_P)
+    launch = _launch(input_grad_launch_key(w_ED.dtype), E_P)
     _kernels().input_grad[(cdiv(T, launch.block_t),)](
-        grad_TE, w_ED, grad_x, T, D, E, E_P=E_P, MATH=math, BLOCK_T=launch.block_t,
+        grad_TE, w_ED, grad_x, T, D, E, E_P=E_P, MATH=_pieces_against(w_ED), BLOCK_T=launch.block_t,
         BLOCK_D=launch.block_d, num_warps=launch.warps, num_stages=launch.stages)
     return grad_x
 
@@ -152,6 +151,11 @@ def fused_weight_grad(grad_TE: torch.Tensor, x_TD: torch.Tensor, w_ED: torch.Ten
         grad_TE, x_TD, partial_SED, T, D, E, cdiv(T, splits), zero=0.0, E_P=E_P, MATH=_pieces_against(x_TD),
         BLOCK_T=launch.block_t, BLOCK_D=launch.block_d, num_warps=launch.warps, num_stages=launch.stages)
     return partial_SED.sum(dim=0).to(w_ED.dtype)
+
+
+def input_grad_launch_key(w_dtype: torch.dtype) -> str:
+    """`_LAUNCHES` key of the input gradient: against a float32 w it runs 3xTF32."""
+    return "input_grad" if w_dtype == torch.bfloat16 else "input_grad/tf32x3"
 
 
 def _pieces_against(other: torch.Tensor) -> str:
