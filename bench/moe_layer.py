@@ -13,6 +13,7 @@ are not installed are reported as such. Prints a table; writes JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dyad.kernels import expert_weight_grads
 from dyad.kernels.fp8 import forget_quantized, fp8_grouped_mm
 from dyad.kernels.grouped_mm import grouped_mm
 from dyad.kernels.moe_router import router_logits_reference
@@ -133,6 +135,18 @@ def keeping_weight_codes(make):
     return make_keeping
 
 
+def joining_weight_grads_at_once(make):
+    """The layer `make` builds, the current stream waiting for each weight's gradient GEMMs as
+    soon as they are queued instead of when the backward pass ends (for A/B runs)."""
+
+    def make_joining(dim, hidden, experts, top_k):
+        layer = make(dim, hidden, experts, top_k)
+        layer.bench_joins_weight_grads_at_once = True
+        return layer
+
+    return make_joining
+
+
 def titan_layer(dim, hidden, experts, top_k):
     from torchtitan.models.common.config_utils import (
         make_moe_config,
@@ -178,6 +192,7 @@ LAYERS = {
     "dyad": dyad_layer,
     "dyad-compiled": compiled(dyad_layer),
     "dyad-reference-router": dyad_reference_router_layer,
+    "dyad-wgrads-joined-at-once": joining_weight_grads_at_once(dyad_layer),
     "dyad-fp8": dyad_fp8_layer,
     "dyad-fp8-compiled": dyad_fp8_compiled_layer,
     "dyad-fp8-codes-kept": keeping_weight_codes(dyad_fp8_layer),
@@ -198,19 +213,34 @@ def layer_step(make, shape, device, dtype):
     grad = torch.randn(tokens, dim, device=device, dtype=dtype)
     is_dyad = isinstance(layer, MoELayer)
     requantize = not getattr(layer, "bench_keeps_weight_codes", False)
+    joins_at_once = getattr(layer, "bench_joins_weight_grads_at_once", False)
 
     def step():
         if is_dyad:
             if requantize:  # each call quantizes its weights once, as after an optimizer step
                 forget_quantized(layer)
             y, aux = layer(x)
-            torch.autograd.backward([y, aux], [grad, torch.ones_like(aux)])
+            with _joining_weight_grads_at_once(joins_at_once):
+                torch.autograd.backward([y, aux], [grad, torch.ones_like(aux)])
         else:
             out = layer(x.unsqueeze(0))
             out = out[0] if isinstance(out, tuple) else out
             out.backward(grad.view_as(out))
 
     return step
+
+
+@contextlib.contextmanager
+def _joining_weight_grads_at_once(enabled: bool):
+    if not enabled:
+        yield
+        return
+    join_later = expert_weight_grads.join_when_backward_ends
+    expert_weight_grads.join_when_backward_ends = lambda join: join()
+    try:
+        yield
+    finally:
+        expert_weight_grads.join_when_backward_ends = join_later
 
 
 def profile_dyad(shape, device, dtype, path) -> None:

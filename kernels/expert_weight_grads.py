@@ -5,12 +5,14 @@ Legend: N rows (expert-major), D input dim, F output dim, E experts.
 Autograd computes a weight gradient into a new tensor, then adds it into `.grad` (and, under
 autocast, first casts it to the float32 master weight's dtype): for the Mixtral-like layer's
 three 8 x 4096 x 14,336 weights that add alone reads and writes 8.5 GB, 2 ms on an H200.
-`grouped_mm_into_grad` computes the same forward and input gradient as `grouped_mm`, but adds
+`expert_grouped_mm` computes the same forward and input gradient as `grouped_mm`, but adds
 each expert's weight gradient, x_e^T @ grad_e, into `w.grad[e]` with one cuBLAS GEMM (beta = 1,
 float32 accumulation, written in the gradient's dtype), as Megatron-LM's gradient accumulation
 fusion does; autograd sees no gradient for the weight. Row counts reach the host through a
-pinned copy made in the forward, read in the backward (no stall). The experts' GEMMs alternate
-between two streams (see `add_weight_grads`).
+pinned copy made in the forward, read in the backward (the host waits there only when it has
+run more than that forward ahead of the GPU). The experts' GEMMs run on two side streams that
+the current stream waits for when the backward pass ends (see `add_weight_grads`): `.grad` is
+complete when `backward()` has returned, as autograd's is.
 
 It applies to CUDA leaf weights with few experts (one GEMM launch per expert: with many small
 experts the launches would cost more than the add) outside torch.compile; everywhere else
@@ -65,34 +67,49 @@ class _GroupedMmIntoGrad(torch.autograd.Function):
     def backward(ctx, grad_NF):
         x_ND, w_EDF, offs_E = ctx.saved_tensors
         grad_NF = _standard_strides(grad_NF)
+        sides = _side_streams_after_current(x_ND.device)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = F.grouped_mm(grad_NF, w_EDF.transpose(-2, -1), offs=offs_E)
         ctx.ends_ready.synchronize()  # long done: recorded in the forward
-        add_weight_grads(ctx.weight, x_ND, grad_NF, ctx.ends_host.tolist())
+        add_weight_grads(ctx.weight, x_ND, grad_NF, ctx.ends_host.tolist(), sides)
         return grad_x, None, None, None
 
 
-def add_weight_grads(weight: torch.Tensor, x_ND: torch.Tensor, grad_NF: torch.Tensor, ends: list[int]) -> None:
-    """weight.grad[e] += x[rows of e]^T @ grad[rows of e] (created at the first call).
+def add_weight_grads(
+    weight: torch.Tensor, x_ND: torch.Tensor, grad_NF: torch.Tensor, ends: list[int], sides: list[torch.cuda.Stream]
+) -> None:
+    """weight.grad[e] += x[rows of e]^T @ grad[rows of e] (created at the first call), queued on
+    `sides`, two streams that have waited for the current one, which waits for them in turn only
+    when the backward pass ends (`join_when_backward_ends`).
 
-    The experts' GEMMs alternate between the current stream and a side stream, so that the next
-    expert's GEMM fills what the tail of the last one leaves idle (its last, partial wave of
-    tiles): 0.6-0.9 ms of a Mixtral-like layer's 29 on an H100. Each expert's slice is written by
-    one GEMM on one stream, so the result is the same as on one stream."""
+    The experts' GEMMs alternate between the two, so that the next expert's GEMM fills what the
+    tail of the last one leaves idle (its last, partial wave of tiles), and they overlap the
+    work the current stream goes on with: the input-gradient GEMMs' tails and the memory-bound
+    kernels between them (SwiGLU's backward, the router's). Each expert's slice is written by
+    one GEMM on one stream, always the same one, so the result is that of one stream."""
     fresh = weight.grad is None
     if fresh:
         weight.grad = torch.empty_like(weight)
-    main, side = torch.cuda.current_stream(), _side_stream(weight.device)
-    side.wait_stream(main)
     for t in (x_ND, grad_NF, weight.grad):
-        t.record_stream(side)  # their memory is not reused before the side stream is done
+        for side in sides:
+            t.record_stream(side)  # their memory is not reused before the side streams are done
     start = 0
     for e, end in enumerate(ends):
-        with torch.cuda.stream(main if e % 2 == 0 else side):
+        with torch.cuda.stream(sides[e % 2]):
             _add_expert_grad(weight.grad[e], x_ND[start:end].t(), grad_NF[start:end], fresh)
         start = end
-    main.wait_stream(side)
+    main = torch.cuda.current_stream()
+    join_when_backward_ends(lambda: [main.wait_stream(side) for side in sides])
+
+
+def join_when_backward_ends(join) -> None:
+    """Calls `join` when the autograd engine has run the whole backward pass this is called from
+    (before `backward()` returns), or at once outside one."""
+    if torch._C._current_graph_task_id() == -1:
+        join()
+    else:
+        torch.autograd.Variable._execution_engine.queue_callback(join)
 
 
 def _add_expert_grad(out: torch.Tensor, rows_x: torch.Tensor, rows_grad: torch.Tensor, fresh: bool) -> None:
@@ -107,6 +124,14 @@ def _add_expert_grad(out: torch.Tensor, rows_x: torch.Tensor, rows_grad: torch.T
         torch.addmm(out, rows_x, rows_grad, out_dtype=out.dtype, out=out)
 
 
+def _side_streams_after_current(device: torch.device) -> list[torch.cuda.Stream]:
+    """The device's two side streams, each made to wait for what the current stream has queued."""
+    sides = _side_streams(device)
+    for side in sides:
+        side.wait_stream(torch.cuda.current_stream(device))
+    return sides
+
+
 @functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device=device)
+def _side_streams(device: torch.device) -> list[torch.cuda.Stream]:
+    return [torch.cuda.Stream(device=device) for _ in range(2)]

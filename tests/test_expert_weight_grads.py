@@ -29,6 +29,38 @@ def test_off_cuda_it_is_grouped_mm():
     assert not expert_weight_grads._into_grad_applies(x, w, w)
 
 
+class _Records(torch.autograd.Function):
+    """Identity whose backward appends `name` to `events` and, with `join`, queues a join."""
+
+    @staticmethod
+    def forward(ctx, x, events, name, join):
+        ctx.events, ctx.name, ctx.join = events, name, join
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.events.append(ctx.name)
+        if ctx.join:
+            expert_weight_grads.join_when_backward_ends(lambda: ctx.events.append(f"joined after {ctx.name}"))
+        return grad, None, None, None
+
+
+def test_the_join_waits_for_the_end_of_the_backward_pass():
+    events = []
+    x = torch.ones(3, requires_grad=True)
+    y = _Records.apply(_Records.apply(x, events, "first forward", False), events, "second forward", True)
+    y.sum().backward()
+    events.append("backward returned")
+    # the second forward's backward runs first; the join after the whole pass, before it returns
+    assert events == ["second forward", "first forward", "joined after second forward", "backward returned"]
+
+
+def test_outside_a_backward_pass_the_join_is_at_once():
+    events = []
+    expert_weight_grads.join_when_backward_ends(lambda: events.append("joined"))
+    assert events == ["joined"]
+
+
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
     reason="no CUDA device of compute capability 9.0+ here: grouped_mm's fast path and the fused weight-gradient GEMMs are not exercised",
@@ -58,3 +90,20 @@ def test_cuda_the_fused_path_runs_for_a_few_experts_and_not_for_many():
     assert not expert_weight_grads._into_grad_applies(x, many, many)
     offs = torch.tensor([16, 32, 48, 64], device="cuda")
     assert "GroupedMmIntoGrad" in type(expert_weight_grads.expert_grouped_mm(x, few, offs).grad_fn).__name__
+
+
+@needs_cuda
+def test_cuda_weight_grads_are_complete_on_the_current_stream_when_backward_returns():
+    """Only the side streams have work here (no input gradient): a copy of `.grad` queued on the
+    current stream right after `backward()` would see it half written without the join."""
+    torch.manual_seed(0)
+    experts, rows, dim, out = 4, 8192, 2048, 4096
+    x = torch.randn(experts * rows, dim, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(experts, dim, out, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * rows
+    y = expert_weight_grads.expert_grouped_mm(x, w, offs)
+    torch.cuda.synchronize()
+    y.backward(torch.randn_like(y))
+    seen_at_return = w.grad.clone()
+    torch.cuda.synchronize()
+    assert torch.equal(seen_at_return, w.grad)
