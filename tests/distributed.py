@@ -40,10 +40,13 @@ def _entry(rank, world_size, store_path, fn, args, errors):
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0) -> None:
+    with tempfile.TemporaryDirectory(prefix="dyad-dist-") as store_dir:
+        _run_ranks(fn, world_size, args, os.path.join(store_dir, "store"), timeout_s)
+
+
+def _run_ranks(fn, world_size: int, args: tuple, store_path: str, timeout_s: float) -> None:
     context = mp.get_context("spawn")
     errors = context.SimpleQueue()
-    store_dir = tempfile.mkdtemp(prefix="dyad-dist-")
-    store_path = os.path.join(store_dir, "store")
     processes = [
         context.Process(target=_entry, args=(rank, world_size, store_path, fn, args, errors))
         for rank in range(world_size)
