@@ -107,3 +107,27 @@ def test_cuda_weight_grads_are_complete_on_the_current_stream_when_backward_retu
     seen_at_return = w.grad.clone()
     torch.cuda.synchronize()
     assert torch.equal(seen_at_return, w.grad)
+
+
+@needs_cuda
+def test_cuda_moe_layer_gradients_match_autograds_over_two_microbatches():
+    """The whole layer under bf16 autocast with float32 weights, as training runs it: every
+    parameter's gradient after two microbatches matches the layer with autograd's weight gradients."""
+    from dyad.llm_service.moe import MoEConfig, MoELayer
+
+    def gradients(expert_matmul):
+        torch.manual_seed(3)
+        layer = MoELayer(256, MoEConfig(num_experts=4, top_k=2, expert_dim=512, aux_loss_coef=0.01)).cuda()
+        layer.expert_matmul = expert_matmul
+        for microbatch in range(2):
+            x = torch.randn(1024, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(microbatch))
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y, aux = layer(x)
+            (y.float().square().mean() + aux).backward()
+        return {name: p.grad for name, p in layer.named_parameters()}
+
+    fused, plain = gradients(expert_weight_grads.expert_grouped_mm), gradients(grouped_mm)
+    assert fused.keys() == plain.keys()
+    for name in fused:
+        error = (fused[name] - plain[name]).norm() / plain[name].norm()
+        assert error < 2**-8, f"{name}: relative error {error.item():.3g} beyond bf16 rounding"
