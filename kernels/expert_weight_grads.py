@@ -100,7 +100,12 @@ def add_weight_grads(
             _add_expert_grad(weight.grad[e], x_ND[start:end].t(), grad_NF[start:end], fresh)
         start = end
     main = torch.cuda.current_stream()
-    join_when_backward_ends(lambda: [main.wait_stream(side) for side in sides])
+
+    def join() -> None:
+        for side in sides:
+            main.wait_stream(side)
+
+    join_when_backward_ends(join)
 
 
 def join_when_backward_ends(join) -> None:
