@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dyad.kernels.moe_permute import expert_counts, permute, unpermute
+from dyad.kernels.moe_permute import expert_counts, permute, stable_expert_order, unpermute
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -257,7 +257,7 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         x_grid_MD = all_gather(x_recv_ND, etp_sizes, self.etp_group)
         local_expert_M = torch.arange(L, device=x_TD.device).repeat(Q * P)
         local_expert_M = local_expert_M.repeat_interleave(counts_QPL.reshape(-1), output_size=sum(etp_sizes))
-        expert_order_M = torch.argsort(local_expert_M, stable=True)
+        expert_order_M = stable_expert_order(local_expert_M, L)
         handle = AllToAllHandle(sorted_order_N, send_splits, recv_splits, etp_sizes, expert_order_M)
         return x_grid_MD.index_select(0, expert_order_M), counts_QPL.sum(dim=(0, 1)), handle
 
@@ -299,7 +299,7 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
         x_all_TD = self._gather(x_TD, etp_sizes, ep_sizes)
         expert_N = self._gather(expert_idx_TK, etp_sizes, ep_sizes).reshape(-1) - first
         is_local_N = (expert_N >= 0) & (expert_N < L)
-        local_order_M = torch.argsort(torch.where(is_local_N, expert_N, L), stable=True)[:local_rows]
+        local_order_M = stable_expert_order(torch.where(is_local_N, expert_N, L), L + 1)[:local_rows]
         counts_L = meta_PQX[..., 1 + first : 1 + first + L].sum(dim=(0, 1))
         handle = AllGatherHandle(local_order_M, sum(ep_sizes), etp_sizes, ep_sizes)
         return x_all_TD.index_select(0, local_order_M // K), counts_L, handle

@@ -20,13 +20,23 @@ def expert_counts(flat_expert_N: torch.Tensor, num_experts: int) -> torch.Tensor
     return counts_E.scatter_add_(0, flat_expert_N, torch.ones_like(flat_expert_N, dtype=torch.long))
 
 
+def stable_expert_order(ids_N: torch.Tensor, num_ids: int) -> torch.Tensor:
+    """`argsort(ids_N, stable=True)` for ids in [0, num_ids), sorted as the narrowest integer
+    type that holds them: a GPU radix sort makes one pass per byte of key, eight for the int64
+    ids that top-k returns, one for uint8."""
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        if num_ids - 1 <= torch.iinfo(dtype).max:
+            return torch.argsort(ids_N.to(dtype), stable=True)
+    return torch.argsort(ids_N, stable=True)
+
+
 def permute(
     x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (x_sorted_ND, sorted_order_N, counts_E); sorted_order_N[i] is a flat t*K + k."""
     K = expert_idx_TK.shape[1]
     flat_expert_N = expert_idx_TK.reshape(-1)
-    sorted_order_N = torch.argsort(flat_expert_N, stable=True)
+    sorted_order_N = stable_expert_order(flat_expert_N, num_experts)
     counts_E = expert_counts(flat_expert_N, num_experts)
     x_sorted_ND = _GatherCopies.apply(x_TD, sorted_order_N, K)
     return x_sorted_ND, sorted_order_N, counts_E

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dyad.kernels.grouped_mm import grouped_mm, grouped_mm_reference, supports_fast_path
-from dyad.kernels.moe_permute import permute, permute_reference, unpermute, unpermute_reference
+from dyad.kernels.moe_permute import permute, permute_reference, stable_expert_order, unpermute, unpermute_reference
 
 
 def _offsets(counts):
@@ -86,6 +86,24 @@ def _check_permute_matches_reference(x_TD, expert_idx_TK, num_experts):
     gates_TK = torch.rand(expert_idx_TK.shape)
     y_sorted = torch.randn_like(x_sorted)
     torch.testing.assert_close(unpermute(y_sorted, order, gates_TK), unpermute_reference(y_sorted, order, gates_TK))
+
+
+_DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA device here: the GPU's radix sort is not exercised")),
+]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("num_ids", [1, 8, 256, 257, 30_000, 70_000])
+def test_stable_expert_order_is_the_int64_stable_argsort(num_ids, device):
+    """Narrowed to uint8, int16 or int32 (or kept in int64) by the largest id, with many ties."""
+    g = torch.Generator().manual_seed(num_ids)
+    ids = torch.randint(0, num_ids, (5000,), generator=g)
+    ids[:2], ids[2:4] = num_ids - 1, 0  # both ends of the range
+    ids = ids.to(device)
+    assert torch.equal(stable_expert_order(ids, num_ids), torch.argsort(ids, stable=True))
 
 
 @settings(max_examples=40, deadline=None)
