@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every single-GPU benchmark of docs/performance.md in one go, results under $OUT (default ./out):
 # the kernels' CUDA tests, the MoE layer against its peers (one after the other, then
-# interleaved with the host ahead too), the router's kernels, the LLM step's variants
+# interleaved with the host ahead too), the router's kernels, the permutation's sort, the LLM step's variants
 # (with kernel tables), and float8 against bf16 over 200 steps. Each part has its own time limit
 # so that one slow part cannot take the others' results with it.
 set -u
@@ -14,11 +14,12 @@ source bench/parts.sh
 # The float8 job test starts a router, whose gRPC stubs need grpc_tools, absent on the GPU hosts
 # (CI runs it on CPU).
 part kernel_tests 150 python3 -m pytest -q -rs tests/test_fp8.py tests/test_kernels.py tests/test_moe_router.py \
-    tests/test_swiglu.py tests/test_token_rows.py --deselect tests/test_fp8.py::test_a_disaggregated_job_trains_with_llm_fp8
+    tests/test_swiglu.py tests/test_token_rows.py tests/test_expert_weight_grads.py --deselect tests/test_fp8.py::test_a_disaggregated_job_trains_with_llm_fp8
 part moe_layer 170 python3 bench/moe_layer.py --out "$OUT/moe_layer.json" --profile-dir "$OUT"
 part moe_layer_interleaved 200 python3 bench/moe_layer.py --interleave --head-start --iters 40 \
-    --layers dyad,dyad-reference-router,torchtitan-0.3.0 --out "$OUT/moe_layer_interleaved.json"
+    --layers dyad,dyad-wgrads-joined-at-once,torchtitan-0.3.0 --out "$OUT/moe_layer_interleaved.json"
 part router_kernels 120 python3 bench/router_kernels.py --out "$OUT/router_kernels.json"
+part expert_order 60 python3 bench/expert_order.py --out "$OUT/expert_order.json"
 part llm_step 180 python3 bench/llm_step.py --out "$OUT/llm_step.json" --profile-dir "$OUT"
 part fp8_convergence 300 python3 bench/fp8_convergence.py --out "$OUT/fp8_convergence.json"
 tar czf /tmp/results.tgz -C "$OUT" . && find "$OUT" -type f ! -name summary.txt -delete && mv /tmp/results.tgz "$OUT/"
