@@ -20,6 +20,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         ("moe_layer.py", ["--iters", "2", "--interleave", "--layers", "dyad,dyad-reference-router"]),
         ("router_kernels.py", ["--iters", "2"]),
         ("expert_order.py", ["--iters", "2"]),
+        ("layer_clocks.py", ["--layers", "dyad"]),
         ("launch_costs.py", ["--iters", "2"]),
         ("boundary_bandwidth.py", ["--iters", "2", "--windows", "1", "2"]),
         ("ucx_message_cost.py", ["--iters", "2", "--variants", "perftest,dyad,ucxx-thread-polling+header+hop+event"]),
