@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
 from dyad.kernels.moe_permute import stable_expert_order
 from kernel_timeline import kernel_ms  # beside this script
-from moe_layer import SHAPES, TOY
+from moe_layer import SHAPES, TOY, median_ms
 
 
 def order_steps(shape, device):
@@ -31,15 +30,6 @@ def order_steps(shape, device):
         "int64 argsort": lambda: torch.argsort(ids_N, stable=True),
         "stable_expert_order": lambda: stable_expert_order(ids_N, experts),
     }
-
-
-def host_ms(step, iters: int) -> float:
-    """CPU: wall time per call (there are no kernels to profile)."""
-    step()
-    start = time.perf_counter()
-    for _ in range(iters):
-        step()
-    return (time.perf_counter() - start) / iters * 1e3
 
 
 def main() -> None:
@@ -56,7 +46,7 @@ def main() -> None:
     for name, shape in shapes.items():
         entry = results["shapes"][name] = {"rows": shape[4] * shape[3], "experts": shape[2]}
         for sort, step in order_steps(shape, device).items():
-            ms = kernel_ms(step, args.iters) if device == "cuda" else host_ms(step, args.iters)
+            ms = kernel_ms(step, args.iters) if device == "cuda" else median_ms(step, args.iters, device)
             entry[sort] = {"us": ms * 1e3}
             print(f"{name:13s} {entry['rows']:8d} {sort:22s} {ms * 1e3:8.1f}")
     if args.out:
