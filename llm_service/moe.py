@@ -226,14 +226,21 @@ def _sum_over(group, *stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def switch_balance_loss(
-    probs_TE: torch.Tensor, expert_idx_TK: torch.Tensor, valid_T: torch.Tensor | None = None, group=None
+    probs_TE: torch.Tensor,
+    expert_idx_TK: torch.Tensor,
+    valid_T: torch.Tensor | None = None,
+    group=None,
+    counts_E: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """E * sum_e f_e * P_e over the microbatch's real tokens; f_e = share of assignments, P_e = mean
-    probability. Only P carries gradient. With no real token the loss is 0 (still in the graph)."""
+    probability. Only P carries gradient. With no real token the loss is 0 (still in the graph).
+    `counts_E`: `assignment_counts` of these arguments when the caller has them already."""
     T, E = probs_TE.shape
     K = expert_idx_TK.shape[1]
     valid_f_T = _valid_weights(valid_T, T, probs_TE.device)
-    counts_E = assignment_counts(expert_idx_TK, valid_T, E).float()
+    if counts_E is None:
+        counts_E = assignment_counts(expert_idx_TK, valid_T, E)
+    counts_E = counts_E.float()
     sums_E = (probs_TE * valid_f_T[:, None]).sum(dim=0)
     sums_E, counts_E, tokens = _sum_over(group, sums_E, counts_E, valid_f_T.sum())
     f_E = counts_E / (tokens * K).clamp_min(1)
@@ -365,16 +372,17 @@ class MoELayer(nn.Module):
         expert_idx_TK: torch.Tensor,
         valid_T: torch.Tensor | None = None,
         seq_ids_T: torch.Tensor | None = None,
+        counts_E: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """aux_loss_coef * balance loss + z_loss_coef * z-loss over the microbatch (see the module
-        docstring for `stats_group`)."""
+        docstring for `stats_group`); `counts_E` as in `switch_balance_loss`."""
         cfg, group = self.cfg, self.stats_group
         aux = scores_TE.new_zeros(())
         probs_TE = scores_TE
         if cfg.score_func == "sigmoid":
             probs_TE = scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
         if cfg.aux_loss == "micro_batch":
-            aux = aux + cfg.aux_loss_coef * switch_balance_loss(probs_TE, expert_idx_TK, valid_T, group)
+            aux = aux + cfg.aux_loss_coef * switch_balance_loss(probs_TE, expert_idx_TK, valid_T, group, counts_E)
         elif cfg.aux_loss == "seq":
             if seq_ids_T is None:
                 raise ValueError("llm.moe.aux_loss 'seq' needs seq_ids_T (the sequence of each token)")
@@ -395,7 +403,7 @@ class MoELayer(nn.Module):
         self.last_expert_counts_E = counts_E
         if self.expert_counts_E is not None and self.training and torch.is_grad_enabled():
             self.expert_counts_E += counts_E
-        return y_TD, self.aux_loss(x_TD, scores_TE, expert_idx_TK, valid_T, seq_ids_T)
+        return y_TD, self.aux_loss(x_TD, scores_TE, expert_idx_TK, valid_T, seq_ids_T, counts_E)
 
     @torch.no_grad()
     def update_expert_bias(self, group=None) -> None:
