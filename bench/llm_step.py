@@ -4,7 +4,10 @@ bf16 compute with float32 master weights and optimizer state. Reports model FLOP
 for each variant: one sequence per optimizer step, eight (gradients accumulated over eight
 microbatches of one sequence, or four of two, or two of four: the same global batch), each eager
 and with compiled blocks (`train.compile`, dyad/compile.py), and eight with float8 GEMMs
-(llm.fp8; its FLOPs counted against the same bf16 peak).
+(llm.fp8; its FLOPs counted against the same bf16 peak). On a GPU each variant also reports how
+long the host takes to issue one step from an idle GPU against that step's end on the GPU (close
+means the step waits on the host), and the caching allocator's peak reservation and cudaMalloc
+retries.
 
     python bench/llm_step.py --out $OUT/llm_step.json [--profile-dir $OUT]
     python bench/llm_step.py --toy                       # CPU, tiny (CI)
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from typing import NamedTuple
 
 import torch
@@ -121,6 +126,29 @@ def make_step(model, optimizer, cfg: LLMConfig, S: int, N: int, variant: Variant
     return step
 
 
+def host_share(step, iters: int) -> tuple[float, float]:
+    """Medians over `iters` GPU steps of (ms the host takes to issue the step, ms to its end on
+    the GPU), each from an idle GPU: when the two are close the step is bound by the host."""
+    host, wall = [], []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        issued = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append((issued - start) * 1e3)
+        wall.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(host), statistics.median(wall)
+
+
+def allocator_numbers() -> dict:
+    """What the caching allocator did since the last reset: its peak reservation and how often it
+    had to free its cached blocks and retry a cudaMalloc (each retry synchronizes the device)."""
+    stats = torch.cuda.memory_stats()
+    return {"peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
+            "alloc_retries": stats.get("num_alloc_retries", 0)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--toy", action="store_true")
@@ -166,6 +194,12 @@ def main() -> None:
         print(f"{name:9s} active {active / 1e9:.2f}B of {result['total_params'] / 1e9:.2f}B params, "
               f"{tokens} tokens/step: {seconds * 1e3:.1f} ms/step, {tokens / seconds:,.0f} tok/s, "
               f"{tflops:.0f} TFLOP/s, MFU {tflops / PEAK_TFLOPS:.1%}, peak memory {entry['peak_memory_gb']:.1f} GB")
+        if device == "cuda":
+            entry.update(allocator_numbers())
+            entry["host_issue_ms"], entry["idle_start_ms"] = host_share(step, args.iters)
+            print(f"{'':9s} from an idle GPU: host issues the step in {entry['host_issue_ms']:.1f} of "
+                  f"{entry['idle_start_ms']:.1f} ms; allocator peak reserved {entry['peak_reserved_gb']:.1f} GB, "
+                  f"{entry['alloc_retries']} cudaMalloc retries")
         if args.profile_dir and device == "cuda":
             write_kernel_table(step, f"{args.profile_dir}/llm_step_profile_{name}.txt", steps=2, rows=40)
         del model, optimizer, step
