@@ -83,22 +83,25 @@ def add_weight_grads(
     `sides`, two streams that have waited for the current one, which waits for them in turn only
     when the backward pass ends (`join_when_backward_ends`).
 
-    The experts' GEMMs alternate between the two, so that the next expert's GEMM fills what the
-    tail of the last one leaves idle (its last, partial wave of tiles), and they overlap the
-    work the current stream goes on with: the input-gradient GEMMs' tails and the memory-bound
-    kernels between them (SwiGLU's backward, the router's). Each expert's slice is written by
-    one GEMM on one stream, always the same one, so the result is that of one stream."""
+    The experts alternate between the two (even experts on one, odd on the other), so that the
+    next expert's GEMM fills what the tail of the last one leaves idle (its last, partial wave
+    of tiles), and they overlap the work the current stream goes on with: the input-gradient
+    GEMMs' tails and the memory-bound kernels between them (SwiGLU's backward, the router's).
+    Each stream is entered once and gets its experts in order (entering a stream costs the host
+    more than launching a GEMM). Each expert's slice is written by one GEMM on one stream,
+    always the same one, so the result is that of one stream."""
     fresh = weight.grad is None
     if fresh:
         weight.grad = torch.empty_like(weight)
     for t in (x_ND, grad_NF, weight.grad):
         for side in sides:
             t.record_stream(side)  # their memory is not reused before the side streams are done
-    start = 0
-    for e, end in enumerate(ends):
-        with torch.cuda.stream(sides[e % 2]):
-            _add_expert_grad(weight.grad[e], x_ND[start:end].t(), grad_NF[start:end], fresh)
-        start = end
+    starts = [0] + ends[:-1]
+    for parity, side in enumerate(sides):
+        with torch.cuda.stream(side):
+            for e in range(parity, len(ends), len(sides)):
+                rows = slice(starts[e], ends[e])
+                _add_expert_grad(weight.grad[e], x_ND[rows].t(), grad_NF[rows], fresh)
     main = torch.cuda.current_stream()
 
     def join() -> None:
