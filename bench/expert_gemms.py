@@ -26,7 +26,6 @@ them) on balanced routing, computed several ways on one GPU, and the pieces arou
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +34,7 @@ from dyad.kernels.expert_weight_grads import expert_grouped_mm
 from dyad.kernels.grouped_mm import grouped_mm
 from dyad.kernels.swiglu import swiglu as fused_swiglu
 from moe_layer import SHAPES, TOY, expert_flops, median_ms  # beside this script
+from run_info import bench_device, run_header, write_json  # beside this script
 
 METHODS = ["grouped", "grouped-fresh", "grouped-into-grad", "w13-into-grad", "looped-fresh", "dense-fresh", "swiglu", "swiglu-fused", "swiglu-compiled"]
 
@@ -151,13 +151,12 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--methods", help="comma-separated names from METHODS (default: all)")
     args = parser.parse_args()
-    device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
+    device = bench_device(args.toy)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = TOY if device == "cpu" else SHAPES
     methods = args.methods.split(",") if args.methods else METHODS
     methods = [m for m in methods if device == "cuda" or not m.endswith("compiled")]  # Triton: GPUs
-    results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-               "torch": torch.__version__, "shapes": {}}
+    results = {**run_header(device), "shapes": {}}
     print(f"{'shape':13s} {'method':18s} {'ms':>8s} {'TFLOP/s':>8s}")
     for name, shape in shapes.items():
         flops = expert_flops(shape[0], shape[1], shape[4], shape[3])
@@ -170,9 +169,7 @@ def main() -> None:
                 entry[method]["tflops"] = flops / ms / 1e9
                 rate = f"{flops / ms / 1e9:8.1f}"
             print(f"{name:13s} {method:18s} {ms:8.2f} {rate}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

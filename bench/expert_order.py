@@ -11,13 +11,13 @@ are checked equal.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 from dyad.kernels.moe_permute import stable_expert_order
 from kernel_timeline import kernel_ms  # beside this script
 from moe_layer import SHAPES, TOY, median_ms
+from run_info import bench_device, run_header, write_json  # beside this script
 
 
 def order_steps(shape, device):
@@ -38,10 +38,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", help="write results as JSON here")
     args = parser.parse_args()
-    device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
+    device = bench_device(args.toy)
     shapes = TOY if device == "cpu" else SHAPES
-    results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-               "torch": torch.__version__, "shapes": {}}
+    results = {**run_header(device), "shapes": {}}
     print(f"{'shape':13s} {'rows':>8s} {'sort':22s} {'µs':>8s}")
     for name, shape in shapes.items():
         entry = results["shapes"][name] = {"rows": shape[4] * shape[3], "experts": shape[2]}
@@ -49,9 +48,7 @@ def main() -> None:
             ms = kernel_ms(step, args.iters) if device == "cuda" else median_ms(step, args.iters, device)
             entry[sort] = {"us": ms * 1e3}
             print(f"{name:13s} {entry['rows']:8d} {sort:22s} {ms * 1e3:8.1f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

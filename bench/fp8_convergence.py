@@ -26,6 +26,7 @@ from dyad.llm_service.fp8 import convert_to_fp8
 from dyad.llm_service.model import LLMConfig, MoELM
 from dyad.llm_service.moe import MoEConfig
 from dyad.optim import build_optimizer
+from run_info import bench_device, run_header, write_json  # beside this script
 
 SETUPS = {
     "gpu": dict(
@@ -157,7 +158,7 @@ def main() -> None:
         with open(args.source) as f:
             plot(json.load(f), args.plot or "fp8_convergence.png")
         return
-    device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
+    device = bench_device(args.toy)
     setup = SETUPS["toy" if device == "cpu" else "gpu"]
     cfg = setup["llm"]
     generator = torch.Generator().manual_seed(1234)
@@ -187,8 +188,7 @@ def main() -> None:
         f"(the same seed run again: up to {rerun_spread:.4f}): {'within' if within else 'NOT within'} bf16 noise"
     )
     result = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
+        **run_header(device),
         "steps": setup["steps"],
         "seeds": setup["seeds"],
         "repeats": setup["repeats"],
@@ -202,9 +202,7 @@ def main() -> None:
         "within_bf16_noise": within,
         "losses": runs,
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f)
+    write_json(args.out, result, indent=None)
     if args.plot:
         plot(result, args.plot)
 

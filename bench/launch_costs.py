@@ -12,7 +12,6 @@ first (on CPU nothing is queued and each time includes the op's work).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 
 from dyad.kernels import moe_permute, moe_router
 from moe_layer import SHAPES, TOY, _queue_busy_work  # beside this script
+from run_info import bench_device, run_header, write_json  # beside this script
 
 
 def ops(device: str, shape: tuple) -> dict:
@@ -68,16 +68,13 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--out", help="write results as JSON here")
     args = parser.parse_args()
-    device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
+    device = bench_device(args.toy)
     shape = SHAPES["mixtral-like"] if device == "cuda" else TOY["toy"]
-    results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-               "shape": dict(zip(("dim", "hidden", "experts", "top_k", "tokens"), shape)), "us": {}}
+    results = {**run_header(device), "shape": dict(zip(("dim", "hidden", "experts", "top_k", "tokens"), shape)), "us": {}}
     for name, fn in ops(device, shape).items():
         results["us"][name] = host_us(fn, device, args.iters)
         print(f"{name:36s} {results['us'][name]:8.1f} µs host", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

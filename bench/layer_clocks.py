@@ -10,7 +10,6 @@ leaves, so two layers with the same GEMMs can run them at different speeds. Samp
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import subprocess
@@ -19,6 +18,7 @@ import time
 import torch
 
 from moe_layer import LAYERS, SHAPES, TOY, layer_step  # beside this script
+from run_info import bench_device, write_json  # beside this script
 
 SAMPLE_MS = 100
 WARMUP_SAMPLES = 5  # the first half second after the monitor starts
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--shape", default="mixtral-like")
     parser.add_argument("--out")
     args = parser.parse_args()
-    device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
+    device = bench_device(args.toy)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shape = TOY["toy"] if device == "cpu" else SHAPES[args.shape]
     seconds = 0.2 if args.toy else args.seconds
@@ -77,9 +77,7 @@ def main() -> None:
             del step
             if device == "cuda":
                 torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ projection (the input embedding is a lookup).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import NamedTuple
@@ -35,6 +34,7 @@ from dyad.llm_service.model import LLMConfig, MoELM
 from dyad.llm_service.moe import MoEConfig
 from dyad.optim import build_optimizer
 from moe_layer import median_ms, write_kernel_table  # beside this script
+from run_info import bench_device, run_header, write_json  # beside this script
 
 PEAK_TFLOPS = 989.0
 
@@ -157,13 +157,13 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--profile-dir", help="GPU: a kernel table of each variant's step is written here")
     args = parser.parse_args()
-    device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
+    device = bench_device(args.toy)
     spec = CONFIGS["toy" if device == "cpu" else "1b-active"]
     cfg, S, N = spec["llm"], spec["seq"], spec["image_rows"]
     active = active_parameters(cfg)
     flops_per_token = 6 * active + 12 * cfg.n_layers * cfg.dim * S
     result = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+        **run_header(device),
         "active_params": active, "seq": S, "image_rows": N, "variants": {},
     }
     eager = [name for name in VARIANTS if not needs_compiler(name)]
@@ -205,9 +205,7 @@ def main() -> None:
         del model, optimizer, step
         if device == "cuda":
             torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import statistics
 import time
 
@@ -29,6 +28,7 @@ from dyad.kernels.grouped_mm import grouped_mm
 from dyad.kernels.moe_router import router_logits_reference
 from dyad.llm_service.moe import MoEConfig, MoELayer
 from kernel_timeline import write_timeline  # beside this script
+from run_info import bench_device, run_header, write_json  # beside this script
 
 SHAPES = {  # name: (dim, expert hidden, experts, top-k, tokens)
     "qwen3-like": (2048, 768, 128, 8, 16384),
@@ -315,13 +315,12 @@ def main() -> None:
     parser.add_argument("--timeline-dir", help="GPU: write each layer's kernels in order, with the idle gaps, here")
     args = parser.parse_args()
     layers = {name: LAYERS[name] for name in args.layers.split(",")} if args.layers else LAYERS
-    device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
+    device = bench_device(args.toy)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = TOY if device == "cpu" else SHAPES
     if args.shapes and device == "cuda":
         shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
-    results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-               "torch": torch.__version__, "dtype": str(dtype), "shapes": {}}
+    results = {**run_header(device), "dtype": str(dtype), "shapes": {}}
     print(f"{'shape':13s} {'layer':18s} {'ms':>8s} {'expert TFLOP/s':>15s} {'of ceiling':>11s}")
     for name, shape in shapes.items():
         flops = expert_flops(shape[0], shape[1], shape[4], shape[3])
@@ -357,9 +356,7 @@ def main() -> None:
         results["shapes"][name] = entry
         if args.profile_dir and device == "cuda":
             profile_dyad(shape, device, dtype, f"{args.profile_dir}/moe_profile_{name}.txt")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

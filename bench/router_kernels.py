@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 
 import torch
 
 from dyad.kernels import moe_router
 from kernel_timeline import kernel_ms  # beside this script
 from moe_layer import SHAPES, TOY, time_interleaved
+from run_info import bench_device, write_json  # beside this script
 
 
 def router_steps(shape, device, weight_dtype):
@@ -140,14 +140,12 @@ def main() -> None:
     parser.add_argument("--out", help="write results as JSON here")
     parser.add_argument("--sweep", action="store_true", help="time each logits kernel under each candidate launch")
     args = parser.parse_args()
-    device = "cpu" if args.toy or not torch.cuda.is_available() else "cuda"
+    device = bench_device(args.toy)
     if args.sweep:
         if device == "cpu":
             raise SystemExit("--sweep: needs a CUDA device with Triton")
         results = {"device": torch.cuda.get_device_name(), "rows": run_sweep(SHAPES, rep_ms=100)}
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
+        write_json(args.out, results)
         return
     shapes = TOY if device == "cpu" else SHAPES
     bandwidth = copy_bandwidth(device) if device == "cuda" else float("nan")
@@ -167,9 +165,7 @@ def main() -> None:
                 results["rows"].append({"shape": name, "weight": str(weight_dtype), "step": step_name,
                                         "us": ms * 1e3, "floor_us": floor})
                 print(f"{name:13s} {str(weight_dtype)[6:]:9s} {step_name:38s} {ms * 1e3:9.1f} {floor:9.1f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":
