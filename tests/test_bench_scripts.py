@@ -66,3 +66,16 @@ def test_the_gpu_configs_of_the_scripts_load():
         config = config_lib.load(None, overrides)
         assert config.train.device == "cuda"
     assert config_lib.load(None, EIGHT_GPU).train.lr == 3e-4
+
+
+def test_the_plots_draw_from_the_committed_results(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "plots.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("moe_layer_runs.png", "e2e_two_gpus.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
