@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from dyad.kernels.fp8_layouts import scale_into_both_layouts
 from dyad.kernels.grouped_mm import grouped_mm_reference as plain_grouped_mm_reference
+from dyad.kernels.traceable import to_dtype
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
@@ -116,7 +117,7 @@ def _scaled_mm(a_MK, a_inv_M1, b_NK, b_inv_N1, out_dtype):
     """a @ b.T from e4m3 codes with row scales on both sides. Off CUDA (where float8 brings no
     speed, and older CPU builds take only one scale per tensor) from the dequantized codes."""
     if a_MK.device.type != "cuda":
-        return (dequantize(a_MK, a_inv_M1) @ dequantize(b_NK, b_inv_N1).t()).to(out_dtype)
+        return to_dtype(dequantize(a_MK, a_inv_M1) @ dequantize(b_NK, b_inv_N1).t(), out_dtype)
     return torch._scaled_mm(
         a_MK,
         b_NK.t(),

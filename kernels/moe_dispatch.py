@@ -33,6 +33,11 @@ import torch.distributed as dist
 
 from dyad.kernels.moe_permute import expert_counts, permute, stable_expert_order, unpermute
 
+# torch 2.13 renamed the single-tensor collectives (the old names warn there); the GPU hosts'
+# torch 2.11 has only the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     """None means "no group" here (not torch's default world group)."""
@@ -60,7 +65,7 @@ def _all_gather(x_ND: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     padded = x_ND.new_zeros(rows_max, *x_ND.shape[1:])
     padded[: x_ND.shape[0]] = x_ND
     out = x_ND.new_empty(len(sizes) * rows_max, *x_ND.shape[1:])
-    dist.all_gather_single(out, padded, group=group)
+    _all_gather_single(out, padded, group=group)
     if min(sizes) == rows_max:
         return out
     return torch.cat([out[i * rows_max : i * rows_max + n] for i, n in enumerate(sizes)])
@@ -78,7 +83,7 @@ def _reduce_scatter(x_ND: torch.Tensor, sizes: list[int], group) -> torch.Tensor
         padded[i * rows_max : i * rows_max + n] = x_ND[start : start + n]
         start += n
     out = x_ND.new_empty(rows_max, *x_ND.shape[1:])
-    dist.reduce_scatter_single(out, padded, group=group)
+    _reduce_scatter_single(out, padded, group=group)
     return out[: sizes[me]]
 
 
@@ -188,7 +193,7 @@ def _gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1:
         return counts.unsqueeze(0)
     out = counts.new_empty(group_size(group) * counts.numel())
-    dist.all_gather_single(out, counts.contiguous().reshape(-1), group=group)
+    _all_gather_single(out, counts.contiguous().reshape(-1), group=group)
     return out.view(group_size(group), *counts.shape)
 
 

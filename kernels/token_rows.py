@@ -26,6 +26,7 @@ import functools
 import torch
 
 from dyad.kernels.launch_sizes import next_pow2
+from dyad.kernels.traceable import to_dtype
 
 _BLOCK_D = 1024
 
@@ -37,10 +38,10 @@ def gathered_sum_reference(rows_ND, positions_TK, weights_TK=None):
     T, K = positions_TK.shape
     rows_TKD = rows_ND.index_select(0, positions_TK.reshape(-1)).view(T, K, rows_ND.shape[1])
     if weights_TK is None:
-        return rows_TKD.sum(dim=1, dtype=torch.float32).to(rows_ND.dtype)
+        return to_dtype(rows_TKD.sum(dim=1, dtype=torch.float32), rows_ND.dtype)
     weights_TK = weights_TK.to(rows_ND.dtype)
     if torch.compiler.is_compiling():  # bf16 products are exact in float32; inductor fuses it all
-        return (weights_TK.float().unsqueeze(2) * rows_TKD.float()).sum(1).to(rows_ND.dtype)
+        return to_dtype((weights_TK.float().unsqueeze(2) * rows_TKD.float()).sum(1), rows_ND.dtype)
     return torch.bmm(weights_TK.unsqueeze(1), rows_TKD).squeeze(1)  # float32 accumulation
 
 
@@ -51,7 +52,7 @@ def scaled_scatter_and_dots_reference(grad_TD, rows_ND, positions_TK, weights_TK
     grad_rows_ND = grad_TD.index_select(0, order_N // K) * row_weights_N.unsqueeze(1)
     rows_TKD = rows_ND.index_select(0, positions_TK.reshape(-1)).view(T, K, rows_ND.shape[1])
     if torch.compiler.is_compiling():
-        dots_TK = (rows_TKD.float() * grad_TD.float().unsqueeze(1)).sum(2).to(rows_ND.dtype)
+        dots_TK = to_dtype((rows_TKD.float() * grad_TD.float().unsqueeze(1)).sum(2), rows_ND.dtype)
     else:
         dots_TK = torch.bmm(rows_TKD, grad_TD.unsqueeze(2)).squeeze(2)
     return grad_rows_ND, dots_TK

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dyad.kernels.traceable import as_contiguous
+
 
 def _summed(x: torch.Tensor, group) -> torch.Tensor:
     """A copy of `x` summed over the group."""
@@ -27,8 +29,8 @@ def _summed(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _own_chunk(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """This rank's equal chunk of `x` along `dim`."""
-    return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
+    """This rank's equal chunk of `x` along `dim` (a view where it is contiguous already)."""
+    return as_contiguous(x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)])
 
 
 class _CopyToGroup(torch.autograd.Function):
