@@ -4,8 +4,12 @@ Applied from outside, after the model is parallelized for its rank, like every o
 change. A block's many small kernels (norms, rotary, routing, SwiGLU, autocast's weight casts)
 fuse, and one compiled call replaces hundreds of eager launches: the LLM step is host-bound
 without it (docs/performance.md). Blocks of the same kind share one compiled graph; a new
-sequence length recompiles once, after which lengths are symbolic. What cannot be traced (the
-expert-parallel dispatcher's one host sync, collectives) runs eagerly between compiled pieces.
+sequence length recompiles once, after which lengths are symbolic. The collectives inside a
+block are traced as torch's functional collectives (`dyad/parallel/collectives.py`, which says
+why); the expert-parallel dispatcher's one host sync splits its block's graph there. Checked
+on torch 2.11 (the GPU hosts') and 2.13 (CI's): on 2.11 a traced autograd.Function's backward
+is lost, silently, where its forward returns a tensor that a no-op cast or an in-place c10d
+collective produced (`kernels/traceable.py`, `dyad/parallel/collectives.py` avoid both).
 Compiling is for GPUs in bf16: in float32 on CPUs the grouped matmul falls back to a loop whose
 row counts dynamo guards on (a recompile per new count, then eager after torch's recompile
 limit), which is still the same function.

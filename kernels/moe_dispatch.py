@@ -32,11 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dyad.kernels.moe_permute import expert_counts, permute, stable_expert_order, unpermute
-
-# torch 2.13 renamed the single-tensor collectives (the old names warn there); the GPU hosts'
-# torch 2.11 has only the old ones.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from dyad.parallel.collectives import all_gather_rows, all_to_all_rows, reduce_scatter_rows
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -52,9 +48,7 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
 
 
 def _all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    out_ND = x_ND.new_empty(sum(out_splits), *x_ND.shape[1:])
-    dist.all_to_all_single(out_ND, x_ND.contiguous(), out_splits, in_splits, group=group)
-    return out_ND
+    return all_to_all_rows(x_ND, out_splits, in_splits, group)
 
 
 def _all_gather(x_ND: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
@@ -64,8 +58,7 @@ def _all_gather(x_ND: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
         return x_ND.new_empty(0, *x_ND.shape[1:])
     padded = x_ND.new_zeros(rows_max, *x_ND.shape[1:])
     padded[: x_ND.shape[0]] = x_ND
-    out = x_ND.new_empty(len(sizes) * rows_max, *x_ND.shape[1:])
-    _all_gather_single(out, padded, group=group)
+    out = all_gather_rows(padded, group)
     if min(sizes) == rows_max:
         return out
     return torch.cat([out[i * rows_max : i * rows_max + n] for i, n in enumerate(sizes)])
@@ -82,9 +75,7 @@ def _reduce_scatter(x_ND: torch.Tensor, sizes: list[int], group) -> torch.Tensor
     for i, n in enumerate(sizes):
         padded[i * rows_max : i * rows_max + n] = x_ND[start : start + n]
         start += n
-    out = x_ND.new_empty(rows_max, *x_ND.shape[1:])
-    _reduce_scatter_single(out, padded, group=group)
-    return out[: sizes[me]]
+    return reduce_scatter_rows(padded, group)[: sizes[me]]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -192,9 +183,7 @@ def _gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
     """[...] -> [group size, ...], no autograd (integer metadata)."""
     if group_size(group) == 1:
         return counts.unsqueeze(0)
-    out = counts.new_empty(group_size(group) * counts.numel())
-    _all_gather_single(out, counts.contiguous().reshape(-1), group=group)
-    return out.view(group_size(group), *counts.shape)
+    return all_gather_rows(counts.reshape(-1), group).view(group_size(group), *counts.shape)
 
 
 # ---- dispatchers ---------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ of the microbatch ("seq"). f counts assignments as chosen, before capacity dropp
 
 Distributed statistics: when `stats_group` is set (ranks holding different tokens of one
 microbatch, e.g. context-parallel shards), per-expert counts, score sums and token counts are
-all-reduced over it (score sums differentiably, torch.distributed.nn) so every rank computes and
+all-reduced over it (score sums differentiably, `all_reduce_sum_grad`) so every rank computes and
 returns the same microbatch loss L. The all-reduce's backward sums the ranks' upstream gradients,
 so the rank-summed gradient is that of group size * L: whoever sets `stats_group` scales each
 rank's aux by 1 / group size (llm_service/parallelize.py does), after which the ranks' parts sum
@@ -51,13 +51,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
 
 from dyad.kernels.expert_weight_grads import expert_grouped_mm
 from dyad.kernels.moe_permute import expert_counts, permute, unpermute
 from dyad.kernels.moe_router import router_logits, softmax_topk
 from dyad.kernels.swiglu import swiglu
+from dyad.parallel.tensor import all_reduce_sum_grad
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSSES = ("micro_batch", "seq", "none")
@@ -221,7 +221,7 @@ def _sum_over(group, *stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """All-reduce (sum) float tensors over `group` in one differentiable collective."""
     if group is None:
         return stats
-    flat = dist_fn.all_reduce(torch.cat([s.reshape(-1) for s in stats]), group=group)
+    flat = all_reduce_sum_grad(torch.cat([s.reshape(-1) for s in stats]), group)
     return tuple(part.view(s.shape) for part, s in zip(flat.split([s.numel() for s in stats]), stats))
 
 

@@ -11,9 +11,9 @@ Legend: B batch, S sequence, Sl local sequence, H heads, G kv heads, Dh head dim
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from dyad.parallel.collectives import all_gather_cat
 from dyad.parallel.tensor import all_gather_sum_grad
 
 
@@ -48,9 +48,7 @@ class ContextParallelAttention:
     def __call__(self, q_BHSlDh, k_BGSlDh, v_BGSlDh, positions_Sl):
         # K and V travel in one collective (one backward reduction instead of two).
         kv_2BGSDh = all_gather_sequence(torch.stack([k_BGSlDh, v_BGSlDh]), self.group)
-        positions = [torch.empty_like(positions_Sl) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(positions, positions_Sl.contiguous(), group=self.group)
-        positions_S = torch.cat(positions)
+        positions_S = all_gather_cat(positions_Sl, self.group, 0)
         allowed_SlS = positions_S.unsqueeze(0) <= positions_Sl.unsqueeze(1)
         return F.scaled_dot_product_attention(
             q_BHSlDh,

@@ -27,6 +27,7 @@ from dyad.kernels.moe_dispatch import (
     split_replicated,
 )
 from dyad.llm_service.moe import MoELayer
+from dyad.parallel.collectives import all_gather_cat
 
 # The dim each expert weight is sliced on over etp: w1/w3 column-wise, w2 row-wise.
 EXPERT_TP_DIM = {"w1_EDF": 2, "w3_EDF": 2, "w2_EFD": 1}
@@ -95,6 +96,4 @@ def gather_expert_tensor(local: torch.Tensor, ep_group, etp_group, name: str) ->
 def _gather_dim(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     if group_size(group) == 1:
         return t
-    parts = [torch.empty_like(t) for _ in range(group_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return all_gather_cat(t, group, dim)

@@ -19,13 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dyad.kernels.traceable import as_contiguous
+from dyad.parallel.collectives import all_gather_cat, all_reduce_sum
 
 
 def _summed(x: torch.Tensor, group) -> torch.Tensor:
     """A copy of `x` summed over the group."""
-    x = x.contiguous().clone()
-    dist.all_reduce(x, group=group)
-    return x
+    return all_reduce_sum(x, group)
 
 
 def _own_chunk(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -94,6 +93,20 @@ class _ReduceScatterToGroup(torch.autograd.Function):
         return _all_gather(grad, ctx.group, ctx.dim), None, None
 
 
+class _AllReduceSumGrad(torch.autograd.Function):
+    """Forward: the sum over the group. Backward: the sum of every rank's gradient of it (each
+    rank's result feeds a different loss term, as torch.distributed.nn's all_reduce)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _summed(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _summed(grad, ctx.group), None
+
+
 class _AllGatherSumGrad(torch.autograd.Function):
     """Forward: all-gather along `dim`. Backward: every rank's gradient of the gathered tensor
     summed, this rank's chunk kept (a reduce-scatter): for values each rank uses differently."""
@@ -109,9 +122,7 @@ class _AllGatherSumGrad(torch.autograd.Function):
 
 
 def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return all_gather_cat(x, group, dim)
 
 
 def all_gather_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -133,6 +144,10 @@ def split_to_group(x, group, dim):
 
 def gather_from_group(x, group, dim):
     return _GatherFromGroup.apply(x, group, dim)
+
+
+def all_reduce_sum_grad(x, group):
+    return _AllReduceSumGrad.apply(x, group)
 
 
 def all_gather_sum_grad(x, group, dim):
