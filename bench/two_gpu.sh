@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The performance issue's two-GPU runs on one host of two GPUs, results under $OUT (default ./out):
+# the parts named as arguments (default: all), each with its own time limit, so that one slow
+# part cannot take the others' results with it.
+#   bash bench/two_gpu.sh bandwidth e2e
+# bandwidth: ucxx against NCCL send/recv between the two GPUs, one message at a time and eight
+#   in flight (bench/boundary_bandwidth.py).
+# e2e: heterogeneous against homogeneous pools with compiled blocks (bench/e2e_hetero.py
+#   --compile), the layouts in E2E_LAYOUTS; E2E_ARGS adds options (e.g. "--workload vit-l-224").
+# BANDWIDTH_LIMIT and E2E_LIMIT are the parts' limits in seconds.
+# The GPU hosts lack ucxx and the router's grpcio-tools and prometheus-client: fetch them here with
+# ../shared/gpu/fetch-wheels.sh grpcio-tools==1.84.0 prometheus-client, install them there first.
+set -u
+OUT=$(realpath -m "${OUT:-out}")
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count())" >> "$OUT/gpu.txt"
+PART_TAIL=20
+source bench/parts.sh
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(bandwidth e2e)
+for name in "${parts[@]}"; do
+    case $name in
+    bandwidth) part bandwidth "${BANDWIDTH_LIMIT:-150}" python3 bench/boundary_bandwidth.py \
+        --out "$OUT/bandwidth.json" ;;
+    e2e) part e2e "${E2E_LIMIT:-420}" python3 bench/e2e_hetero.py --compile --steps 10 --skip 3 \
+        --out "$OUT/e2e.json" --layouts ${E2E_LAYOUTS:-homogeneous-colocated-ep2 heterogeneous homogeneous-colocated} \
+        ${E2E_ARGS:-} ;;
+    *) echo "unknown part $name (bandwidth, e2e)" >&2; exit 2 ;;
+    esac
+done
