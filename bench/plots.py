@@ -6,7 +6,8 @@
 - `moe_layer_runs.png`: each interleaved run of `bench/moe_layer.py` (its JSON), dyad's layer
   against torchtitan's, from an idle GPU and with the host ahead, beside the goal (torchtitan's
   time in the same run over 1.2): a run's spread reads better as points than as a table.
-- `e2e_two_gpus.png`: tokens/s of each layout of `bench/e2e_hetero.py`, one bar per run.
+- `e2e_two_gpus.png`: tokens/s of each layout of `bench/e2e_hetero.py`, one bar per run (hatched:
+  runs known to have computed wrong gradients, E2E_WRONG_GRADIENTS).
 
 Only the files named in MOE_RUNS and E2E_RUNS are read; a missing one is an error naming it.
 """
@@ -37,6 +38,9 @@ E2E_RUNS = {
     "run 1": "e2e_2xh200_vit448_compiled.json",
     "run 2": "e2e_2xh200_vit448_compiled_repeat.json",
 }
+# Layouts of E2E_RUNS whose compiled runs had wrong gradients (torch 2.11 lost the backward of the
+# expert-parallel all-to-all in compiled blocks; docs/performance.md): drawn hatched, to re-run.
+E2E_WRONG_GRADIENTS = {"homogeneous-colocated-ep2"}
 
 
 def load(results: Path, name: str) -> dict:
@@ -86,10 +90,13 @@ def plot_e2e(results: Path, out: Path) -> Path:
     for i, (label, measured) in enumerate(runs.items()):
         ys = [j + i * height for j in range(len(layouts))]
         values = [measured[layout]["tokens_per_s"] if layout in measured else 0 for layout in layouts]
-        ax.barh(ys, values, height=height, label=label, color=f"C{i}")
+        hatches = ["//" if layout in E2E_WRONG_GRADIENTS else "" for layout in layouts]
+        ax.barh(ys, values, height=height, label=label, color=f"C{i}", hatch=hatches)
         for y, value in zip(ys, values):
             ax.text(value, y, f" {value:,.0f}" if value else " not run", va="center", fontsize=7)
-    ax.set_yticks([j + 0.4 - height / 2 for j in range(len(layouts))], layouts)
+    names = [f"{layout}\n(wrong gradients, to re-run)" if layout in E2E_WRONG_GRADIENTS else layout
+             for layout in layouts]
+    ax.set_yticks([j + 0.4 - height / 2 for j in range(len(layouts))], names)
     ax.set_xlabel("tokens/s (median step)")
     ax.set_title("Two H200s: ViT-L/14 at 448 px + MoE LLM, compiled blocks")
     ax.legend(fontsize=8)
