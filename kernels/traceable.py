@@ -3,9 +3,9 @@ would change nothing, so that torch.compile never sees them.
 
 `t.to(t.dtype)`, `t.float()` on float32 and `t.contiguous()` on a contiguous tensor return `t`
 itself. Returned from an autograd.Function's forward, such a result makes torch 2.11's dynamo
-lose the function's backward: the compiled graph's gradients through it are zeros, with every
-backend ("eager" included), not an error (torch 2.13 gets them right). The GPU hosts run torch
-2.11, so every forward here returns a tensor that these helpers made.
+lose the function's backward: the compiled gradients through it are zeros, with every backend
+("eager" included), and no error (torch 2.13 gets them right). The GPU hosts run torch 2.11, so
+dyad's Functions pass what they return through these wherever the cast or copy may be a no-op.
 """
 
 import torch
