@@ -7,7 +7,8 @@
   against torchtitan's, from an idle GPU and with the host ahead, beside the goal (torchtitan's
   time in the same run over 1.2): a run's spread reads better as points than as a table.
 - `e2e_two_gpus.png`: tokens/s of each layout of `bench/e2e_hetero.py`, one bar per run (hatched:
-  runs known to have computed wrong gradients, E2E_WRONG_GRADIENTS).
+  runs known to have computed wrong gradients, E2E_WRONG_GRADIENTS; a layout that failed in a run,
+  e.g. out of memory, is labelled so).
 
 Only the files named in MOE_RUNS and E2E_RUNS are read; a missing one is an error naming it.
 """
@@ -35,12 +36,15 @@ MOE_RUNS = {  # label: result file under --results, every run interleaved with t
     "H200 E": "moe_deferred_h200/run_e_dyad_last.json",
 }
 E2E_RUNS = {
-    "run 1": "e2e_2xh200_vit448_compiled.json",
-    "run 2": "e2e_2xh200_vit448_compiled_repeat.json",
+    "H200 run 1": "e2e_2xh200_vit448_compiled.json",
+    "H200 run 2": "e2e_2xh200_vit448_compiled_repeat.json",
+    "H100 run 1": "e2e_2xh100_vit448_compiled.json",
+    "H100 run 2": "e2e_2xh100_vit448_compiled_repeat.json",
 }
-# Layouts of E2E_RUNS whose compiled runs had wrong gradients (torch 2.11 lost the backward of the
-# expert-parallel all-to-all in compiled blocks; docs/performance.md): drawn hatched, to re-run.
-E2E_WRONG_GRADIENTS = {"homogeneous-colocated-ep2"}
+# Per run of E2E_RUNS, the layouts that computed wrong gradients (torch 2.11 lost the backward of
+# the expert-parallel all-to-all in compiled blocks, fixed before the H100 runs;
+# docs/performance.md): drawn hatched.
+E2E_WRONG_GRADIENTS = {"H200 run 1": {"homogeneous-colocated-ep2"}, "H200 run 2": {"homogeneous-colocated-ep2"}}
 
 
 def load(results: Path, name: str) -> dict:
@@ -85,20 +89,20 @@ def plot_moe_runs(results: Path, out: Path, shapes=("mixtral-like", "qwen3-like"
 def plot_e2e(results: Path, out: Path) -> Path:
     runs = {label: load(results, name)["layouts"] for label, name in E2E_RUNS.items()}
     layouts = list(dict.fromkeys(layout for layouts in runs.values() for layout in layouts))
-    fig, ax = plt.subplots(figsize=(7, 0.5 + 0.55 * len(layouts) * len(runs)))
+    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.55 * len(layouts) * len(runs)))
     height = 0.8 / len(runs)
     for i, (label, measured) in enumerate(runs.items()):
         ys = [j + i * height for j in range(len(layouts))]
-        values = [measured[layout]["tokens_per_s"] if layout in measured else 0 for layout in layouts]
-        hatches = ["//" if layout in E2E_WRONG_GRADIENTS else "" for layout in layouts]
+        values = [measured.get(layout, {}).get("tokens_per_s", 0) for layout in layouts]
+        wrong = E2E_WRONG_GRADIENTS.get(label, set())
+        hatches = ["//" if layout in wrong else "" for layout in layouts]
         ax.barh(ys, values, height=height, label=label, color=f"C{i}", hatch=hatches)
-        for y, value in zip(ys, values):
-            ax.text(value, y, f" {value:,.0f}" if value else " not run", va="center", fontsize=7)
-    names = [f"{layout}\n(wrong gradients, to re-run)" if layout in E2E_WRONG_GRADIENTS else layout
-             for layout in layouts]
-    ax.set_yticks([j + 0.4 - height / 2 for j in range(len(layouts))], names)
-    ax.set_xlabel("tokens/s (median step)")
-    ax.set_title("Two H200s: ViT-L/14 at 448 px + MoE LLM, compiled blocks")
+        for y, layout, value in zip(ys, layouts, values):
+            ax.text(value, y, f" {value:,.0f}" if value else f" {_why_no_bar(measured.get(layout))}",
+                    va="center", fontsize=7)
+    ax.set_yticks([j + 0.4 - height / 2 for j in range(len(layouts))], layouts)
+    ax.set_xlabel("tokens/s (median step); hatched: wrong gradients (since fixed)")
+    ax.set_title("Two GPUs: ViT-L/14 at 448 px + MoE LLM, compiled blocks")
     ax.legend(fontsize=8)
     ax.invert_yaxis()
     fig.tight_layout()
@@ -106,6 +110,12 @@ def plot_e2e(results: Path, out: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _why_no_bar(result: dict | None) -> str:
+    if result is None:
+        return "not run"
+    return "out of memory" if "OutOfMemoryError" in result.get("error", "") else "failed"
 
 
 def main() -> None:

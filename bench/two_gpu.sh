@@ -8,8 +8,9 @@
 # e2e: heterogeneous against homogeneous pools with compiled blocks (bench/e2e_hetero.py
 #   --compile), the layouts in E2E_LAYOUTS; E2E_ARGS adds options (e.g. "--workload vit-l-224").
 # BANDWIDTH_LIMIT and E2E_LIMIT are the parts' limits in seconds.
-# The GPU hosts lack ucxx and the router's grpcio-tools and prometheus-client: fetch them here with
-# ../shared/gpu/fetch-wheels.sh grpcio-tools==1.84.0 prometheus-client, install them there first.
+# The GPU hosts lack ucxx and the router's grpcio-tools, grpcio-health-checking and prometheus-client:
+# fetch them here with ../shared/gpu/fetch-wheels.sh grpcio-tools==1.84.0 grpcio-health-checking==1.84.0
+# prometheus-client, install them there first (without grpc_health the router exits at start).
 set -u
 OUT=$(realpath -m "${OUT:-out}")
 mkdir -p "$OUT"
