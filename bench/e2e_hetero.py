@@ -191,9 +191,20 @@ def with_compile(base: list[str], args) -> list[str]:
     return [*base, "train.compile=true"] if args.compile else base
 
 
+def chosen_layouts(layouts: dict, names: list[str] | None) -> dict:
+    """The layouts to run, in the order named (to alternate which runs first between runs);
+    all of them, in their own order, when none are named."""
+    if not names:
+        return layouts
+    unknown = [name for name in names if name not in layouts]
+    if unknown:
+        raise SystemExit(f"--layouts: no layout named {', '.join(unknown)}; there are {', '.join(layouts)}")
+    return {name: layouts[name] for name in dict.fromkeys(names)}
+
+
 def main() -> None:
     parser = run_arguments(steps=12, skip=3)
-    parser.add_argument("--layouts", nargs="*", help="run only these layouts (default: all)")
+    parser.add_argument("--layouts", nargs="*", help="run only these layouts, in this order (default: all)")
     parser.add_argument(
         "--profile-step",
         type=int,
@@ -206,9 +217,7 @@ def main() -> None:
     steps, skip = (3, 1) if args.toy else (args.steps, args.skip)
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-e2e-"))
     results = {}
-    for name, (overrides, gpus) in layouts.items():
-        if args.layouts and name not in args.layouts:
-            continue
+    for name, (overrides, gpus) in chosen_layouts(layouts, args.layouts).items():
         if args.profile_step is not None:  # read by the workers (dyad/worker.py)
             profile_dir = Path(args.profile_dir or work) / f"profile-{name}"
             profile_dir.mkdir(parents=True, exist_ok=True)

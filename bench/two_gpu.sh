@@ -6,7 +6,8 @@
 # bandwidth: ucxx against NCCL send/recv between the two GPUs, one message at a time and eight
 #   in flight (bench/boundary_bandwidth.py).
 # e2e: heterogeneous against homogeneous pools with compiled blocks (bench/e2e_hetero.py
-#   --compile), the layouts in E2E_LAYOUTS; E2E_ARGS adds options (e.g. "--workload vit-l-224").
+#   --compile), the layouts in E2E_LAYOUTS in that order (reverse it in a second run, so that
+#   neither always runs first); E2E_ARGS adds options (e.g. "--workload vit-l-224").
 # BANDWIDTH_LIMIT and E2E_LIMIT are the parts' limits in seconds.
 # The GPU hosts lack ucxx and the router's grpcio-tools, grpcio-health-checking and prometheus-client:
 # fetch them here with ../shared/gpu/fetch-wheels.sh grpcio-tools==1.84.0 grpcio-health-checking==1.84.0

@@ -68,6 +68,20 @@ def test_the_gpu_configs_of_the_scripts_load():
     assert config_lib.load(None, EIGHT_GPU).train.lr == 3e-4
 
 
+def test_e2e_layouts_run_in_the_order_named_and_an_unknown_one_is_named():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from e2e_hetero import LAYOUTS, chosen_layouts
+    finally:
+        sys.path.remove(str(BENCH))
+    assert list(chosen_layouts(LAYOUTS, None)) == list(LAYOUTS)
+    names = ["heterogeneous", "homogeneous-colocated-ep2"]
+    assert list(chosen_layouts(LAYOUTS, names)) == names
+    assert list(chosen_layouts(LAYOUTS, list(reversed(names)))) == list(reversed(names))
+    with pytest.raises(SystemExit, match="no layout named heterogenous; there are homogeneous-colocated"):
+        chosen_layouts(LAYOUTS, ["heterogenous"])
+
+
 def test_the_plots_draw_from_the_committed_results(tmp_path):
     result = subprocess.run(
         [sys.executable, str(BENCH / "plots.py"), "--out", str(tmp_path)],
