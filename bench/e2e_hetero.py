@@ -52,6 +52,9 @@ COMMON = [
     "llm.moe.top_k=4",
     "llm.moe.expert_dim=1408",
     "router.step_timeout_s=600",
+    # A layout that fails is reported, not retried: two H100s spent minutes on three recoveries
+    # of plain dp2 running out of memory, each restart compiling the blocks again.
+    "router.max_recoveries=0",
 ]
 VIT_L_224 = [*COMMON, "data.image_size=224", "encoder.image_size=224"]
 VIT_L_448_MERGE2 = [*COMMON, "data.image_size=448", "encoder.image_size=448", "encoder.spatial_merge=2"]
