@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from dyad.byte_runs import byte_runs
 from dyad.parallel.gradients import gather_full, local_part, owned_parameters
 from dyad.parallel.groups import ProcessGroups
 
@@ -164,17 +165,12 @@ def _restore_targets(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
 def _batches(keys: list[str], stored: dict, batch_bytes: int):
     """`keys` in order, cut into runs whose stored tensors total at most `batch_bytes`."""
-    batch, size = [], 0
-    for key in keys:
+
+    def nbytes(key: str) -> int:
         meta = stored[key]
-        nbytes = meta.size.numel() * meta.properties.dtype.itemsize
-        if batch and size + nbytes > batch_bytes:
-            yield batch
-            batch, size = [], 0
-        batch.append(key)
-        size += nbytes
-    if batch:
-        yield batch
+        return meta.size.numel() * meta.properties.dtype.itemsize
+
+    return byte_runs(keys, nbytes, batch_bytes)
 
 
 def _fused(optimizer: torch.optim.Optimizer) -> bool:

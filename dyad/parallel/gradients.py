@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dyad.byte_runs import byte_runs
 from dyad.parallel.expert import EXPERT_TP_DIM, gather_expert_tensor, local_expert_shard
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, all_gather_dim
@@ -60,16 +61,8 @@ def _grads_or_zeros(params: list[nn.Parameter]):
 def gradient_buckets(grads, bucket_bytes: int):
     """Consecutive gradients of one dtype and device, at most `bucket_bytes` together; a larger
     gradient is a bucket of its own."""
-    bucket, size = [], 0
-    for grad in grads:
-        nbytes = grad.numel() * grad.element_size()
-        if bucket and (size + nbytes > bucket_bytes or (grad.dtype, grad.device) != (bucket[0].dtype, bucket[0].device)):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(grad)
-        size += nbytes
-    if bucket:
-        yield bucket
+    return byte_runs(grads, lambda grad: grad.numel() * grad.element_size(), bucket_bytes,
+                     kind=lambda grad: (grad.dtype, grad.device))
 
 
 def _all_reduce_in_place(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
