@@ -47,10 +47,6 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
 # ---- collectives over rows (dim 0), sizes known on the host ------------------------------------
 
 
-def _all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    return all_to_all_rows(x_ND, out_splits, in_splits, group)
-
-
 def _all_gather(x_ND: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """Concatenate every rank's rows (rank i has sizes[i]); pads to the largest for the collective."""
     rows_max = max(sizes)
@@ -82,12 +78,12 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _all_to_all(x_ND, out_splits, in_splits, group)
+        return all_to_all_rows(x_ND, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad_ND):
         out_splits, in_splits = ctx.splits
-        return _all_to_all(grad_ND, in_splits, out_splits, ctx.group), None, None, None
+        return all_to_all_rows(grad_ND, in_splits, out_splits, ctx.group), None, None, None
 
 
 class _AllGather(torch.autograd.Function):

@@ -5,7 +5,8 @@ the functional collective instead (`torch.distributed._functional_collectives`),
 dynamo traces as an op's output. Dynamo rewrites a c10d op into a functional one plus a copy back
 into the tensor it was given; an autograd.Function whose forward returns that tensor loses its
 backward in torch 2.11, the GPU hosts' version (the compiled gradients through it are wrong,
-zeros in a plain case, and nothing fails; torch 2.13 gets them right). Sizes along dim 0 are per rank (`splits`) or equal blocks.
+zeros in a plain case, and nothing fails; torch 2.13 gets them right). Sizes along dim 0 are
+per rank (`splits`) or equal blocks.
 """
 
 from __future__ import annotations

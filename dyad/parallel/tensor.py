@@ -22,11 +22,6 @@ from dyad.kernels.traceable import as_contiguous
 from dyad.parallel.collectives import all_gather_cat, all_reduce_sum
 
 
-def _summed(x: torch.Tensor, group) -> torch.Tensor:
-    """A copy of `x` summed over the group."""
-    return all_reduce_sum(x, group)
-
-
 def _own_chunk(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """This rank's equal chunk of `x` along `dim` (a view where it is contiguous already)."""
     return as_contiguous(x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)])
@@ -40,13 +35,13 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _summed(grad, ctx.group), None
+        return all_reduce_sum(grad, ctx.group), None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _summed(x, group)
+        return all_reduce_sum(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -63,7 +58,7 @@ class _SplitToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, ctx.dim), None, None
+        return all_gather_cat(grad, ctx.group, ctx.dim), None, None
 
 
 class _GatherFromGroup(torch.autograd.Function):
@@ -72,7 +67,7 @@ class _GatherFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
+        return all_gather_cat(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -86,11 +81,11 @@ class _ReduceScatterToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _own_chunk(_summed(x, group), group, dim)
+        return _own_chunk(all_reduce_sum(x, group), group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, ctx.dim), None, None
+        return all_gather_cat(grad, ctx.group, ctx.dim), None, None
 
 
 class _AllReduceSumGrad(torch.autograd.Function):
@@ -100,11 +95,11 @@ class _AllReduceSumGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _summed(x, group)
+        return all_reduce_sum(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _summed(grad, ctx.group), None
+        return all_reduce_sum(grad, ctx.group), None
 
 
 class _AllGatherSumGrad(torch.autograd.Function):
@@ -114,20 +109,16 @@ class _AllGatherSumGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
+        return all_gather_cat(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _own_chunk(_summed(grad, ctx.group), ctx.group, ctx.dim), None, None
-
-
-def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    return all_gather_cat(x, group, dim)
+        return _own_chunk(all_reduce_sum(grad, ctx.group), ctx.group, ctx.dim), None, None
 
 
 def all_gather_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Concatenation of every rank's `x` along `dim` (not differentiable)."""
-    return _all_gather(x, group, dim)
+    return all_gather_cat(x, group, dim)
 
 
 def copy_to_group(x, group):
