@@ -106,8 +106,9 @@ def llm_flops_per_token(cfg, seq_len: float) -> float:
     return 6 * active_parameters(cfg) + 12 * cfg.n_layers * cfg.dim * seq_len
 
 
-def summarize(config, records: list[dict], gpus: int, skip: int) -> dict:
-    """Medians over the steps after the first `skip` of `records` (the run's step metrics)."""
+def summarize(config, records: list[dict], gpus: int, skip: int, profiled: int | None = None) -> dict:
+    """Medians over the steps after the first `skip` of `records` (the run's step metrics),
+    leaving out the `profiled` step (the profiler slows it)."""
     resolved = config_lib.resolve(config, vocab_size=make_dataset(config.data).tokenizer.vocab_size)
     dataset = make_dataset(config.data)
     samples = {}
@@ -116,6 +117,8 @@ def summarize(config, records: list[dict], gpus: int, skip: int) -> dict:
         samples[record["step"]] = record["samples"]
     rows = []
     for metrics in records[skip:]:
+        if metrics["step"] == profiled:
+            continue
         shapes = [dataset.shape(s, resolved.encoder.tokens_per_image) for s in samples[metrics["step"]]]
         images = sum(shape.n_images for shape in shapes)
         mean_seq = statistics.mean(shape.seq_len for shape in shapes)
@@ -144,6 +147,7 @@ def run_layout(
     steps: int,
     skip: int,
     work: Path,
+    profiled: int | None = None,
 ) -> dict:
     """One run of the job under `overrides`, summarized over its steps after the first `skip`, or
     {"error": ...}. The run is stopped once `steps` steps are done: it never writes its final
@@ -157,7 +161,7 @@ def run_layout(
         error = f"{len(measured)} of {steps} steps done: {job.info.message}"
         print(f"{name}: FAILED {error[:500]}")
         return {"error": error}
-    result = summarize(config, measured, gpus, skip)
+    result = summarize(config, measured, gpus, skip, profiled)
     print(f"{name}: {result['step_s']:.3f} s/step, {result['tokens_per_s']:.0f} tokens/s, "
           f"{result['tflops_per_gpu']:.1f} TFLOP/s per GPU", flush=True)
     return result
@@ -211,7 +215,7 @@ def main() -> None:
     parser.add_argument(
         "--profile-step",
         type=int,
-        help="every worker writes a kernel table of this step",
+        help="every worker writes a kernel table of this step (left out of the medians)",
     )
     parser.add_argument("--profile-dir", help="where the kernel tables go (a folder per layout)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="vit-l-448-merge2")
@@ -228,7 +232,7 @@ def main() -> None:
                 DYAD_PROFILE_DIR=str(profile_dir),
                 DYAD_PROFILE_STEP=str(args.profile_step),
             )
-        results[name] = run_layout(base, overrides, name, gpus, steps, skip, work)
+        results[name] = run_layout(base, overrides, name, gpus, steps, skip, work, args.profile_step)
         if args.out:  # after every layout, so a run cut short keeps what it measured
             write_results(args.out, args.toy, base, layouts=results)
     print_table(results)

@@ -93,3 +93,20 @@ def test_the_plots_draw_from_the_committed_results(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for name in ("moe_layer_runs.png", "e2e_two_gpus.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_profiled_step_is_left_out_of_the_medians_and_its_kernel_tables_are_written(tmp_path):
+    """Toy runs take steps 0-2 and leave out step 0: profiling step 2 leaves step 1 alone."""
+    out, tables = tmp_path / "result.json", tmp_path / "tables"
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "e2e_hetero.py"), "--toy", "--profile-step", "2",
+         "--profile-dir", str(tables), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(out.read_text())["layouts"]["toy"]["steps_measured"] == 1
+    written = sorted(p.name for p in (tables / "profile-toy").iterdir())
+    assert {"encoder-0-step2.txt", "llm-0-step2.txt"} <= set(written), written
