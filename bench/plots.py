@@ -40,6 +40,8 @@ E2E_RUNS = {
     "H200 run 2": "e2e_2xh200_vit448_compiled_repeat.json",
     "H100 run 1": "e2e_2xh100_vit448_compiled.json",
     "H100 run 2": "e2e_2xh100_vit448_compiled_repeat.json",
+    "H200 run 3": "e2e_2xh200_vit448_compiled_correct_1.json",
+    "H200 run 4": "e2e_2xh200_vit448_compiled_correct_2.json",
 }
 # Per run of E2E_RUNS, the layouts that computed wrong gradients (torch 2.11 lost the backward of
 # the expert-parallel all-to-all in compiled blocks, fixed before the H100 runs;
