@@ -438,3 +438,21 @@ def test_ucx_polling_progress_moves_messages():
         sending = a.send(b.address, _tag(), sent)
         assert b.recv(a.address, _tag(), out).result(WAIT_S) is out
         assert sending.result(WAIT_S) is None and _same_bytes(out, sent)
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"))],
+)
+def test_ucx_moves_slices_of_larger_tensors_and_leaves_their_neighbours_alone(device):
+    """The transport hands UCX a buffer's own address (a view's storage offset included), so a
+    slice sends exactly its bytes and a slice receives into exactly its bytes."""
+    sent_from = _random_bits((4, 1000), torch.bfloat16, seed=1).to(device)
+    lands_in = torch.full((6, 1000), 3, dtype=torch.bfloat16, device=device)
+    with UcxTransport() as a, UcxTransport() as b:
+        _authorized(a, b)
+        recv = b.recv(a.address, _tag(), lands_in[2:5])
+        a.send(b.address, _tag(), sent_from[1:4]).result(WAIT_S)
+        recv.result(WAIT_S)
+    assert _same_bytes(lands_in[2:5], sent_from[1:4])
+    assert (lands_in[:2] == 3).all() and (lands_in[5:] == 3).all()

@@ -25,6 +25,7 @@ Semantics every transport keeps (the loopback twin enforces them strictly):
 
 from __future__ import annotations
 
+import functools
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -55,7 +56,7 @@ class MessageTag:
 
     def pack(self) -> int:
         """The 64-bit UCX tag: run hash | step | microbatch | direction | peer."""
-        tag = zlib.crc32(self.run.encode()) & ((1 << _RUN_BITS) - 1)
+        tag = _run_hash(self.run)
         for name, bits in (
             ("step", _STEP_BITS),
             ("microbatch", _MICROBATCH_BITS),
@@ -67,6 +68,11 @@ class MessageTag:
                 raise ValueError(f"MessageTag.{name} ({value!r}) does not fit in {bits} bits")
             tag = (tag << bits) | value
         return tag
+
+
+@functools.lru_cache(maxsize=64)
+def _run_hash(run: str) -> int:
+    return zlib.crc32(run.encode()) & ((1 << _RUN_BITS) - 1)
 
 
 class TransportError(RuntimeError):
