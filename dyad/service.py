@@ -21,7 +21,8 @@ from dyad.data import make_dataset
 from dyad.init import init_parameters
 from dyad.kernels.boundary_pack import RowSegments
 from dyad.optim import apply_update, build_optimizer
-from dyad.parallel.gradients import pool_grad_sq_norm, reduce_gradients
+from dyad.parallel.gradients import pool_grad_sq_norm
+from dyad.parallel.overlap import OverlappedReduction
 from dyad.parallel.groups import ProcessGroups
 from dyad.transport import Transport
 from dyad.wire import POOL_ENUMS, pb
@@ -89,6 +90,7 @@ class PoolService(ABC):
         self.groups = ProcessGroups.build(self.layout)
         self.model = build_model(config, self.pool, self.device)
         self.gradient_plan = self.parallelize(self.model, self.groups)
+        self.reduction = OverlappedReduction(self.gradient_plan, self.groups)
         if config.train.compile:
             compile_blocks(self.model, config.train.compile_backend)
         self.optimizer = build_optimizer(self.model, config.train)
@@ -130,9 +132,10 @@ class PoolService(ABC):
         )
 
     def finish_backward(self) -> float:
-        """Reduce this step's gradients in the pool's layout; the pool's squared gradient norm
+        """Finish reducing this step's gradients in the pool's layout (what the last backward,
+        armed by `self.reduction.arm()`, has not sent yet); the pool's squared gradient norm
         as this rank reports it (rank 0 reports the pool's, the others 0)."""
-        reduce_gradients(self.gradient_plan, self.groups)
+        self.reduction.finish()
         sq_norm = pool_grad_sq_norm(self.gradient_plan, self.groups)
         return sq_norm if self.rank == 0 else 0.0
 

@@ -70,6 +70,8 @@ class EncoderWorker(PoolService):
             grad_RD, received = self._gradient(oldest)
             wait_s += time.perf_counter() - waited
             bytes_received += received
+            if not todo and not in_flight:
+                self.reduction.arm()  # the step's last backward: reduce buckets as it ends them
             oldest.rows_RD.backward(grad_RD)
         return pb.StepResult(
             step=command.step,

@@ -53,9 +53,8 @@ class LLMWorker(PoolService):
         bytes_sent = bytes_received = 0
         wait_s = 0.0
         sends: list[Future] = []
-        for microbatch in command.microbatches:
-            if microbatch.llm_dp_rank != dp_rank:
-                continue
+        ours = [microbatch for microbatch in command.microbatches if microbatch.llm_dp_rank == dp_rank]
+        for position, microbatch in enumerate(ours):
             samples = [self.dataset.sample(s) for s in microbatch.sample_ids]
             batch = collate(self.dataset.tokenizer, samples, command.plan.tokens_per_image)
             local = shard_microbatch(
@@ -84,6 +83,8 @@ class LLMWorker(PoolService):
                     global_target_tokens=command.global_target_tokens,
                     global_microbatches=command.global_microbatches,
                 )
+            if position == len(ours) - 1:
+                self.reduction.arm()  # the step's last backward: reduce buckets as it ends them
             loss.total.backward()
             lm_sum += loss.lm if tp_rank == 0 else 0.0  # tp ranks hold the same loss
             aux_sum += loss.aux  # each rank holds its share
@@ -91,12 +92,15 @@ class LLMWorker(PoolService):
                 returned = self._send_gradients(command.step, mine, rows_NlD.grad)
                 sends += [future for future, _ in returned]
                 bytes_sent += sum(nbytes for _, nbytes in returned)
+        # Before the biases' all-reduce over "world": the gradient reduction may still have
+        # buckets of that group to send, and every rank must send them in the same order.
+        grad_sq_norm = self.finish_backward()
         update_expert_biases(self.model, group=self.groups.group("world"))
         for sent in sends:
             sent.result()
         return pb.StepResult(
             step=command.step,
-            grad_sq_norm=self.finish_backward(),
+            grad_sq_norm=grad_sq_norm,
             lm_loss_sum=lm_sum,
             aux_loss=aux_sum,
             boundary_bytes_sent=bytes_sent,

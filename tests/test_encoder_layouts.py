@@ -14,7 +14,8 @@ from dyad import config as config_lib
 from dyad.encoder_service.parallelize import parallelize_encoder
 from dyad.layout import EncoderLayout, validate_encoder_layout
 from dyad.optim import apply_update, clip_scale, grad_sq_norm
-from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm, reduce_gradients
+from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm
+from dyad.parallel.overlap import OverlappedReduction
 from dyad.parallel.groups import ProcessGroups
 from dyad.service import build_model
 from tests.distributed import run_distributed
@@ -33,6 +34,7 @@ def _encoder_body(rank, world_size, dp, tp, merge):
     reference = build_model(config, "encoder")
     model = copy.deepcopy(reference)
     plan = parallelize_encoder(model, groups)
+    reduction = OverlappedReduction(plan, groups, bucket_bytes=16 * 2**10)  # many buckets
     ref_opt, opt = torch.optim.SGD(reference.parameters()), torch.optim.SGD(model.parameters())
     for step in range(3):
         images = torch.rand(2 * dp, 1, 16, 16, generator=torch.Generator().manual_seed(step))
@@ -42,9 +44,10 @@ def _encoder_body(rank, world_size, dp, tp, merge):
         (expected * upstream).sum().backward()
         mine = slice(2 * groups.index("dp"), 2 * groups.index("dp") + 2)  # this dp rank's images
         out = model(images[mine])
+        reduction.arm()  # as the encoder worker does before its step's last backward
         (out * upstream[mine]).sum().backward()
         assert_tensors_close({"out": out.detach()}, {"out": expected[mine].detach()}, f"step {step}")
-        reduce_gradients(plan, groups)
+        reduction.finish()
         assert_tensors_close(full_tensors(model, groups, grads=True),
                              {n: p.grad for n, p in reference.named_parameters()}, f"step {step} grad",
                              )

@@ -23,7 +23,8 @@ from dyad.compile import compile_blocks
 from dyad.data import collate, make_dataset
 from dyad.layout import LLMLayout, validate_llm_layout
 from dyad.llm_service.parallelize import parallelize_llm
-from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm, reduce_gradients
+from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm
+from dyad.parallel.overlap import OverlappedReduction
 from dyad.llm_service.sharding import shard_microbatch
 from dyad.llm_service.moe import update_expert_biases
 from dyad.llm_service.step import microbatch_loss, whole_microbatch
@@ -37,6 +38,7 @@ from tests.parity import assert_close, assert_tensors_close
 STEPS = 3
 MICROBATCHES_PER_DP_RANK = 2
 GLOBAL_BATCH = 8
+TEST_BUCKET_BYTES = 16 * 2**10  # many buckets a group, so their order is exercised
 
 # Router options exercised under a layout (defaults elsewhere).
 OPTIONS = {
@@ -95,6 +97,7 @@ def _layout_body(rank, world_size, layout_kwargs, options, compile_backend=None)
     reference = build_model(config, "llm")
     model = copy.deepcopy(reference)
     plan = parallelize_llm(model, groups, sequence_parallel=sequence_parallel)
+    reduction = OverlappedReduction(plan, groups, bucket_bytes=TEST_BUCKET_BYTES)
     if compile_backend:
         compile_blocks(model, backend=compile_backend)
     ref_optimizer, optimizer = torch.optim.SGD(reference.parameters()), torch.optim.SGD(model.parameters())
@@ -109,6 +112,7 @@ def _layout_body(rank, world_size, layout_kwargs, options, compile_backend=None)
         batches = [collate(dataset.tokenizer, [dataset.sample(s) for s in mb], tokens_per_image)
                    for mb in microbatches]
         targets = sum(b.n_targets for b in batches)
+        last_of_mine = max(i for i in range(len(batches)) if i // MICROBATCHES_PER_DP_RANK == dp_rank)
         ref_lm = ref_aux = lm = aux = 0.0
         for index, batch in enumerate(batches):
             rows = torch.randn(batch.image_positions.numel(), D,
@@ -126,6 +130,8 @@ def _layout_body(rank, world_size, layout_kwargs, options, compile_backend=None)
             my_rows = rows.clone().requires_grad_(True)
             loss = microbatch_loss(model, local, my_rows[local.image_rows_Nl] if rows.numel() else None,
                                    global_target_tokens=targets, global_microbatches=total_microbatches)
+            if index == last_of_mine:
+                reduction.arm()  # as the LLM worker does: buckets go during the last backward
             loss.total.backward()
             lm += loss.lm if tp_rank == 0 else 0.0
             aux += loss.aux
@@ -136,9 +142,9 @@ def _layout_body(rank, world_size, layout_kwargs, options, compile_backend=None)
 
         assert_close(_sum_over(lm, groups.group("world")), ref_lm, f"step {step} lm loss")
         assert_close(_sum_over(aux, groups.group("world")), ref_aux, f"step {step} aux loss")
+        reduction.finish()  # as the LLM worker does: before the biases' all-reduce over "world"
         update_expert_biases(reference)
         update_expert_biases(model, group=groups.group("world"))
-        reduce_gradients(plan, groups)
         expected_grads = {n: p.grad for n, p in reference.named_parameters()}
         assert_tensors_close(full_tensors(model, groups, grads=True), expected_grads, f"step {step} grad")
         ref_sq, sq = grad_sq_norm(reference.parameters()), pool_grad_sq_norm(plan, groups)
