@@ -219,8 +219,11 @@ def main() -> None:
     )
     parser.add_argument("--profile-dir", help="where the kernel tables go (a folder per layout)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="vit-l-448-merge2")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every layout, e.g. train.overlap_grad_reduce=false")
     args = parser.parse_args()
     base, layouts = (TOY, TOY_LAYOUTS) if args.toy else (with_compile(WORKLOADS[args.workload], args), LAYOUTS)
+    base = [*base, *args.set]
     steps, skip = (3, 1) if args.toy else (args.steps, args.skip)
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-e2e-"))
     results = {}

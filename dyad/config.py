@@ -41,6 +41,9 @@ class TrainConfig:
     device: str = "cpu"
     compile: bool = False  # torch.compile each transformer block of both pools (dyad/compile.py)
     compile_backend: str = "inductor"  # any torch._dynamo backend; "aot_eager" keeps eager kernels
+    # Sum each bucket of gradients over its data-parallel group while the step's last backward
+    # pass goes on (dyad/parallel/overlap.py); false: all of them after it. The same sums.
+    overlap_grad_reduce: bool = True
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "microbatches"):

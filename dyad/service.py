@@ -22,7 +22,7 @@ from dyad.init import init_parameters
 from dyad.kernels.boundary_pack import RowSegments
 from dyad.optim import apply_update, build_optimizer
 from dyad.parallel.gradients import pool_grad_sq_norm
-from dyad.parallel.overlap import OverlappedReduction
+from dyad.parallel.overlap import GradientReduction
 from dyad.parallel.groups import ProcessGroups
 from dyad.transport import Transport
 from dyad.wire import POOL_ENUMS, pb
@@ -90,7 +90,9 @@ class PoolService(ABC):
         self.groups = ProcessGroups.build(self.layout)
         self.model = build_model(config, self.pool, self.device)
         self.gradient_plan = self.parallelize(self.model, self.groups)
-        self.reduction = OverlappedReduction(self.gradient_plan, self.groups)
+        self.reduction = GradientReduction(
+            self.gradient_plan, self.groups, overlap=config.train.overlap_grad_reduce
+        )
         if config.train.compile:
             compile_blocks(self.model, config.train.compile_backend)
         self.optimizer = build_optimizer(self.model, config.train)

@@ -27,6 +27,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         ("llm_step.py", ["--iters", "2"]),
         ("expert_gemms.py", ["--iters", "2"]),
         ("e2e_hetero.py", []),
+        ("e2e_hetero.py", ["--set", "train.overlap_grad_reduce=false"]),
         ("ep_alltoall.py", ["--iters", "2"]),
         ("e2e_8gpu.py", []),
         ("resize.py", []),

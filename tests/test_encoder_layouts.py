@@ -15,7 +15,7 @@ from dyad.encoder_service.parallelize import parallelize_encoder
 from dyad.layout import EncoderLayout, validate_encoder_layout
 from dyad.optim import apply_update, clip_scale, grad_sq_norm
 from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm
-from dyad.parallel.overlap import OverlappedReduction
+from dyad.parallel.overlap import GradientReduction
 from dyad.parallel.groups import ProcessGroups
 from dyad.service import build_model
 from tests.distributed import run_distributed
@@ -34,7 +34,7 @@ def _encoder_body(rank, world_size, dp, tp, merge):
     reference = build_model(config, "encoder")
     model = copy.deepcopy(reference)
     plan = parallelize_encoder(model, groups)
-    reduction = OverlappedReduction(plan, groups, bucket_bytes=16 * 2**10)  # many buckets
+    reduction = GradientReduction(plan, groups, bucket_bytes=16 * 2**10)  # many buckets
     ref_opt, opt = torch.optim.SGD(reference.parameters()), torch.optim.SGD(model.parameters())
     for step in range(3):
         images = torch.rand(2 * dp, 1, 16, 16, generator=torch.Generator().manual_seed(step))

@@ -24,7 +24,7 @@ from dyad.data import collate, make_dataset
 from dyad.layout import LLMLayout, validate_llm_layout
 from dyad.llm_service.parallelize import parallelize_llm
 from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm
-from dyad.parallel.overlap import OverlappedReduction
+from dyad.parallel.overlap import GradientReduction
 from dyad.llm_service.sharding import shard_microbatch
 from dyad.llm_service.moe import update_expert_biases
 from dyad.llm_service.step import microbatch_loss, whole_microbatch
@@ -97,7 +97,7 @@ def _layout_body(rank, world_size, layout_kwargs, options, compile_backend=None)
     reference = build_model(config, "llm")
     model = copy.deepcopy(reference)
     plan = parallelize_llm(model, groups, sequence_parallel=sequence_parallel)
-    reduction = OverlappedReduction(plan, groups, bucket_bytes=TEST_BUCKET_BYTES)
+    reduction = GradientReduction(plan, groups, bucket_bytes=TEST_BUCKET_BYTES)
     if compile_backend:
         compile_blocks(model, backend=compile_backend)
     ref_optimizer, optimizer = torch.optim.SGD(reference.parameters()), torch.optim.SGD(model.parameters())

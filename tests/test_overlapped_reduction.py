@@ -1,7 +1,7 @@
-"""The overlapped gradient reduction (dyad/parallel/overlap.py) against the reduction after
-backward (`reduce_gradients`), on three gloo ranks: the same sums, buckets sent while the armed
-backward pass runs and not before, a gradient no hook reports (as the expert GEMMs add theirs)
-summed at `finish()`, and no more flat copies in flight than allowed.
+"""The pools' gradient reduction (dyad/parallel/overlap.py) against the reduction after backward
+(`reduce_gradients`), on three gloo ranks: the same sums, buckets sent while the armed backward
+pass runs and not before (all at `finish()` without overlap), a gradient no hook reports (as the
+expert GEMMs add theirs) summed at `finish()`, and no more flat copies in flight than allowed.
 
 Weights, inputs and upstream gradients are small integers, so every gradient and every sum is
 exact in any order and the checks can be equality."""
@@ -16,7 +16,7 @@ from torch import nn
 from dyad.layout import LLMLayout
 from dyad.parallel.gradients import GradientPlan, reduce_gradients
 from dyad.parallel.groups import ProcessGroups
-from dyad.parallel.overlap import OverlappedReduction
+from dyad.parallel.overlap import GradientReduction
 from tests.distributed import run_distributed
 
 WIDTHS = [6, 8, 8, 8, 5]
@@ -40,18 +40,21 @@ def _backward(model: nn.Module, rank: int, microbatch: int) -> None:
     (model(x) * upstream).sum().backward()
 
 
-def _two_microbatches(rank: int, world_size: int, max_copies: int) -> None:
+def _two_microbatches(rank: int, world_size: int, max_copies: int, overlap: bool = True) -> None:
     groups = ProcessGroups.build(LLMLayout(dp=world_size))
     model = _model()
     reference = copy.deepcopy(model)
-    reduction = OverlappedReduction(GradientPlan(reduce_over={"dp": list(model.parameters())}), groups,
-                                    bucket_bytes=BUCKET_BYTES, max_copies_in_flight=max_copies)
+    reduction = GradientReduction(GradientPlan(reduce_over={"dp": list(model.parameters())}), groups,
+                                    bucket_bytes=BUCKET_BYTES, max_copies_in_flight=max_copies, overlap=overlap)
     [lane] = reduction.lanes
     _backward(model, rank, 0)
     assert lane.next == 0 and not reduction.sent, "a bucket went before the reduction was armed"
     reduction.arm()
     _backward(model, rank, 1)
-    assert lane.next == len(lane.buckets), "the armed backward reported every gradient: all should be sent"
+    if overlap:
+        assert lane.next == len(lane.buckets), "the armed backward reported every gradient: all should be sent"
+    else:
+        assert lane.next == 0, "overlap=False sends nothing before finish()"
     assert sum(sent.flat is not None for sent in reduction.sent) <= max_copies
     reduction.finish()
 
@@ -71,6 +74,10 @@ def test_at_most_one_flat_copy_in_flight_when_so_bounded():
     run_distributed(_two_microbatches, 3, 1)
 
 
+def test_without_overlap_every_bucket_goes_at_finish_with_the_same_sums():
+    run_distributed(_two_microbatches, 3, 2, False)
+
+
 def _a_gradient_no_hook_reports(rank: int, world_size: int) -> None:
     """An extra parameter whose gradient is written into .grad directly after backward (as
     kernels/expert_weight_grads.py does), placed so that its bucket comes first in the order:
@@ -79,7 +86,7 @@ def _a_gradient_no_hook_reports(rank: int, world_size: int) -> None:
     model = _model()
     outside = nn.Parameter(torch.zeros(3, 3))
     params = [*model.parameters(), outside]  # buckets go in reverse order: `outside` first
-    reduction = OverlappedReduction(GradientPlan(reduce_over={"dp": params}), groups, bucket_bytes=BUCKET_BYTES)
+    reduction = GradientReduction(GradientPlan(reduce_over={"dp": params}), groups, bucket_bytes=BUCKET_BYTES)
     [lane] = reduction.lanes
     reduction.arm()
     _backward(model, rank, 0)

@@ -54,13 +54,18 @@ class _Sent:
     grads: list[torch.Tensor]
 
 
-class OverlappedReduction:
+class GradientReduction:
+    """A pool's gradient reduction for one step: `arm()` before its last backward pass, then
+    `finish()`. With `overlap=False` no hooks are registered and `finish()` sends every bucket
+    after the pass (`train.overlap_grad_reduce: false`)."""
+
     def __init__(
         self,
         plan: GradientPlan,
         groups: ProcessGroups,
         bucket_bytes: int = BUCKET_BYTES,
         max_copies_in_flight: int = 2,
+        overlap: bool = True,
     ):
         self.max_copies_in_flight = max_copies_in_flight
         self.lanes: list[_Lane] = []
@@ -73,7 +78,7 @@ class OverlappedReduction:
             lane = _Lane(groups.group(name), _parameter_buckets(list(reversed(params)), bucket_bytes))
             lane.reported = [set() for _ in lane.buckets]
             self.lanes.append(lane)
-            for index, bucket in enumerate(lane.buckets):
+            for index, bucket in enumerate(lane.buckets if overlap else []):
                 for param in bucket:
                     hook = functools.partial(self._accumulated, lane, index)
                     self.hooks.append(param.register_post_accumulate_grad_hook(hook))
