@@ -42,6 +42,10 @@ E2E_RUNS = {
     "H100 run 2": "e2e_2xh100_vit448_compiled_repeat.json",
     "H200 run 3": "e2e_2xh200_vit448_compiled_correct_1.json",
     "H200 run 4": "e2e_2xh200_vit448_compiled_correct_2.json",
+    # From here the pools sum gradients during the last backward pass (train.overlap_grad_reduce).
+    "H200 run 6, overlapped": "e2e_2xh200_run6_overlapped.json",
+    "H200 run 6, after backward": "e2e_2xh200_run6_after_backward.json",
+    "H200 run 6, again": "e2e_2xh200_run6_heterogeneous_again.json",
 }
 # Per run of E2E_RUNS, the layouts that computed wrong gradients (torch 2.11 lost the backward of
 # the expert-parallel all-to-all in compiled blocks, fixed before the H100 runs;
