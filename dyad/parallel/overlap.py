@@ -71,7 +71,6 @@ class GradientReduction:
         self.lanes: list[_Lane] = []
         self.armed = False
         self.sent: deque[_Sent] = deque()
-        self.hooks = []
         for name, params in plan.reduce_over.items():
             if groups.size(name) == 1:
                 continue
@@ -80,8 +79,7 @@ class GradientReduction:
             self.lanes.append(lane)
             for index, bucket in enumerate(lane.buckets if overlap else []):
                 for param in bucket:
-                    hook = functools.partial(self._accumulated, lane, index)
-                    self.hooks.append(param.register_post_accumulate_grad_hook(hook))
+                    param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, lane, index))
 
     def arm(self) -> None:
         """The next backward pass is the step's last: send buckets as it completes them."""
@@ -98,11 +96,6 @@ class GradientReduction:
         for lane in self.lanes:
             lane.next = 0
             lane.reported = [set() for _ in lane.buckets]
-
-    def remove_hooks(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
 
     def _accumulated(self, lane: _Lane, index: int, param: nn.Parameter) -> None:
         if not self.armed:
