@@ -63,6 +63,12 @@ def _service_class(pool: str):
     return LLMWorker
 
 
+def would_repeat(error: BaseException) -> bool:
+    """Whether the same command would fail again after a restart from the checkpoint: running
+    out of GPU memory does (same model, same batch, same layout), a lost peer does not."""
+    return isinstance(error, torch.OutOfMemoryError)
+
+
 class RouterLost(RuntimeError):
     """The router did not answer; register again."""
 
@@ -171,8 +177,8 @@ class WorkerRuntime:
                 try:
                     with _profiled(self.pool, self.rank, command):
                         result = getattr(service, kind)(getattr(command, kind))
-                except Exception:  # noqa: BLE001 - reported to the router, then this worker exits
-                    self._report(error=traceback.format_exc())
+                except Exception as error:  # noqa: BLE001 - reported to the router, then this worker exits
+                    self._report(error=traceback.format_exc(), error_repeats=would_repeat(error))
                     raise
                 if result is not None:
                     self._report(**{kind: result})

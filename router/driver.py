@@ -328,6 +328,13 @@ class RunDriver:
                 continue
             key = worker_key(result.worker)
             which = result.WhichOneof("result")
+            if which == "error" and result.error_repeats:
+                raise RunAborted(
+                    f"worker {key[0]}/{key[1]} ran out of GPU memory in its {kind}; a restart from "
+                    f"the checkpoint would too, so the run ends without recovering (fewer samples "
+                    f"a microbatch: raise train.microbatches; or more GPUs, ep or tp for the "
+                    f"pool): {_last_line(result.error)}"
+                )
             if which == "error":
                 raise WorkerLost(f"worker {key[0]}/{key[1]} failed: {result.error}")
             if which == kind and key in pending and matches(getattr(result, kind)):
@@ -355,3 +362,9 @@ class RunDriver:
                     f"worker {pool}/{rank} silent for more than "
                     f"router.worker_timeout_s={self.config.router.worker_timeout_s}"
                 )
+
+
+def _last_line(text: str) -> str:
+    """A traceback's last line: the exception and its message."""
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else text

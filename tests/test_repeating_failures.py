@@ -1,0 +1,99 @@
+"""A worker that runs out of GPU memory says the failure would repeat, and the router ends the
+run with a message saying what to change instead of restarting from the checkpoint into the same
+failure (two H100s once spent minutes on three such recoveries, each compiling the blocks again).
+Any other failure stays a recovery."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dyad.router.driver import RunAborted, RunDriver, WorkerLost
+from dyad.wire import POOL_ENUMS, pb
+from dyad.worker import WorkerRuntime, would_repeat
+
+OUT_OF_MEMORY = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB")
+
+
+def test_only_running_out_of_gpu_memory_would_repeat():
+    assert would_repeat(OUT_OF_MEMORY)
+    assert not would_repeat(RuntimeError("NCCL error: remote process exited"))
+    assert not would_repeat(ConnectionError("recv of a tag from a peer failed"))
+
+
+class _Stub:
+    """The router's side of a worker's command stream: one step command, then the reports."""
+
+    def __init__(self):
+        self.reports: list[pb.WorkerResult] = []
+
+    def Commands(self, request):  # noqa: N802 - the gRPC method's name
+        yield pb.WorkerCommand(step=pb.StepCommand(step=3))
+
+    def ReportResult(self, result, timeout):  # noqa: N802
+        self.reports.append(result)
+
+
+class _Service:
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def step(self, command):
+        raise self.error
+
+
+@pytest.mark.parametrize("error, repeats", [(OUT_OF_MEMORY, True), (RuntimeError("a peer died"), False)])
+def test_the_worker_reports_whether_its_failure_would_repeat(error, repeats):
+    runtime = object.__new__(WorkerRuntime)  # no router connection: only _execute is under test
+    runtime.run_id, runtime.pool, runtime.rank, runtime.generation = "run", "llm", 0, 1
+    runtime.worker = pb.WorkerId(pool=POOL_ENUMS["llm"], rank=0)
+    runtime.stub = _Stub()
+    with pytest.raises(type(error)):
+        runtime._execute(_Service(error))
+    [report] = runtime.stub.reports
+    assert report.WhichOneof("result") == "error" and type(error).__name__ in report.error
+    assert report.error_repeats is repeats
+
+
+def _driver_with(result: pb.WorkerResult) -> RunDriver:
+    """A RunDriver whose run has one registered worker and `result` waiting in its queue."""
+    results = queue.Queue()
+    results.put(result)
+    run = SimpleNamespace(
+        registered=lambda: {("llm", 0): SimpleNamespace(last_seen=time.monotonic())},
+        generation=1,
+        results=results,
+        stop_requested=threading.Event(),
+        config=SimpleNamespace(router=SimpleNamespace(step_timeout_s=10.0, worker_timeout_s=60.0)),
+    )
+    driver = object.__new__(RunDriver)  # only _collect is under test
+    driver.run, driver.launcher = run, SimpleNamespace(dead=lambda: [])
+    return driver
+
+
+def _failure(repeats: bool) -> pb.WorkerResult:
+    return pb.WorkerResult(
+        run_id="run", worker=pb.WorkerId(pool=POOL_ENUMS["llm"], rank=0), generation=1,
+        error="Traceback (most recent call last):\n  ...\ntorch.OutOfMemoryError: CUDA out of memory.",
+        error_repeats=repeats,
+    )
+
+
+def test_the_router_ends_the_run_on_a_failure_that_would_repeat_and_says_what_to_change():
+    with pytest.raises(RunAborted) as aborted:
+        _driver_with(_failure(repeats=True))._collect("step", lambda result: True)
+    message = str(aborted.value)
+    assert aborted.value.state == pb.RUN_STATE_FAILED
+    assert "worker llm/0 ran out of GPU memory in its step" in message
+    assert "without recovering" in message and "train.microbatches" in message
+    assert message.endswith("torch.OutOfMemoryError: CUDA out of memory."), message
+
+
+def test_any_other_failure_is_still_a_recovery():
+    with pytest.raises(WorkerLost, match="worker llm/0 failed"):
+        _driver_with(_failure(repeats=False))._collect("step", lambda result: True)
