@@ -98,7 +98,7 @@ class WorkerRuntime:
                 daemon=True,
             ).start()
             self._join_pool(config, reply.dist_address)
-            service = _service_class(self.pool)(config, transport, self.rank, self.run_id)
+            service = self._built(config, transport, reply.generation)
             service.run_secret = reply.run_secret
             try:
                 while not self._execute(service):
@@ -108,6 +108,16 @@ class WorkerRuntime:
                 self._stopped.set()
                 service.close()
                 dist.destroy_process_group()
+
+    def _built(self, config, transport, generation: int):
+        """The pool's service. A failure to build it (e.g. the model does not fit on the GPU) is
+        reported to the router as one of `generation`, the generation joined, then raised."""
+        try:
+            return _service_class(self.pool)(config, transport, self.rank, self.run_id)
+        except Exception as error:  # noqa: BLE001 - reported to the router, then this worker exits
+            self.generation = generation
+            self._report(error=traceback.format_exc(), error_repeats=would_repeat(error))
+            raise
 
     def _register(self, data_address: str, timeout_s: float) -> pb.RegisterReply:
         request = pb.RegisterRequest(

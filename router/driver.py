@@ -328,15 +328,8 @@ class RunDriver:
                 continue
             key = worker_key(result.worker)
             which = result.WhichOneof("result")
-            if which == "error" and result.error_repeats:
-                raise RunAborted(
-                    f"worker {key[0]}/{key[1]} ran out of GPU memory in its {kind}; a restart from "
-                    f"the checkpoint would too, so the run ends without recovering (fewer samples "
-                    f"a microbatch: raise train.microbatches; or more GPUs, ep or tp for the "
-                    f"pool): {_last_line(result.error)}"
-                )
             if which == "error":
-                raise WorkerLost(f"worker {key[0]}/{key[1]} failed: {result.error}")
+                _raise_failure(key, result, f"its {kind}")
             if which == kind and key in pending and matches(getattr(result, kind)):
                 results[key] = getattr(result, kind)
                 pending.discard(key)
@@ -354,6 +347,9 @@ class RunDriver:
         dead = self.launcher.dead()
         if dead:
             spec, reason = dead[0]
+            reported = self.run.failure_of((spec.pool, spec.rank))
+            if reported is not None:  # it said why before it exited: that wins
+                _raise_failure((spec.pool, spec.rank), reported, "its work")
             raise WorkerLost(f"worker {spec.pool}/{spec.rank} {reason}")
         deadline = time.monotonic() - self.config.router.worker_timeout_s
         for (pool, rank), channel in self.run.registered().items():
@@ -362,6 +358,19 @@ class RunDriver:
                     f"worker {pool}/{rank} silent for more than "
                     f"router.worker_timeout_s={self.config.router.worker_timeout_s}"
                 )
+
+
+def _raise_failure(key: tuple[str, int], result: pb.WorkerResult, during: str) -> None:
+    """A worker's reported failure: RunAborted where a restart would fail the same way (the GPU
+    ran out of memory), else WorkerLost (the run recovers from its checkpoint)."""
+    if result.error_repeats:
+        raise RunAborted(
+            f"worker {key[0]}/{key[1]} ran out of GPU memory in {during}; a restart from the "
+            f"checkpoint would too, so the run ends without recovering (fewer samples a "
+            f"microbatch: raise train.microbatches; or more GPUs, ep or tp for the pool): "
+            f"{_last_line(result.error)}"
+        )
+    raise WorkerLost(f"worker {key[0]}/{key[1]} failed: {result.error}")
 
 
 def _last_line(text: str) -> str:

@@ -68,6 +68,8 @@ class Run:
         self.formed_at: dict[str, int] = {}  # pool -> the generation its processes joined
         self.pids: dict[str, int] = {}
         self.results: queue.Queue[pb.WorkerResult] = queue.Queue()
+        # Each worker's last reported failure: why a worker that then exits did (see failure_of).
+        self._failures: dict[tuple[str, int], pb.WorkerResult] = {}
         self.stop_requested = threading.Event()
         self.checkpoint_requested = threading.Event()
         self._scale_requests: dict[str, int] = {}
@@ -352,4 +354,13 @@ class Run:
         self.channel(result.worker).last_seen = time.monotonic()
         if result.WhichOneof("result") is None:
             raise ValueError("result must be one of step, apply, save, setup or error")
+        if result.WhichOneof("result") == "error":
+            with self._lock:
+                self._failures[worker_key(result.worker)] = result
         self.results.put(result)
+
+    def failure_of(self, key: tuple[str, int]) -> pb.WorkerResult | None:
+        """The failure `key` reported in the current generation, if it reported one."""
+        with self._lock:
+            failure = self._failures.get(key)
+        return failure if failure is not None and failure.generation == self.generation else None

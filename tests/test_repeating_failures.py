@@ -47,12 +47,17 @@ class _Service:
         raise self.error
 
 
-@pytest.mark.parametrize("error, repeats", [(OUT_OF_MEMORY, True), (RuntimeError("a peer died"), False)])
-def test_the_worker_reports_whether_its_failure_would_repeat(error, repeats):
-    runtime = object.__new__(WorkerRuntime)  # no router connection: only _execute is under test
+def _runtime() -> WorkerRuntime:
+    runtime = object.__new__(WorkerRuntime)  # no router connection: its stub is _Stub
     runtime.run_id, runtime.pool, runtime.rank, runtime.generation = "run", "llm", 0, 1
     runtime.worker = pb.WorkerId(pool=POOL_ENUMS["llm"], rank=0)
     runtime.stub = _Stub()
+    return runtime
+
+
+@pytest.mark.parametrize("error, repeats", [(OUT_OF_MEMORY, True), (RuntimeError("a peer died"), False)])
+def test_the_worker_reports_whether_its_failure_would_repeat(error, repeats):
+    runtime = _runtime()
     with pytest.raises(type(error)):
         runtime._execute(_Service(error))
     [report] = runtime.stub.reports
@@ -60,19 +65,35 @@ def test_the_worker_reports_whether_its_failure_would_repeat(error, repeats):
     assert report.error_repeats is repeats
 
 
-def _driver_with(result: pb.WorkerResult) -> RunDriver:
-    """A RunDriver whose run has one registered worker and `result` waiting in its queue."""
+def test_a_worker_that_cannot_build_its_service_reports_it_for_the_generation_it_joined(monkeypatch):
+    class _DoesNotFit:
+        def __init__(self, *args):
+            raise OUT_OF_MEMORY
+
+    monkeypatch.setattr("dyad.worker._service_class", lambda pool: _DoesNotFit)
+    runtime = _runtime()
+    with pytest.raises(torch.OutOfMemoryError):
+        runtime._built(config=None, transport=None, generation=4)
+    [report] = runtime.stub.reports
+    assert report.generation == 4 and report.error_repeats and "OutOfMemoryError" in report.error
+
+
+def _driver_with(result: pb.WorkerResult | None, *, reported=None, dead=()) -> RunDriver:
+    """A RunDriver whose run has one registered worker, `result` waiting in its queue, the
+    failure `reported` on record for it, and the launcher's `dead` workers."""
     results = queue.Queue()
-    results.put(result)
+    if result is not None:
+        results.put(result)
     run = SimpleNamespace(
         registered=lambda: {("llm", 0): SimpleNamespace(last_seen=time.monotonic())},
         generation=1,
         results=results,
         stop_requested=threading.Event(),
         config=SimpleNamespace(router=SimpleNamespace(step_timeout_s=10.0, worker_timeout_s=60.0)),
+        failure_of=lambda key: reported if key == ("llm", 0) else None,
     )
-    driver = object.__new__(RunDriver)  # only _collect is under test
-    driver.run, driver.launcher = run, SimpleNamespace(dead=lambda: [])
+    driver = object.__new__(RunDriver)  # only the waiting is under test
+    driver.run, driver.launcher = run, SimpleNamespace(dead=lambda: list(dead))
     return driver
 
 
@@ -97,3 +118,13 @@ def test_the_router_ends_the_run_on_a_failure_that_would_repeat_and_says_what_to
 def test_any_other_failure_is_still_a_recovery():
     with pytest.raises(WorkerLost, match="worker llm/0 failed"):
         _driver_with(_failure(repeats=False))._collect("step", lambda result: True)
+
+
+def test_a_worker_that_exited_after_reporting_a_repeating_failure_ends_the_run():
+    """The router may notice the exit before it reads the report: the report still wins."""
+    exited = [(SimpleNamespace(pool="llm", rank=0), "exited with code 1")]
+    driver = _driver_with(None, reported=_failure(repeats=True), dead=exited)
+    with pytest.raises(RunAborted, match="worker llm/0 ran out of GPU memory"):
+        driver._collect("setup", lambda result: True)
+    with pytest.raises(WorkerLost, match="worker llm/0 exited with code 1"):
+        _driver_with(None, dead=exited)._collect("setup", lambda result: True)
