@@ -116,7 +116,7 @@ class WorkerRuntime:
             return _service_class(self.pool)(config, transport, self.rank, self.run_id)
         except Exception as error:  # noqa: BLE001 - reported to the router, then this worker exits
             self.generation = generation
-            self._report(error=traceback.format_exc(), error_repeats=would_repeat(error))
+            self._report_failure(error)
             raise
 
     def _register(self, data_address: str, timeout_s: float) -> pb.RegisterReply:
@@ -188,7 +188,7 @@ class WorkerRuntime:
                     with _profiled(self.pool, self.rank, command):
                         result = getattr(service, kind)(getattr(command, kind))
                 except Exception as error:  # noqa: BLE001 - reported to the router, then this worker exits
-                    self._report(error=traceback.format_exc(), error_repeats=would_repeat(error))
+                    self._report_failure(error)
                     raise
                 if result is not None:
                     self._report(**{kind: result})
@@ -196,6 +196,10 @@ class WorkerRuntime:
             log.warning("command stream broke: %s", error.code())
             return False
         return False
+
+    def _report_failure(self, error: Exception) -> None:
+        """The traceback being handled, and whether a restart would fail the same way."""
+        self._report(error=traceback.format_exc(), error_repeats=would_repeat(error))
 
     def _report(self, **result) -> None:
         self.stub.ReportResult(

@@ -47,11 +47,11 @@ def reduce_gradients(plan: GradientPlan, groups: ProcessGroups, bucket_bytes: in
     for name, params in plan.reduce_over.items():
         if groups.size(name) == 1:
             continue
-        for bucket in gradient_buckets(_grads_or_zeros(params), bucket_bytes):
+        for bucket in gradient_buckets(grads_or_zeros(params), bucket_bytes):
             _all_reduce_in_place(bucket, groups.group(name))
 
 
-def _grads_or_zeros(params: list[nn.Parameter]):
+def grads_or_zeros(params: list[nn.Parameter]):
     for param in params:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
@@ -59,8 +59,8 @@ def _grads_or_zeros(params: list[nn.Parameter]):
 
 
 def gradient_buckets(grads, bucket_bytes: int):
-    """Consecutive gradients of one dtype and device, at most `bucket_bytes` together; a larger
-    gradient is a bucket of its own."""
+    """Consecutive gradients (or parameters, which have their gradients' sizes) of one dtype and
+    device, at most `bucket_bytes` together; a larger one is a bucket of its own."""
     return byte_runs(grads, lambda grad: grad.numel() * grad.element_size(), bucket_bytes,
                      kind=lambda grad: (grad.dtype, grad.device))
 
@@ -71,6 +71,11 @@ def _all_reduce_in_place(grads: list[torch.Tensor], group: dist.ProcessGroup) ->
         return
     flat = torch.cat([grad.reshape(-1) for grad in grads])
     dist.all_reduce(flat, group=group)
+    copy_back(flat, grads)
+
+
+def copy_back(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+    """The inverse of `torch.cat([grad.reshape(-1) for grad in grads])`, into the grads."""
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dyad.parallel.gradients import BUCKET_BYTES, GradientPlan, gradient_buckets
+from dyad.parallel.gradients import BUCKET_BYTES, GradientPlan, copy_back, grads_or_zeros, gradient_buckets
 from dyad.parallel.groups import ProcessGroups
 
 
@@ -42,6 +42,12 @@ class _Lane:
     buckets: list[list[nn.Parameter]]
     next: int = 0
     reported: list[set[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.next, self.reported = 0, [set() for _ in self.buckets]
 
     def complete(self, index: int) -> bool:
         return len(self.reported[index]) == len(self.buckets[index])
@@ -74,8 +80,7 @@ class GradientReduction:
         for name, params in plan.reduce_over.items():
             if groups.size(name) == 1:
                 continue
-            lane = _Lane(groups.group(name), _parameter_buckets(list(reversed(params)), bucket_bytes))
-            lane.reported = [set() for _ in lane.buckets]
+            lane = _Lane(groups.group(name), list(gradient_buckets(list(reversed(params)), bucket_bytes)))
             self.lanes.append(lane)
             for index, bucket in enumerate(lane.buckets if overlap else []):
                 for param in bucket:
@@ -94,8 +99,7 @@ class GradientReduction:
         while self.sent:
             self._land(self.sent.popleft())
         for lane in self.lanes:
-            lane.next = 0
-            lane.reported = [set() for _ in lane.buckets]
+            lane.reset()
 
     def _accumulated(self, lane: _Lane, index: int, param: nn.Parameter) -> None:
         if not self.armed:
@@ -105,7 +109,7 @@ class GradientReduction:
             self._send(lane)
 
     def _send(self, lane: _Lane) -> None:
-        grads = [_grad_or_zeros(param) for param in lane.buckets[lane.next]]
+        grads = list(grads_or_zeros(lane.buckets[lane.next]))
         lane.next += 1
         if len(grads) == 1 and grads[0].is_contiguous():
             self.sent.append(_Sent(dist.all_reduce(grads[0], group=lane.group, async_op=True), None, grads))
@@ -123,20 +127,5 @@ class GradientReduction:
     def _land(self, sent: _Sent) -> None:
         """Wait for the sum (on CUDA: the current stream waits, not the host) and copy it back."""
         sent.work.wait()
-        if sent.flat is None:
-            return
-        offset = 0
-        for grad in sent.grads:
-            grad.copy_(sent.flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-
-
-def _parameter_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """`gradient_buckets` over the parameters, which have their gradients' sizes and dtypes."""
-    return [list(bucket) for bucket in gradient_buckets(params, bucket_bytes)]
-
-
-def _grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
-    return param.grad
+        if sent.flat is not None:
+            copy_back(sent.flat, sent.grads)
