@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from dyad import config as config_lib
 from dyad.channels import open_channel
+from dyad.gc_pauses import GcPauses
 from dyad.pod import PULSE_FD_ENV, STUCK_EXIT_CODE
 from dyad.router.auth import load_token
 from dyad.transport import UcxTransport
@@ -48,6 +49,7 @@ from dyad.wire import POOL_ENUMS, pb, rpc
 log = logging.getLogger("dyad.worker")
 _RETRY_S = 1.0
 _WAIT_FOR_RUN_S = 5.0
+_GC_PAUSE_LOGGED_S = 1e-3
 # Heartbeat answers that say the router no longer counts on this process.
 _RELEASED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 
@@ -82,6 +84,7 @@ class WorkerRuntime:
         self.stub = rpc.CoordinatorStub(self.channel)
         self.generation = 0
         self._stopped = threading.Event()
+        self._gc = GcPauses()
 
     def run(self) -> None:
         with UcxTransport(host=os.environ.get("POD_IP", "127.0.0.1")) as transport:
@@ -184,12 +187,14 @@ class WorkerRuntime:
                     return True
                 if kind == "setup":
                     self.generation = command.setup.generation
+                self._gc.take()
                 try:
                     with _profiled(self.pool, self.rank, command):
                         result = getattr(service, kind)(getattr(command, kind))
                 except Exception as error:  # noqa: BLE001 - reported to the router, then this worker exits
                     self._report_failure(error)
                     raise
+                _log_gc_pauses(kind, self._gc.take())
                 if result is not None:
                     self._report(**{kind: result})
         except grpc.RpcError as error:
@@ -242,6 +247,14 @@ class WorkerRuntime:
             return error.code() in _RELEASED
 
 
+def _log_gc_pauses(kind: str, pauses) -> None:
+    """Garbage collection that held a command for a millisecond or more: its launches stalled
+    (and its GPU, once the queued kernels ran out) that long."""
+    if pauses.seconds >= _GC_PAUSE_LOGGED_S:
+        log.info("garbage collection held this %s %.1f ms (%d collections, up to generation %d)",
+                 kind, pauses.seconds * 1e3, pauses.collections, pauses.oldest_generation)
+
+
 class _Pulse:
     """One byte down the pod supervisor's pipe per call; nothing outside a pod. Never blocks: a
     full pipe already says that this process is alive."""
@@ -259,7 +272,8 @@ class _Pulse:
 
 def _profiled(pool: str, rank: int, command: pb.WorkerCommand):
     """Profile the step named in $DYAD_PROFILE_STEP (and its apply) into $DYAD_PROFILE_DIR as a
-    kernel table per worker: where each pool's time goes, for bench/e2e_hetero.py."""
+    kernel table and a timeline (Chrome trace) per worker: where each pool's time goes, for
+    bench/e2e_hetero.py."""
     directory, step = os.environ.get("DYAD_PROFILE_DIR"), os.environ.get("DYAD_PROFILE_STEP")
     kind = command.WhichOneof("command")
     if not directory or kind not in ("step", "apply") or getattr(command, kind).step != int(step or -1):
@@ -285,6 +299,7 @@ class _ProfileToFile(contextlib.AbstractContextManager):
         sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
         with open(self.path, "w") as f:
             f.write(self.profile.key_averages().table(sort_by=sort, row_limit=25))
+        self.profile.export_chrome_trace(self.path.removesuffix(".txt") + ".trace.json")
         return False
 
 
