@@ -36,9 +36,19 @@ def build_optimizer(model: nn.Module, train) -> torch.optim.AdamW:
 
 
 def grad_sq_norm(params: Iterable[nn.Parameter]) -> float:
-    """Sum of squared gradient entries, accumulated in float64."""
-    squares = [p.grad.detach().double().pow(2).sum() for p in params if p.grad is not None]
-    return float(torch.stack(squares).sum()) if squares else 0.0
+    """Sum of squared gradient entries (see `sq_norm`)."""
+    return float(sq_norm([p.grad for p in params if p.grad is not None]))
+
+
+def sq_norm(tensors: list[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
+    """Sum of the squared entries of `tensors`, a float64 scalar on their device (`device` when
+    there are none). Each tensor's norm comes from one fused pass over it (float32 accumulation,
+    as torch.nn.utils.clip_grad_norm_ computes it) and their squares are summed in float64: a
+    float64 copy of every gradient, squared, cost a 3 B-parameter LLM 24 ms of a 240 ms step."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm([t.detach() for t in tensors], 2, dtype=torch.float32)
+    return torch.stack(norms).double().square().sum()
 
 
 def clip_scale(total_sq_norm: float, max_norm: float) -> float:
@@ -47,12 +57,26 @@ def clip_scale(total_sq_norm: float, max_norm: float) -> float:
 
 
 def apply_update(optimizer: torch.optim.Optimizer, *, lr: float, grad_scale: float) -> None:
-    if grad_scale != 1.0:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(grad_scale)
+    """One step of `optimizer` at `lr` on its gradients times `grad_scale`, then no gradients."""
     for group in optimizer.param_groups:
         group["lr"] = lr
+    _scale_gradients(optimizer, grad_scale)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def _scale_gradients(optimizer: torch.optim.Optimizer, grad_scale: float) -> None:
+    """A fused optimizer divides each gradient by its `grad_scale` tensor inside its own pass
+    (as torch.amp.GradScaler uses it), so the clipped gradients cost no pass of their own; the
+    others multiply them, all in one call."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if _is_fused(optimizer):
+        optimizer.grad_scale = None if grad_scale == 1.0 or not grads else torch.full(
+            (), 1.0 / grad_scale, dtype=torch.float32, device=grads[0].device
+        )
+    elif grad_scale != 1.0 and grads:
+        torch._foreach_mul_(grads, grad_scale)
+
+
+def _is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    return any(group.get("fused") for group in optimizer.param_groups)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dyad.byte_runs import byte_runs
+from dyad.optim import sq_norm
 from dyad.parallel.expert import EXPERT_TP_DIM, gather_expert_tensor, local_expert_shard
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, all_gather_dim
@@ -85,10 +86,7 @@ def copy_back(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
 def pool_grad_sq_norm(plan: GradientPlan, groups: ProcessGroups) -> float:
     """Squared norm of the whole pool's gradient (float64), the same on every rank."""
     device = next(p.device for params in plan.reduce_over.values() for p in params)
-    total = torch.zeros((), dtype=torch.float64, device=device)  # a rank may count nothing
-    for param in plan.counted:
-        if param.grad is not None:
-            total += param.grad.detach().double().pow(2).sum()
+    total = sq_norm([p.grad for p in plan.counted if p.grad is not None], device)  # a rank may count nothing
     dist.all_reduce(total, group=groups.group("world"))
     return float(total)
 
