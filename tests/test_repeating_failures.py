@@ -8,11 +8,13 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from dyad.gc_pauses import GcPauses
 from dyad.router.driver import RunAborted, RunDriver, WorkerLost
 from dyad.wire import POOL_ENUMS, pb
 from dyad.worker import WorkerRuntime, would_repeat
@@ -52,6 +54,8 @@ def _runtime() -> WorkerRuntime:
     runtime.run_id, runtime.pool, runtime.rank, runtime.generation = "run", "llm", 0, 1
     runtime.worker = pb.WorkerId(pool=POOL_ENUMS["llm"], rank=0)
     runtime.stub = _Stub()
+    runtime._gc = GcPauses()
+    weakref.finalize(runtime, runtime._gc.close)
     return runtime
 
 
