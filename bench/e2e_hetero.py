@@ -215,9 +215,10 @@ def main() -> None:
     parser.add_argument(
         "--profile-step",
         type=int,
-        help="every worker writes a kernel table of this step (left out of the medians)",
+        help="every worker writes a kernel table and a timeline (Chrome trace) of this step "
+        "(left out of the medians)",
     )
-    parser.add_argument("--profile-dir", help="where the kernel tables go (a folder per layout)")
+    parser.add_argument("--profile-dir", help="where the kernel tables and timelines go (a folder per layout)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="vit-l-448-merge2")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every layout, e.g. train.overlap_grad_reduce=false")

@@ -9,7 +9,8 @@
 #   --compile), the layouts in E2E_LAYOUTS in that order (reverse it in a second run, so that
 #   neither always runs first), 14 steps with the first 4 left out (steps 2-3 still recompile
 #   blocks for new lengths: the LLM waited 40-58 ms for rows there in every layout on two H200s)
-#   and step 9 profiled (a kernel table per worker under $OUT/profiles, left out of the medians);
+#   and step 9 profiled (a kernel table and a Chrome-trace timeline per worker under
+#   $OUT/profiles, left out of the medians);
 #   E2E_ARGS adds options (e.g. "--workload vit-l-224").
 # BANDWIDTH_LIMIT and E2E_LIMIT are the parts' limits in seconds.
 # The GPU hosts lack ucxx and the router's grpcio-tools, grpcio-health-checking and prometheus-client:
