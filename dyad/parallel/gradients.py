@@ -67,12 +67,18 @@ def gradient_buckets(grads, bucket_bytes: int):
 
 
 def _all_reduce_in_place(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    _, flat = start_all_reduce(grads, group, async_op=False)
+    if flat is not None:
+        copy_back(flat, grads)
+
+
+def start_all_reduce(grads: list[torch.Tensor], group: dist.ProcessGroup, *, async_op: bool):
+    """Sum `grads` over `group`: one contiguous gradient in place, several in a flat copy that
+    `copy_back` returns to them once the work is done. Returns (work or None, the copy or None)."""
     if len(grads) == 1 and grads[0].is_contiguous():
-        dist.all_reduce(grads[0], group=group)
-        return
+        return dist.all_reduce(grads[0], group=group, async_op=async_op), None
     flat = torch.cat([grad.reshape(-1) for grad in grads])
-    dist.all_reduce(flat, group=group)
-    copy_back(flat, grads)
+    return dist.all_reduce(flat, group=group, async_op=async_op), flat
 
 
 def copy_back(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:

@@ -30,7 +30,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dyad.parallel.gradients import BUCKET_BYTES, GradientPlan, copy_back, grads_or_zeros, gradient_buckets
+from dyad.parallel.gradients import (
+    BUCKET_BYTES,
+    GradientPlan,
+    copy_back,
+    gradient_buckets,
+    grads_or_zeros,
+    start_all_reduce,
+)
 from dyad.parallel.groups import ProcessGroups
 
 
@@ -111,11 +118,8 @@ class GradientReduction:
     def _send(self, lane: _Lane) -> None:
         grads = list(grads_or_zeros(lane.buckets[lane.next]))
         lane.next += 1
-        if len(grads) == 1 and grads[0].is_contiguous():
-            self.sent.append(_Sent(dist.all_reduce(grads[0], group=lane.group, async_op=True), None, grads))
-            return
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        self.sent.append(_Sent(dist.all_reduce(flat, group=lane.group, async_op=True), flat, grads))
+        work, flat = start_all_reduce(grads, lane.group, async_op=True)
+        self.sent.append(_Sent(work, flat, grads))
         while sum(sent.flat is not None for sent in self.sent) > self.max_copies_in_flight:
             self._land(self._oldest_copy())
 
