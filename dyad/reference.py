@@ -47,8 +47,8 @@ class ReferenceTrainer:
                     global_microbatches=len(spec.microbatches),
                 )
             loss.total.backward()
-            lm += loss.lm
-            aux += loss.aux
+            lm += float(loss.lm)
+            aux += float(loss.aux)
         update_expert_biases(self.llm)
         total_sq = grad_sq_norm(self.encoder.parameters()) + grad_sq_norm(self.llm.parameters())
         scale = clip_scale(total_sq, self.config.train.grad_clip)

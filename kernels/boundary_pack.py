@@ -31,6 +31,8 @@ from itertools import pairwise
 
 import torch
 
+from dyad.host_to_device import to_device
+
 Segment = tuple[int, int, int]  # (src_row, dst_row, length)
 
 
@@ -83,12 +85,13 @@ def _check_disjoint_destinations(segments: tuple[Segment, ...]) -> None:
 
 
 def _row_index(starts: list[int], segments: tuple[Segment, ...], device: torch.device) -> torch.Tensor:
-    """Concatenated aranges start:start+length, built on the CPU and copied to `device` once."""
+    """Concatenated aranges start:start+length, built on the CPU and copied to `device` once
+    (without waiting for the device's queued kernels)."""
     lengths_S = torch.tensor([n for _, _, n in segments], dtype=torch.int64)
     starts_S = torch.tensor(starts, dtype=torch.int64)
     buffer_starts_S = lengths_S.cumsum(0) - lengths_S
     offsets_N = torch.arange(int(lengths_S.sum())) - buffer_starts_S.repeat_interleave(lengths_S)
-    return (starts_S.repeat_interleave(lengths_S) + offsets_N).to(device)
+    return to_device(starts_S.repeat_interleave(lengths_S) + offsets_N, device)
 
 
 def _check_rows(tensor: torch.Tensor, rows: int, name: str, exact: bool = False) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dyad.data import IGNORE_INDEX, Batch
+from dyad.host_to_device import to_device
 from dyad.parallel.context import zigzag_positions
 
 
@@ -27,6 +28,12 @@ class LocalMicrobatch:
     valid_BSl: torch.Tensor  # real (non-padding) tokens
     image_rows_Nl: torch.Tensor  # which of the microbatch's image rows land here
     image_positions_Nl: torch.Tensor  # their flat indices into B*Sl
+
+    def to(self, device: torch.device | str) -> LocalMicrobatch:
+        """Every field on `device`, without a host sync. Sharding the CPU batch and then moving
+        the shard keeps the index work (a `nonzero`, boolean masks) off the GPU, where each would
+        make the host wait for every kernel queued before it."""
+        return LocalMicrobatch(**{name: to_device(getattr(self, name), device) for name in self.__dataclass_fields__})
 
 
 def shard_microbatch(batch: Batch, *, pad_id: int, cp: int, cp_rank: int, tp: int) -> LocalMicrobatch:

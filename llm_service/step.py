@@ -18,9 +18,12 @@ from dyad.llm_service.sharding import LocalMicrobatch, shard_microbatch
 
 @dataclass
 class MicrobatchLoss:
+    """`lm` and `aux` are detached 0-d tensors on the loss's device: reading one is a host sync,
+    so the workers add them up on the device and read the sums once the step's work is queued."""
+
     total: torch.Tensor  # what backward runs on
-    lm: float
-    aux: float
+    lm: torch.Tensor
+    aux: torch.Tensor
 
 
 def whole_microbatch(batch, pad_id: int) -> LocalMicrobatch:
@@ -48,4 +51,4 @@ def microbatch_loss(
     )
     lm = model.loss_sum(logits_BSV, local.targets_BSl) / global_target_tokens
     aux = aux / global_microbatches
-    return MicrobatchLoss(total=lm + aux, lm=float(lm.detach()), aux=float(aux.detach()))
+    return MicrobatchLoss(total=lm + aux, lm=lm.detach(), aux=aux.detach())

@@ -49,7 +49,9 @@ class LLMWorker(PoolService):
         arrivals = self._post_receives(command)
         local_rows = {r.microbatch: r.rows for r in command.plan.local_rows if r.llm_rank == self.rank}
         dp_rank, tp_rank = self.groups.index("dp"), self.groups.index("tp")
-        lm_sum = aux_sum = 0.0
+        # Summed in float64 on the device, as Python floats would be, and read (a host sync) once
+        # the step's work is queued.
+        lm_sum = aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         bytes_sent = bytes_received = 0
         wait_s = 0.0
         sends: list[Future] = []
@@ -57,14 +59,15 @@ class LLMWorker(PoolService):
         for position, microbatch in enumerate(ours):
             samples = [self.dataset.sample(s) for s in microbatch.sample_ids]
             batch = collate(self.dataset.tokenizer, samples, command.plan.tokens_per_image)
-            local = shard_microbatch(
-                batch.to(self.device),
+            local = shard_microbatch(  # on the CPU: no index work waits for the GPU
+                batch,
                 pad_id=self.dataset.tokenizer.pad_id,
                 cp=self.layout.cp,
                 cp_rank=self.groups.index("cp"),
                 tp=self.layout.tp,
             )
             expected = local.image_rows_Nl.numel()
+            local = local.to(self.device)
             if local_rows.get(microbatch.index, 0) != expected:
                 raise RuntimeError(
                     f"step {command.step} microbatch {microbatch.index}: the plan delivers "
@@ -86,8 +89,9 @@ class LLMWorker(PoolService):
             if position == len(ours) - 1:
                 self.reduction.arm()  # the step's last backward: reduce buckets as it ends them
             loss.total.backward()
-            lm_sum += loss.lm if tp_rank == 0 else 0.0  # tp ranks hold the same loss
-            aux_sum += loss.aux  # each rank holds its share
+            if tp_rank == 0:  # tp ranks hold the same loss
+                lm_sum = lm_sum + loss.lm
+            aux_sum = aux_sum + loss.aux  # each rank holds its share
             if rows_NlD is not None:
                 returned = self._send_gradients(command.step, mine, rows_NlD.grad)
                 sends += [future for future, _ in returned]
@@ -101,8 +105,8 @@ class LLMWorker(PoolService):
         return pb.StepResult(
             step=command.step,
             grad_sq_norm=grad_sq_norm,
-            lm_loss_sum=lm_sum,
-            aux_loss=aux_sum,
+            lm_loss_sum=float(lm_sum),
+            aux_loss=float(aux_sum),
             boundary_bytes_sent=bytes_sent,
             boundary_bytes_received=bytes_received,
             boundary_wait_s=wait_s,

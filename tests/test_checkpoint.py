@@ -114,7 +114,7 @@ class _Pool:
             loss = microbatch_loss(self.model, local, rows[local.image_rows_Nl] if rows.numel() else None,
                                    global_target_tokens=targets, global_microbatches=MICROBATCHES)
             loss.total.backward()
-            total += (loss.lm if self.groups.index("tp") == 0 else 0.0) + loss.aux
+            total += (float(loss.lm) if self.groups.index("tp") == 0 else 0.0) + float(loss.aux)
         return total
 
     def save(self, directory):

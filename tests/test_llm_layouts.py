@@ -122,7 +122,7 @@ def _layout_body(rank, world_size, layout_kwargs, options, compile_backend=None)
             ref_loss = microbatch_loss(reference, whole, ref_rows[whole.image_rows_Nl] if rows.numel() else None,
                                        global_target_tokens=targets, global_microbatches=total_microbatches)
             ref_loss.total.backward()
-            ref_lm, ref_aux = ref_lm + ref_loss.lm, ref_aux + ref_loss.aux
+            ref_lm, ref_aux = ref_lm + float(ref_loss.lm), ref_aux + float(ref_loss.aux)
             if index // MICROBATCHES_PER_DP_RANK != dp_rank:
                 continue
             local = shard_microbatch(batch, pad_id=dataset.tokenizer.pad_id, cp=layout.cp,
@@ -133,8 +133,8 @@ def _layout_body(rank, world_size, layout_kwargs, options, compile_backend=None)
             if index == last_of_mine:
                 reduction.arm()  # as the LLM worker does: buckets go during the last backward
             loss.total.backward()
-            lm += loss.lm if tp_rank == 0 else 0.0
-            aux += loss.aux
+            lm += float(loss.lm) if tp_rank == 0 else 0.0
+            aux += float(loss.aux)
             if rows.numel():  # the boundary gradient: CP shards add up, TP replicas agree
                 boundary = my_rows.grad.clone()
                 dist.all_reduce(boundary, group=groups.group("cp"))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
 from dyad.data.samples import DataConfig, MultimodalDataset, Sample
+from dyad.host_to_device import to_device
 from dyad.data.tokenizer import IMAGE, TextTokenizer, build_word_tokenizer, load_tokenizer
 
 SEED = 0
@@ -100,7 +101,7 @@ class DigitsDataset(MultimodalDataset):
         size = self.image_size
         if len(image_ids) == 0:
             return torch.zeros(0, self.channels, size, size, device=device)
-        images_N1HW = self._digits_N188[torch.as_tensor(list(image_ids), dtype=torch.long)].to(device)
+        images_N1HW = to_device(self._digits_N188[torch.as_tensor(list(image_ids), dtype=torch.long)], device)
         if size != 8:
             images_N1HW = F.interpolate(
                 images_N1HW, size=(size, size), mode="bilinear", align_corners=False

@@ -33,6 +33,7 @@ from PIL import Image
 
 from dyad.data.samples import DataConfig, MultimodalDataset, Sample, answer_ends_text
 from dyad.data.tokenizer import IMAGE, build_word_tokenizer, load_tokenizer
+from dyad.host_to_device import to_device
 
 SEED = 0
 SPLITS = ("train", "heldout")
@@ -142,4 +143,4 @@ class JsonlDataset(MultimodalDataset):
                 resized = image.convert(mode).resize((size, size), Image.Resampling.BILINEAR)
             pixels_HWC = np.asarray(resized, dtype=np.float32).reshape(size, size, self.channels)
             images_NCHW[n] = torch.from_numpy(pixels_HWC).permute(2, 0, 1) / 255.0
-        return images_NCHW.to(device)
+        return to_device(images_NCHW, device)
