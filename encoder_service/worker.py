@@ -14,7 +14,6 @@ behind a gradient another lane cannot produce yet.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dyad.encoder_service.parallelize import parallelize_encoder
+from dyad.exposed_wait import ExposedWait
 from dyad.encoder_service.step import encode_rows
 from dyad.kernels.boundary_pack import RowSegments, pack, unpack_add
 from dyad.service import PoolService, boundary_dtype, compute_context, transfer_segments
@@ -57,7 +57,7 @@ class EncoderWorker(PoolService):
         todo = deque(sorted(mine, key=lambda w: (round_of[w.microbatch], w.microbatch)))
         in_flight: deque[InFlight] = deque()
         bytes_sent = bytes_received = 0
-        wait_s = 0.0
+        waits = ExposedWait(self.device)
         depth = self.config.boundary.prefetch_depth
         while todo or in_flight:
             oldest_round = round_of[(in_flight[0] if in_flight else todo[0]).microbatch]
@@ -66,19 +66,19 @@ class EncoderWorker(PoolService):
                 in_flight.append(flight)
                 bytes_sent += sum(sent.nbytes for sent in flight.sent)
             oldest = in_flight.popleft()
-            waited = time.perf_counter()
-            grad_RD, received = self._gradient(oldest)
-            wait_s += time.perf_counter() - waited
+            with waits.measuring():
+                grad_RD, received = self._gradient(oldest)
             bytes_received += received
             if not todo and not in_flight:
                 self.reduction.arm()  # the step's last backward: reduce buckets as it ends them
             oldest.rows_RD.backward(grad_RD)
+        grad_sq_norm = self.finish_backward()
         return pb.StepResult(
             step=command.step,
-            grad_sq_norm=self.finish_backward(),
+            grad_sq_norm=grad_sq_norm,
             boundary_bytes_sent=bytes_sent,
             boundary_bytes_received=bytes_received,
-            boundary_wait_s=wait_s,
+            boundary_wait_s=waits.seconds(),
         )
 
     def _encode_and_send(self, command: pb.StepCommand, work: pb.EncoderWork) -> InFlight:

@@ -9,7 +9,6 @@ rank is still busy with an earlier microbatch.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dyad.data import collate
+from dyad.exposed_wait import ExposedWait
 from dyad.kernels.boundary_pack import RowSegments, pack, unpack_into
 from dyad.llm_service.moe import update_expert_biases
 from dyad.llm_service.parallelize import parallelize_llm
@@ -53,7 +53,7 @@ class LLMWorker(PoolService):
         # the step's work is queued.
         lm_sum = aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         bytes_sent = bytes_received = 0
-        wait_s = 0.0
+        waits = ExposedWait(self.device)
         sends: list[Future] = []
         ours = [microbatch for microbatch in command.microbatches if microbatch.llm_dp_rank == dp_rank]
         for position, microbatch in enumerate(ours):
@@ -74,9 +74,8 @@ class LLMWorker(PoolService):
                     f"{local_rows.get(microbatch.index, 0)} image rows here, this shard splices {expected}"
                 )
             mine = arrivals.get(microbatch.index, [])
-            waited = time.perf_counter()
-            rows_NlD = self._splice_rows(command, expected, mine) if batch.image_ids else None
-            wait_s += time.perf_counter() - waited
+            with waits.measuring():
+                rows_NlD = self._splice_rows(command, expected, mine) if batch.image_ids else None
             bytes_received += sum(arrival.buffer_ND.nbytes for arrival in mine)
             with compute_context(self.config):
                 loss = microbatch_loss(
@@ -109,7 +108,7 @@ class LLMWorker(PoolService):
             aux_loss=float(aux_sum),
             boundary_bytes_sent=bytes_sent,
             boundary_bytes_received=bytes_received,
-            boundary_wait_s=wait_s,
+            boundary_wait_s=waits.seconds(),
         )
 
     def _post_receives(self, command: pb.StepCommand) -> dict[int, list]:

@@ -1,0 +1,54 @@
+"""How long a worker's device sat idle because the worker waited for boundary data.
+
+A worker that never syncs with its GPU runs ahead of it: it reaches the wait for the next
+microbatch's rows (or gradients) while the GPU still runs the previous one, so the host's waiting
+time says nothing about what the wait cost. On a CUDA device the cost is read from the GPU's own
+clock: an event recorded as the wait begins completes once the GPU has run everything queued
+before it; another recorded as the wait ends completes at once if the GPU had nothing else to
+do. The time between the two is the time the GPU was idle for this wait (0 when the GPU was still
+busy when the data came). On a CPU device the host does the computing, so its waiting time is the
+cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+
+class ExposedWait:
+    """Per step: `with wait.measuring(): <wait for data>` around each wait, `seconds()` once
+    the step's work has been waited for (it reads the events: a host sync on CUDA)."""
+
+    def __init__(self, device: torch.device | str):
+        self.on_gpu = torch.device(device).type == "cuda"
+        self.host_s = 0.0
+        self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextlib.contextmanager
+    def measuring(self):
+        began = time.perf_counter()
+        before = self._mark()
+        try:
+            yield
+        finally:
+            self.host_s += time.perf_counter() - began
+            if self.on_gpu:
+                self.marks.append((before, self._mark()))
+
+    def seconds(self) -> float:
+        """The device's idle time over every wait so far (the host's waiting time on a CPU)."""
+        if not self.on_gpu:
+            return self.host_s
+        if self.marks:
+            self.marks[-1][1].synchronize()  # recorded last, so it completes last
+        return sum(before.elapsed_time(after) for before, after in self.marks) / 1e3
+
+    def _mark(self) -> torch.cuda.Event | None:
+        if not self.on_gpu:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
