@@ -6,9 +6,9 @@
 - `moe_layer_runs.png`: each interleaved run of `bench/moe_layer.py` (its JSON), dyad's layer
   against torchtitan's, from an idle GPU and with the host ahead, beside the goal (torchtitan's
   time in the same run over 1.2): a run's spread reads better as points than as a table.
-- `e2e_two_gpus.png`: tokens/s of each layout of `bench/e2e_hetero.py`, one bar per run (hatched:
-  runs known to have computed wrong gradients, E2E_WRONG_GRADIENTS; a layout that failed in a run,
-  e.g. out of memory, is labelled so).
+- `e2e_two_gpus.png`: tokens/s of `bench/e2e_hetero.py`, one group of bars per run, one bar per
+  layout it measured (hatched: layouts known to have computed wrong gradients in that run,
+  E2E_WRONG_GRADIENTS; a layout that failed in a run, e.g. out of memory, is labelled so).
 
 Only the files named in MOE_RUNS and E2E_RUNS are read; a missing one is an error naming it.
 """
@@ -35,7 +35,7 @@ MOE_RUNS = {  # label: result file under --results, every run interleaved with t
     "H200 D": "moe_deferred_h200/run_d_dyad_first.json",
     "H200 E": "moe_deferred_h200/run_e_dyad_last.json",
 }
-E2E_RUNS = {
+E2E_RUNS = {  # label: one result file, or several whose layouts together make the run
     "H200 run 1": "e2e_2xh200_vit448_compiled.json",
     "H200 run 2": "e2e_2xh200_vit448_compiled_repeat.json",
     "H100 run 1": "e2e_2xh100_vit448_compiled.json",
@@ -46,6 +46,13 @@ E2E_RUNS = {
     "H200 run 6, overlapped": "e2e_2xh200_run6_overlapped.json",
     "H200 run 6, after backward": "e2e_2xh200_run6_after_backward.json",
     "H200 run 6, again": "e2e_2xh200_run6_heterogeneous_again.json",
+    # From here the LLM's microbatch has no host sync; one invocation per layout, in pairs.
+    "H200 run 11 a": ("e2e_no_host_sync_2xh200/run11_hn0.json", "e2e_no_host_sync_2xh200/run11_dn1.json"),
+    "H200 run 11 b": ("e2e_no_host_sync_2xh200/run11_hn4.json", "e2e_no_host_sync_2xh200/run11_dn5.json"),
+    "H200 run 12 a": ("e2e_no_host_sync_2xh200/run12_hn0.json", "e2e_no_host_sync_2xh200/run12_dn1.json"),
+    "H200 run 12 b": ("e2e_no_host_sync_2xh200/run12_hn4.json", "e2e_no_host_sync_2xh200/run12_dn5.json"),
+    "H200 run 13 a": ("e2e_no_host_sync_2xh200/run13_hn0.json", "e2e_no_host_sync_2xh200/run13_dn1.json"),
+    "H200 run 13 b": ("e2e_no_host_sync_2xh200/run13_hn2.json", "e2e_no_host_sync_2xh200/run13_dn3.json"),
 }
 # Per run of E2E_RUNS, the layouts that computed wrong gradients (torch 2.11 lost the backward of
 # the expert-parallel all-to-all in compiled blocks, fixed before the H100 runs;
@@ -92,24 +99,41 @@ def plot_moe_runs(results: Path, out: Path, shapes=("mixtral-like", "qwen3-like"
     return path
 
 
+def e2e_layouts(results: Path, names: str | tuple[str, ...]) -> dict:
+    """The layouts of one run of E2E_RUNS, merged from its files."""
+    merged = {}
+    for name in (names,) if isinstance(names, str) else names:
+        merged.update(load(results, name)["layouts"])
+    return merged
+
+
 def plot_e2e(results: Path, out: Path) -> Path:
-    runs = {label: load(results, name)["layouts"] for label, name in E2E_RUNS.items()}
+    """One group of bars per run, one bar per layout that run measured (colour: the layout)."""
+    runs = {label: e2e_layouts(results, names) for label, names in E2E_RUNS.items()}
     layouts = list(dict.fromkeys(layout for layouts in runs.values() for layout in layouts))
-    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.55 * len(layouts) * len(runs)))
-    height = 0.8 / len(runs)
-    for i, (label, measured) in enumerate(runs.items()):
-        ys = [j + i * height for j in range(len(layouts))]
-        values = [measured.get(layout, {}).get("tokens_per_s", 0) for layout in layouts]
+    colours = {layout: f"C{i}" for i, layout in enumerate(layouts)}
+    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.25 * sum(len(m) for m in runs.values()) + 0.2 * len(runs)))
+    y, ticks = 0.0, []
+    for label, measured in runs.items():
+        first = y
         wrong = E2E_WRONG_GRADIENTS.get(label, set())
-        hatches = ["//" if layout in wrong else "" for layout in layouts]
-        ax.barh(ys, values, height=height, label=label, color=f"C{i}", hatch=hatches)
-        for y, layout, value in zip(ys, layouts, values):
-            ax.text(value, y, f" {value:,.0f}" if value else f" {_why_no_bar(measured.get(layout))}",
+        for layout in layouts:
+            if layout not in measured:
+                continue
+            value = measured[layout].get("tokens_per_s", 0)
+            ax.barh(y, value, height=0.9, color=colours[layout], hatch="//" if layout in wrong else "")
+            ax.text(value, y, f" {value:,.0f}" if value else f" {layout}: {_why_no_bar(measured[layout])}",
                     va="center", fontsize=7)
-    ax.set_yticks([j + 0.4 - height / 2 for j in range(len(layouts))], layouts)
+            y += 1
+        ticks.append(((first + y - 1) / 2, label))
+        y += 0.8
+    ax.set_yticks([t for t, _ in ticks], [label for _, label in ticks], fontsize=8)
+    most = max((m.get("tokens_per_s", 0) for measured in runs.values() for m in measured.values()), default=1)
+    ax.set_xlim(0, 1.45 * most)  # room on the right for the legend
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()], labels=list(colours),
+              fontsize=8, loc="upper right")
     ax.set_xlabel("tokens/s (median step); hatched: wrong gradients (since fixed)")
     ax.set_title("Two GPUs: ViT-L/14 at 448 px + MoE LLM, compiled blocks")
-    ax.legend(fontsize=8)
     ax.invert_yaxis()
     fig.tight_layout()
     path = out / "e2e_two_gpus.png"

@@ -3,8 +3,8 @@
 # the parts named as arguments (default: all), each with its own time limit, so that one slow
 # part cannot take the others' results with it.
 #   bash bench/two_gpu.sh bandwidth e2e
-# bandwidth: ucxx against NCCL send/recv between the two GPUs, one message at a time and eight
-#   in flight (bench/boundary_bandwidth.py).
+# bandwidth: ucxx against NCCL send/recv between the two GPUs, one message at a time, eight and
+#   64 in flight (bench/boundary_bandwidth.py).
 # e2e: heterogeneous against homogeneous pools with compiled blocks (bench/e2e_hetero.py
 #   --compile), the layouts in E2E_LAYOUTS in that order (reverse it in a second run, so that
 #   neither always runs first), 14 steps with the first 4 left out (steps 2-3 still recompile
