@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from dyad.encoder_service.parallelize import parallelize_encoder
-from dyad.exposed_wait import ExposedWait
 from dyad.encoder_service.step import encode_rows
+from dyad.exposed_wait import ExposedWait
 from dyad.kernels.boundary_pack import RowSegments, pack, unpack_add
 from dyad.service import PoolService, boundary_dtype, compute_context, transfer_segments
 from dyad.transport import Direction, MessageTag

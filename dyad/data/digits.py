@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
 from dyad.data.samples import DataConfig, MultimodalDataset, Sample
-from dyad.host_to_device import to_device
 from dyad.data.tokenizer import IMAGE, TextTokenizer, build_word_tokenizer, load_tokenizer
+from dyad.host_to_device import to_device
 
 SEED = 0
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
