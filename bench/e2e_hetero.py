@@ -4,8 +4,9 @@ per sample, the ~1B-active MoE LLM of bench/llm_step.py), run
       with or without ep=2; rank r of each pool on GPU r), and
   (b) heterogeneous, non-colocated: the encoder pool on GPU 0, the LLM pool on GPU 1.
 Same global batch (so the same math). Reports tokens/s, model TFLOP/s per GPU, and the LLM's
-exposed boundary wait as a share of the step; keeps each run's metrics; rewrites --out after each
-layout.
+exposed boundary wait as a share of the step (its GPU's idle time while its worker waited for
+rows, `dyad/exposed_wait.py`; likewise the encoder's for gradients); keeps each run's metrics;
+rewrites --out after each layout.
 
 Workloads (--workload): `vit-l-448-merge2` (default; InternVL-like: a ViT-L/14 at 448 pixels, 1,024
 patches per image, 2 x 2 patches merged into each of 256 LLM tokens), where the encoder's share
