@@ -43,12 +43,15 @@ def _config_and_batch(device: str):
     return config, dataset, batch
 
 
-def test_a_shard_moved_to_the_device_equals_one_made_there():
-    _, dataset, batch = _config_and_batch("cpu")
-    kwargs = dict(pad_id=dataset.tokenizer.pad_id, cp=1, cp_rank=0, tp=1)
-    moved = shard_microbatch(batch, **kwargs).to("cpu")
-    direct = shard_microbatch(batch.to("cpu"), **kwargs)
+@needs_cuda
+@pytest.mark.parametrize("cp, cp_rank", [(1, 0), (2, 1)])
+def test_a_shard_moved_to_the_device_equals_one_made_there(cp, cp_rank):
+    _, dataset, batch = _config_and_batch("cuda")
+    kwargs = dict(pad_id=dataset.tokenizer.pad_id, cp=cp, cp_rank=cp_rank, tp=1)
+    moved = shard_microbatch(batch, **kwargs).to("cuda")
+    direct = shard_microbatch(batch.to("cuda"), **kwargs)
     for name in moved.__dataclass_fields__:
+        assert getattr(moved, name).is_cuda, name
         assert torch.equal(getattr(moved, name), getattr(direct, name)), name
 
 
