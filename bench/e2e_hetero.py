@@ -34,7 +34,7 @@ from dyad.jobs import run_job
 COMMON = [
     "train.device=cuda",
     "train.dtype=bfloat16",
-    "train.global_batch=16",
+    "train.global_batch=16",  # bench/e2e_hetero.py sets its --global-batch after this
     "train.warmup_steps=2",
     "checkpoint.interval_steps=0",
     "data.multi_image_fraction=0.5",
@@ -62,32 +62,37 @@ VIT_L_448_MERGE2 = [*COMMON, "data.image_size=448", "encoder.image_size=448", "e
 WORKLOADS = {"vit-l-448-merge2": VIT_L_448_MERGE2, "vit-l-224": VIT_L_224}
 TOY = ["train.global_batch=8", "train.device=cpu"]
 
-LAYOUTS = {  # name: (overrides, GPUs used)
-    "homogeneous-colocated": (
-        ["parallel.encoder.dp=2", "parallel.llm.dp=2", "train.microbatches=1"],
-        2,
-    ),
-    "homogeneous-colocated-ep2": (
-        ["parallel.encoder.dp=2", "parallel.llm.dp=2", "parallel.llm.ep=2", "train.microbatches=1"],
-        2,
-    ),
-    "heterogeneous": (
-        [
-            "parallel.encoder_devices=[0]",
-            "parallel.llm_devices=[1]",
-            "train.microbatches=2",
-        ],
-        2,
-    ),
-    "heterogeneous-4mb": (
-        [
-            "parallel.encoder_devices=[0]",
-            "parallel.llm_devices=[1]",
-            "train.microbatches=4",
-        ],
-        2,
-    ),
-}
+SAMPLES_PER_MICROBATCH = 8  # every layout's LLM microbatch, whatever the global batch: the same math
+
+
+def microbatches(global_batch: int, llm_dp: int, samples_per_microbatch: int = SAMPLES_PER_MICROBATCH) -> str:
+    """The `train.microbatches` override giving each LLM microbatch `samples_per_microbatch`
+    samples when `llm_dp` data-parallel lanes share `global_batch`."""
+    per_lane, rest = divmod(global_batch, llm_dp * samples_per_microbatch)
+    if rest or per_lane < 1:
+        raise SystemExit(
+            f"--global-batch {global_batch}: not a multiple of {llm_dp} lanes x {samples_per_microbatch} samples"
+        )
+    return f"train.microbatches={per_lane}"
+
+
+def layouts_for(global_batch: int) -> dict:
+    """name: (overrides, GPUs used), every layout at `global_batch` samples a step."""
+    hetero = ["parallel.encoder_devices=[0]", "parallel.llm_devices=[1]"]
+    return {
+        "homogeneous-colocated": (
+            ["parallel.encoder.dp=2", "parallel.llm.dp=2", microbatches(global_batch, 2)],
+            2,
+        ),
+        "homogeneous-colocated-ep2": (
+            ["parallel.encoder.dp=2", "parallel.llm.dp=2", "parallel.llm.ep=2", microbatches(global_batch, 2)],
+            2,
+        ),
+        "heterogeneous": ([*hetero, microbatches(global_batch, 1)], 2),
+        "heterogeneous-4mb": ([*hetero, microbatches(global_batch, 1, SAMPLES_PER_MICROBATCH // 2)], 2),
+    }
+
+
 TOY_LAYOUTS = {"toy": (["train.microbatches=2"], 1)}
 
 
@@ -221,10 +226,17 @@ def main() -> None:
     )
     parser.add_argument("--profile-dir", help="where the kernel tables and timelines go (a folder per layout)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="vit-l-448-merge2")
+    parser.add_argument("--global-batch", type=int, default=16,
+                        help=f"samples a step; every layout's LLM microbatches keep {SAMPLES_PER_MICROBATCH} samples "
+                        "(heterogeneous-4mb: half), so more samples mean more microbatches a step")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every layout, e.g. train.overlap_grad_reduce=false")
     args = parser.parse_args()
-    base, layouts = (TOY, TOY_LAYOUTS) if args.toy else (with_compile(WORKLOADS[args.workload], args), LAYOUTS)
+    if args.toy:
+        base, layouts = TOY, TOY_LAYOUTS
+    else:
+        base = [*with_compile(WORKLOADS[args.workload], args), f"train.global_batch={args.global_batch}"]
+        layouts = layouts_for(args.global_batch)
     base = [*base, *args.set]
     steps, skip = (3, 1) if args.toy else (args.steps, args.skip)
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-e2e-"))

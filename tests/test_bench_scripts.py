@@ -54,7 +54,7 @@ def test_the_gpu_configs_of_the_scripts_load():
     sys.path.insert(0, str(BENCH))
     try:
         from e2e_8gpu import EIGHT_GPU, LARGER_ENCODER
-        from e2e_hetero import LAYOUTS, VIT_L_224, WORKLOADS
+        from e2e_hetero import VIT_L_224, WORKLOADS, layouts_for
         from resize import GPU_POOLS, RESIZE, pool_overrides
         from worker_threads import GPU_POOLS as THREAD_POOLS
 
@@ -62,19 +62,42 @@ def test_the_gpu_configs_of_the_scripts_load():
     finally:
         sys.path.remove(str(BENCH))
     configs = [EIGHT_GPU, [*RESIZE, *pool_overrides(GPU_POOLS)], [*VIT_L_224, *LARGER_ENCODER, *THREAD_POOLS]]
-    configs += [[*workload, *overrides] for workload in WORKLOADS.values() for overrides, _ in LAYOUTS.values()]
+    configs += [
+        [*workload, f"train.global_batch={samples}", *overrides]
+        for workload in WORKLOADS.values()
+        for samples in (16, 64)
+        for overrides, _ in layouts_for(samples).values()
+    ]
     for overrides in configs:
         config = config_lib.load(None, overrides)
         assert config.train.device == "cuda"
     assert config_lib.load(None, EIGHT_GPU).train.lr == 3e-4
 
 
+def test_e2e_layouts_keep_eight_samples_a_microbatch_at_every_global_batch():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from e2e_hetero import WORKLOADS, layouts_for
+
+        from dyad import config as config_lib
+    finally:
+        sys.path.remove(str(BENCH))
+    for samples in (16, 32, 64):
+        for name, (overrides, _) in layouts_for(samples).items():
+            config = config_lib.load(None, [*WORKLOADS["vit-l-448-merge2"], f"train.global_batch={samples}", *overrides])
+            per_microbatch = samples // (config.train.microbatches * config.parallel.llm.dp)
+            assert per_microbatch == (4 if name == "heterogeneous-4mb" else 8), (name, samples)
+    with pytest.raises(SystemExit, match="--global-batch 24: not a multiple of 2 lanes x 8 samples"):
+        layouts_for(24)
+
+
 def test_e2e_layouts_run_in_the_order_named_and_an_unknown_one_is_named():
     sys.path.insert(0, str(BENCH))
     try:
-        from e2e_hetero import LAYOUTS, chosen_layouts
+        from e2e_hetero import chosen_layouts, layouts_for
     finally:
         sys.path.remove(str(BENCH))
+    LAYOUTS = layouts_for(16)
     assert list(chosen_layouts(LAYOUTS, None)) == list(LAYOUTS)
     names = ["heterogeneous", "homogeneous-colocated-ep2"]
     assert list(chosen_layouts(LAYOUTS, names)) == names
