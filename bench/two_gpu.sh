@@ -12,7 +12,12 @@
 #   and step 9 profiled (a kernel table and a Chrome-trace timeline per worker under
 #   $OUT/profiles, left out of the medians);
 #   E2E_ARGS adds options (e.g. "--workload vit-l-224").
-# BANDWIDTH_LIMIT and E2E_LIMIT are the parts' limits in seconds.
+# e2e-batches: heterogeneous against dp2 at 64, 32 and 16 samples a step, eight samples in every
+#   LLM microbatch (`--global-batch`), one invocation per layout and size, alternating which runs
+#   first, no profile; each writes $OUT/e2e-<samples>-<layout>.json. dp2 needs 95-100 GB a GPU at
+#   32 and 64 samples: on H100s it runs out of memory there (docs/performance.md, "More
+#   microbatches a step").
+# BANDWIDTH_LIMIT, E2E_LIMIT and BATCH_LIMIT (each e2e-batches invocation) are the parts' limits in seconds.
 # The GPU hosts lack ucxx and the router's grpcio-tools, grpcio-health-checking and prometheus-client:
 # fetch them here with ../shared/gpu/fetch-wheels.sh grpcio-tools==1.84.0 grpcio-health-checking==1.84.0
 # prometheus-client, install them there first (without grpc_health the router exits at start).
@@ -34,7 +39,18 @@ for name in "${parts[@]}"; do
     e2e) part e2e "${E2E_LIMIT:-420}" python3 bench/e2e_hetero.py --compile --steps 14 --skip 4 \
         --profile-step 9 --profile-dir "$OUT/profiles" --out "$OUT/e2e.json" --layouts ${E2E_LAYOUTS:-homogeneous-colocated-ep2 heterogeneous homogeneous-colocated} \
         ${E2E_ARGS:-} ;;
-    *) echo "unknown part $name (bandwidth, e2e)" >&2; exit 2 ;;
+    e2e-batches)
+        first=(heterogeneous homogeneous-colocated)
+        for samples in 64 32 16; do
+            steps=$(( samples >= 64 ? 30 : (samples >= 32 ? 40 : 60) )); skip=$(( samples >= 64 ? 6 : 8 ))
+            for layout in "${first[@]}"; do
+                part "e2e-$samples-$layout" "${BATCH_LIMIT:-200}" python3 bench/e2e_hetero.py --compile \
+                    --global-batch "$samples" --steps "$steps" --skip "$skip" --layouts "$layout" \
+                    --out "$OUT/e2e-$samples-$layout.json" ${E2E_ARGS:-}
+            done
+            first=("${first[1]}" "${first[0]}")
+        done ;;
+    *) echo "unknown part $name (bandwidth, e2e, e2e-batches)" >&2; exit 2 ;;
     esac
 done
 # one archive: the lent hosts return a limited number of files
