@@ -3,10 +3,11 @@ per sample, the ~1B-active MoE LLM of bench/llm_step.py), run
   (a) homogeneous, colocated: both pools on both GPUs with one layout (encoder dp=2, LLM dp=2,
       with or without ep=2; rank r of each pool on GPU r), and
   (b) heterogeneous, non-colocated: the encoder pool on GPU 0, the LLM pool on GPU 1.
-Same global batch (so the same math). Reports tokens/s, model TFLOP/s per GPU, and the LLM's
-exposed boundary wait as a share of the step (its GPU's idle time while its worker waited for
-rows, `dyad/exposed_wait.py`; likewise the encoder's for gradients); keeps each run's metrics;
-rewrites --out after each layout.
+Same global batch (so the same math): `--global-batch` samples a step (16 unless set), eight in
+every layout's LLM microbatch, so more samples mean more microbatches a step. Reports tokens/s,
+model TFLOP/s per GPU, and the LLM's exposed boundary wait as a share of the step (its GPU's idle
+time while its worker waited for rows, `dyad/exposed_wait.py`; likewise the encoder's for
+gradients); keeps each run's metrics; rewrites --out after each layout.
 
 Workloads (--workload): `vit-l-448-merge2` (default; InternVL-like: a ViT-L/14 at 448 pixels, 1,024
 patches per image, 2 x 2 patches merged into each of 256 LLM tokens), where the encoder's share
@@ -14,6 +15,7 @@ of the work is about the LLM's; `vit-l-224` (256 patches, all sent to the LLM), 
 does three quarters of it.
 
     python bench/e2e_hetero.py --out $OUT/e2e.json --work $OUT/runs
+    python bench/e2e_hetero.py --compile --global-batch 64 --layouts heterogeneous homogeneous-colocated
     python bench/e2e_hetero.py --toy                  # CPU, tiny, one process per pool (CI)
 """
 
@@ -34,7 +36,7 @@ from dyad.jobs import run_job
 COMMON = [
     "train.device=cuda",
     "train.dtype=bfloat16",
-    "train.global_batch=16",  # bench/e2e_hetero.py sets its --global-batch after this
+    "train.global_batch=16",  # main() puts --global-batch after it
     "train.warmup_steps=2",
     "checkpoint.interval_steps=0",
     "data.multi_image_fraction=0.5",

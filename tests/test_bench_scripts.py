@@ -97,13 +97,13 @@ def test_e2e_layouts_run_in_the_order_named_and_an_unknown_one_is_named():
         from e2e_hetero import chosen_layouts, layouts_for
     finally:
         sys.path.remove(str(BENCH))
-    LAYOUTS = layouts_for(16)
-    assert list(chosen_layouts(LAYOUTS, None)) == list(LAYOUTS)
+    layouts = layouts_for(16)
+    assert list(chosen_layouts(layouts, None)) == list(layouts)
     names = ["heterogeneous", "homogeneous-colocated-ep2"]
-    assert list(chosen_layouts(LAYOUTS, names)) == names
-    assert list(chosen_layouts(LAYOUTS, list(reversed(names)))) == list(reversed(names))
+    assert list(chosen_layouts(layouts, names)) == names
+    assert list(chosen_layouts(layouts, list(reversed(names)))) == list(reversed(names))
     with pytest.raises(SystemExit, match="no layout named heterogenous; there are homogeneous-colocated"):
-        chosen_layouts(LAYOUTS, ["heterogenous"])
+        chosen_layouts(layouts, ["heterogenous"])
 
 
 def test_the_plots_draw_from_the_committed_results(tmp_path):
