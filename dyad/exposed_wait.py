@@ -24,19 +24,23 @@ class ExposedWait:
 
     def __init__(self, device: torch.device | str):
         self.on_gpu = torch.device(device).type == "cuda"
-        self.host_s = 0.0
+        self.host_s = 0.0  # read on a CPU only
         self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextlib.contextmanager
     def measuring(self):
-        began = time.perf_counter()
-        before = self._mark()
+        if not self.on_gpu:
+            began = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.host_s += time.perf_counter() - began
+            return
+        before = _recorded_event()
         try:
             yield
         finally:
-            self.host_s += time.perf_counter() - began
-            if self.on_gpu:
-                self.marks.append((before, self._mark()))
+            self.marks.append((before, _recorded_event()))
 
     def seconds(self) -> float:
         """The device's idle time over every wait so far (the host's waiting time on a CPU)."""
@@ -46,9 +50,8 @@ class ExposedWait:
             self.marks[-1][1].synchronize()  # recorded last, so it completes last
         return sum(before.elapsed_time(after) for before, after in self.marks) / 1e3
 
-    def _mark(self) -> torch.cuda.Event | None:
-        if not self.on_gpu:
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+
+def _recorded_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
