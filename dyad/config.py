@@ -41,6 +41,9 @@ class TrainConfig:
     device: str = "cpu"
     compile: bool = False  # torch.compile each transformer block of both pools (dyad/compile.py)
     compile_backend: str = "inductor"  # any torch._dynamo backend; "aot_eager" keeps eager kernels
+    # Pools ("encoder", "llm") whose transformer blocks run their forward again in the backward
+    # pass instead of keeping its activations (dyad/recompute.py): less memory, the same math.
+    recompute: tuple[str, ...] = ()
     # Sum each bucket of gradients over its data-parallel group while the step's last backward
     # pass goes on (dyad/parallel/overlap.py); false: all of them after it. The same sums.
     overlap_grad_reduce: bool = True
@@ -66,6 +69,11 @@ class TrainConfig:
             raise ValueError(f"train.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"train.device must be 'cpu' or 'cuda', got {self.device!r}")
+        unknown = [pool for pool in self.recompute if pool not in ("encoder", "llm")]
+        if unknown or len(set(self.recompute)) != len(self.recompute):
+            raise ValueError(
+                f"train.recompute must list distinct pools out of 'encoder' and 'llm', got {list(self.recompute)}"
+            )
         if self.compile:
             from dyad.compile import compile_backends  # imports torch._dynamo: only when asked for
 
@@ -296,6 +304,11 @@ def resolve(config: RunConfig, *, vocab_size: int) -> RunConfig:
         raise ValueError(
             f"llm.fp8 needs parallel.llm.tp == 1 and etp == 1 (tensor-parallel linears have no float8 path "
             f"yet), got tp={config.parallel.llm.tp}, etp={config.parallel.llm.etp}"
+        )
+    if "llm" in config.train.recompute and config.llm.moe.expert_bias:
+        raise ValueError(
+            "train.recompute cannot hold 'llm' with llm.moe.expert_bias: the MoE layers count their "
+            "tokens in the forward pass, which recomputation would run twice"
         )
     needed = config.train.microbatches * config.parallel.llm.dp
     if config.train.global_batch < needed:

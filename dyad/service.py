@@ -21,6 +21,7 @@ from dyad.data import make_dataset
 from dyad.init import init_parameters
 from dyad.kernels.boundary_pack import RowSegments
 from dyad.optim import apply_update, build_optimizer
+from dyad.recompute import recompute_blocks
 from dyad.parallel.gradients import pool_grad_sq_norm
 from dyad.parallel.overlap import GradientReduction
 from dyad.parallel.groups import ProcessGroups
@@ -93,6 +94,8 @@ class PoolService(ABC):
         self.reduction = GradientReduction(
             self.gradient_plan, self.groups, overlap=config.train.overlap_grad_reduce
         )
+        if self.pool in config.train.recompute:
+            recompute_blocks(self.model)
         if config.train.compile:
             compile_blocks(self.model, config.train.compile_backend)
         self.optimizer = build_optimizer(self.model, config.train)

@@ -1,0 +1,172 @@
+"""`train.recompute`: blocks that run their forward again in the backward pass compute the same
+function and the same gradients, keep less for the backward pass, and a run that recomputes in
+both pools (compiled, in parallel layouts) trains as the single process does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dyad import config as config_lib
+from dyad.compile import compile_blocks
+from dyad.data import make_dataset
+from dyad.jobs import run_job
+from dyad.recompute import recompute_blocks
+from dyad.service import build_model
+from dyad.verify import compare_with_reference
+
+CUDA = torch.cuda.is_available()
+
+
+def _resolved(overrides=()):
+    config = config_lib.load(None, ["llm.moe.shared_expert_dim=32", *overrides])
+    return config_lib.resolve(config, vocab_size=make_dataset(config.data).tokenizer.vocab_size)
+
+
+def _llm_inputs(config, device):
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(config.llm.vocab_size, (2, 24), generator=generator).to(device)
+    rows = torch.randn(6, config.llm.dim, generator=generator).to(device)
+    positions = torch.tensor([1, 2, 3, 30, 31, 32], device=device)
+    return ids, rows, positions
+
+
+def _llm_loss(model, inputs, autocast=False):
+    ids, rows, positions = inputs
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits, aux = model(ids, rows, positions)
+        return model.loss_sum(logits, ids.roll(-1, dims=1)) / ids.numel() + aux
+
+
+def _encoder_loss(model, images):
+    return model(images).square().mean()
+
+
+def _loss_and_grads(model, loss_fn, *args):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model, *args)
+    loss.backward()
+    return loss.detach(), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def _saved_bytes(model, loss_fn, *args) -> int:
+    """Bytes the forward pass hands autograd to keep for the backward pass (outside what
+    torch.utils.checkpoint holds back)."""
+    total = 0
+
+    def pack(tensor):
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss_fn(model, *args)
+    return total
+
+
+def _both_models(config, pool, device="cpu"):
+    plain, recomputing = build_model(config, pool, device), build_model(config, pool, device)
+    assert recompute_blocks(recomputing) == (config.llm.n_layers if pool == "llm" else config.encoder.depth)
+    return plain, recomputing
+
+
+def test_recomputing_blocks_give_the_same_loss_and_gradients():
+    """On a CPU the recomputed forward runs the same kernels on the same inputs: equal bits."""
+    config = _resolved()
+    inputs = _llm_inputs(config, "cpu")
+    plain, recomputing = _both_models(config, "llm")
+    loss, grads = _loss_and_grads(plain, _llm_loss, inputs)
+    loss_r, grads_r = _loss_and_grads(recomputing, _llm_loss, inputs)
+    torch.testing.assert_close(loss_r, loss, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_r[name], grad, rtol=0, atol=0, msg=name)
+
+    images = torch.rand(3, 1, 16, 16, generator=torch.Generator().manual_seed(1))
+    plain, recomputing = _both_models(config, "encoder")
+    loss, grads = _loss_and_grads(plain, _encoder_loss, images)
+    loss_r, grads_r = _loss_and_grads(recomputing, _encoder_loss, images)
+    torch.testing.assert_close(loss_r, loss, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_r[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_recomputing_blocks_keep_a_fraction_of_the_activations():
+    config = _resolved(["llm.n_layers=4", "encoder.depth=4"])
+    inputs = _llm_inputs(config, "cpu")
+    plain, recomputing = _both_models(config, "llm")
+    kept, kept_r = _saved_bytes(plain, _llm_loss, inputs), _saved_bytes(recomputing, _llm_loss, inputs)
+    assert kept_r < kept / 4, (kept_r, kept)
+
+    images = torch.rand(3, 1, 16, 16, generator=torch.Generator().manual_seed(1))
+    plain, recomputing = _both_models(config, "encoder")
+    kept, kept_r = _saved_bytes(plain, _encoder_loss, images), _saved_bytes(recomputing, _encoder_loss, images)
+    assert kept_r < kept / 4, (kept_r, kept)
+
+
+def test_a_model_recomputes_once():
+    model = build_model(_resolved(), "encoder")
+    recompute_blocks(model)
+    with pytest.raises(ValueError, match="already recompute"):
+        recompute_blocks(model)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.recompute=[vision]"], r"train.recompute must list distinct pools out of 'encoder' and 'llm', got \['vision'\]"),
+        (["train.recompute=[llm, llm]"], r"train.recompute must list distinct pools"),
+        (["train.recompute=llm"], r"train.recompute must be a list"),
+    ],
+)
+def test_bad_recompute_values_are_refused_naming_the_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        config_lib.load(None, overrides)
+
+
+def test_llm_recompute_is_refused_with_token_counting_expert_biases():
+    with pytest.raises(ValueError, match=r"train.recompute cannot hold 'llm' with llm.moe.expert_bias"):
+        _resolved(["train.recompute=[llm]", "llm.moe.expert_bias=true"])
+    assert _resolved(["train.recompute=[encoder]", "llm.moe.expert_bias=true"]).train.recompute == ("encoder",)
+
+
+def test_a_compiled_recomputing_run_in_parallel_layouts_matches_single_process(tmp_path):
+    overrides = ["train.steps=3", "train.warmup_steps=1", "train.global_batch=8", "parallel.llm.dp=2",
+                 "parallel.encoder.dp=2", "train.recompute=[encoder, llm]",
+                 "train.compile=true", "train.compile_backend=aot_eager"]
+    config = dataclasses.replace(config_lib.load(None, overrides), out_dir=str(tmp_path / "run"))
+    job = run_job(config, progress=False)
+    assert job.succeeded, job.info.message
+    dataset = make_dataset(config.data)
+    resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
+    comparison = compare_with_reference(resolved, dataset, job)  # the reference neither compiles nor recomputes
+    assert all(error <= 1e-5 for *_, error in comparison.losses), comparison.losses
+    assert comparison.worst_param_error <= 1e-5, comparison.worst_param
+
+
+@pytest.mark.skipif(not CUDA, reason="inductor's GPU kernels and the CUDA allocator's peak need a CUDA device")
+def test_compiled_recomputing_blocks_on_a_gpu_match_and_use_less_memory():
+    config = _resolved(["llm.dim=256", "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.expert_dim=128"])
+    plain, recomputing = _both_models(config, "llm", "cuda")
+    compile_blocks(plain)
+    compile_blocks(recomputing)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(config.llm.vocab_size, (4, 512), generator=generator).cuda()
+    rows = torch.randn(64, config.llm.dim, generator=generator).cuda()
+    inputs = (ids, rows, torch.arange(64, device="cuda"))
+    peaks, results = [], []
+    for model in (plain, recomputing):
+        _loss_and_grads(model, _llm_loss, inputs, True)  # compiles
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        results.append(_loss_and_grads(model, _llm_loss, inputs, True))
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+    (loss, grads), (loss_r, grads_r) = results
+    torch.testing.assert_close(loss_r, loss, rtol=1e-2, atol=1e-3)
+    for name, grad in grads.items():  # inductor may fuse the recomputation differently: bf16 rounding
+        error = (grads_r[name] - grad).norm() / grad.norm().clamp_min(1e-12)
+        assert error < 5e-2, f"{name}: relative error {float(error):.3g}"
+    assert peaks[1] < peaks[0], peaks
