@@ -86,6 +86,17 @@ def layouts_for(global_batch: int) -> dict:
             ["parallel.encoder.dp=2", "parallel.llm.dp=2", microbatches(global_batch, 2)],
             2,
         ),
+        # dp2 where its memory does not fit an 80 GB GPU at 32 samples or more: the encoder's blocks
+        # (most of a GPU's activations) recompute in the backward pass, or both pools' blocks
+        "homogeneous-colocated-recompute-encoder": (
+            ["parallel.encoder.dp=2", "parallel.llm.dp=2", "train.recompute=[encoder]", microbatches(global_batch, 2)],
+            2,
+        ),
+        "homogeneous-colocated-recompute-both": (
+            ["parallel.encoder.dp=2", "parallel.llm.dp=2", "train.recompute=[encoder, llm]",
+             microbatches(global_batch, 2)],
+            2,
+        ),
         "homogeneous-colocated-ep2": (
             ["parallel.encoder.dp=2", "parallel.llm.dp=2", "parallel.llm.ep=2", microbatches(global_batch, 2)],
             2,
