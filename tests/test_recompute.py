@@ -152,7 +152,7 @@ def test_compiled_recomputing_blocks_on_a_gpu_match_and_use_less_memory():
     compile_blocks(plain)
     compile_blocks(recomputing)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(config.llm.vocab_size, (4, 512), generator=generator).cuda()
+    ids = torch.randint(config.llm.vocab_size, (8, 256), generator=generator).cuda()
     rows = torch.randn(64, config.llm.dim, generator=generator).cuda()
     inputs = (ids, rows, torch.arange(64, device="cuda"))
     peaks, results = [], []
@@ -170,3 +170,27 @@ def test_compiled_recomputing_blocks_on_a_gpu_match_and_use_less_memory():
         error = (grads_r[name] - grad).norm() / grad.norm().clamp_min(1e-12)
         assert error < 5e-2, f"{name}: relative error {float(error):.3g}"
     assert peaks[1] < peaks[0], peaks
+
+
+def test_each_kind_of_recomputing_llm_block_compiles_to_one_graph():
+    """No graph break at the MoE layer's side effect: one graph for the dense block and one for
+    the MoE block, each holding its recomputation (a graph break would run the block eagerly)."""
+    import torch._dynamo
+
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    config = _resolved(["llm.n_layers=3"])
+    model = build_model(config, "llm").to(torch.bfloat16)
+    recompute_blocks(model)
+    compile_blocks(model, counting_backend)
+    ids, rows, positions = _llm_inputs(config, "cpu")
+    logits, aux = model(ids, rows.bfloat16(), positions)
+    (logits.float().sum() + aux).backward()
+    assert len(graphs) == 2 and config.llm.dense_layers == (0,)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
