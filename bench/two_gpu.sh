@@ -16,7 +16,8 @@
 #   LLM microbatch (`--global-batch`), one invocation per layout and size, alternating which runs
 #   first, no profile; each writes $OUT/e2e-<samples>-<layout>.json. dp2 needs 95-100 GB a GPU at
 #   32 and 64 samples: on H100s it runs out of memory there (docs/performance.md, "More
-#   microbatches a step").
+#   microbatches a step"); BATCH_DP2=homogeneous-colocated-recompute-encoder runs the dp2 that
+#   fits them (its encoder's blocks recomputing).
 # BANDWIDTH_LIMIT, E2E_LIMIT and BATCH_LIMIT (each e2e-batches invocation) are the parts' limits in seconds.
 # The GPU hosts lack ucxx and the router's grpcio-tools, grpcio-health-checking and prometheus-client:
 # fetch them here with ../shared/gpu/fetch-wheels.sh grpcio-tools==1.84.0 grpcio-health-checking==1.84.0
@@ -40,7 +41,7 @@ for name in "${parts[@]}"; do
         --profile-step 9 --profile-dir "$OUT/profiles" --out "$OUT/e2e.json" --layouts ${E2E_LAYOUTS:-homogeneous-colocated-ep2 heterogeneous homogeneous-colocated} \
         ${E2E_ARGS:-} ;;
     e2e-batches)
-        first=(heterogeneous homogeneous-colocated)
+        first=(heterogeneous "${BATCH_DP2:-homogeneous-colocated}")
         for samples in 64 32 16; do
             steps=$(( samples >= 64 ? 30 : (samples >= 32 ? 40 : 60) )); skip=$(( samples >= 64 ? 6 : 8 ))
             for layout in "${first[@]}"; do
