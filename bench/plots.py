@@ -35,6 +35,7 @@ MOE_RUNS = {  # label: result file under --results, every run interleaved with t
     "H200 D": "moe_deferred_h200/run_d_dyad_first.json",
     "H200 E": "moe_deferred_h200/run_e_dyad_last.json",
 }
+RECOMPUTE_H100 = "e2e_recompute_h100/start_1"
 E2E_RUNS = {  # label: one result file, or several whose layouts together make the run
     "H200 run 1": "e2e_2xh200_vit448_compiled.json",
     "H200 run 2": "e2e_2xh200_vit448_compiled_repeat.json",
@@ -53,6 +54,15 @@ E2E_RUNS = {  # label: one result file, or several whose layouts together make t
     "H200 run 12 b": ("e2e_no_host_sync_2xh200/run12_hn4.json", "e2e_no_host_sync_2xh200/run12_dn5.json"),
     "H200 run 13 a": ("e2e_no_host_sync_2xh200/run13_hn0.json", "e2e_no_host_sync_2xh200/run13_dn1.json"),
     "H200 run 13 b": ("e2e_no_host_sync_2xh200/run13_hn2.json", "e2e_no_host_sync_2xh200/run13_dn3.json"),
+    # From here 64 or 32 samples a step, eight in every LLM microbatch (--global-batch).
+    "H200, 64 samples a": ("e2e_global_batch/h200/e2e_0-d64.json", "e2e_global_batch/h200/e2e_1-h64.json"),
+    "H200, 32 samples": ("e2e_global_batch/h200/e2e_2-d32.json", "e2e_global_batch/h200/e2e_3-h32.json"),
+    "H200, 64 samples b": ("e2e_global_batch/h200/e2e_4-h64.json", "e2e_global_batch/h200/e2e_5-d64.json"),
+    # Two H100s, where dp2 fits these only with its encoder's blocks recomputing.
+    "H100, 64 samples a": (f"{RECOMPUTE_H100}/e2e_0-r64.json", f"{RECOMPUTE_H100}/e2e_1-h64.json"),
+    "H100, 64 samples b": (f"{RECOMPUTE_H100}/e2e_3-h64.json", f"{RECOMPUTE_H100}/e2e_4-r64.json"),
+    "H100, 32 samples a": (f"{RECOMPUTE_H100}/e2e_5-r32.json", f"{RECOMPUTE_H100}/e2e_6-h32.json"),
+    "H100, 32 samples b": (f"{RECOMPUTE_H100}/e2e_7-h32.json", f"{RECOMPUTE_H100}/e2e_8-r32.json"),
 }
 # Per run of E2E_RUNS, the layouts that computed wrong gradients (torch 2.11 lost the backward of
 # the expert-parallel all-to-all in compiled blocks, fixed before the H100 runs;
