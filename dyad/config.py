@@ -305,10 +305,13 @@ def resolve(config: RunConfig, *, vocab_size: int) -> RunConfig:
             f"llm.fp8 needs parallel.llm.tp == 1 and etp == 1 (tensor-parallel linears have no float8 path "
             f"yet), got tp={config.parallel.llm.tp}, etp={config.parallel.llm.etp}"
         )
-    if "llm" in config.train.recompute and config.llm.moe.expert_bias:
+    if "llm" in config.train.recompute and config.llm.moe.expert_bias and config.train.compile and (
+        config.train.dtype == "float32"
+    ):
         raise ValueError(
-            "train.recompute cannot hold 'llm' with llm.moe.expert_bias: the MoE layers count their "
-            "tokens in the forward pass, which recomputation would run twice"
+            "train.recompute cannot hold 'llm' with llm.moe.expert_bias under train.compile in float32 "
+            "train.dtype: there the grouped matmul breaks the MoE block's graph, and the part after the "
+            "break would count the block's tokens again when it is recomputed (use bfloat16, or no compile)"
         )
     needed = config.train.microbatches * config.parallel.llm.dp
     if config.train.global_batch < needed:

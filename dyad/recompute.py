@@ -10,18 +10,21 @@ eager ones (the same kernels on the same inputs), at the cost of one more forwar
 block. Memory falls from every block's saved activations to one block's at a time plus each
 block's input.
 
-Under torch.compile a block's side effects on its modules (the MoE layer keeps its last expert
-counts) happen in the forward and are not replayed by the recomputation: without
-`skip_fwd_side_effects_in_bwd_under_checkpoint` dynamo breaks the graph there and runs the whole
-MoE block eagerly (measured on two H100s: a dp2 step recomputing both pools took 1.8-1.9x one
-recomputing the encoder's only). Eagerly they are replayed, which is why
-`train.recompute` refuses the LLM when its MoE layers count tokens for their expert biases.
+A block's side effects happen once, in the forward pass: eagerly the recomputation runs under
+`recomputing()`, which the MoE layer reads to leave its token counts (for the expert biases)
+alone; under torch.compile dynamo does not replay them
+(`skip_fwd_side_effects_in_bwd_under_checkpoint`: without it dynamo breaks the graph at the MoE
+layer's side effect and runs the whole MoE block eagerly; measured on two H100s, a dp2 step
+recomputing both pools took 1.8-1.9x one recomputing the encoder's only).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -42,5 +45,28 @@ def recompute_blocks(model: nn.Module) -> int:
     return len(blocks)
 
 
+_state = threading.local()  # the autograd engine recomputes on the thread of the backward pass
+
+
+def recomputing() -> bool:
+    """True while an eager block runs its forward again in the backward pass."""
+    return getattr(_state, "recomputing", False)
+
+
+@contextlib.contextmanager
+def _recomputation():
+    _state.recomputing = True
+    try:
+        yield
+    finally:
+        _state.recomputing = False
+
+
+def _forward_and_recomputation_contexts():
+    return contextlib.nullcontext(), _recomputation()
+
+
 def _recomputed(forward, *args, **kwargs):
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    if torch.compiler.is_compiling():  # dynamo takes no context_fn but selective checkpointing's
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=_forward_and_recomputation_contexts, **kwargs)

@@ -58,6 +58,7 @@ from dyad.kernels.moe_permute import expert_counts, permute, unpermute
 from dyad.kernels.moe_router import router_logits, softmax_topk
 from dyad.kernels.swiglu import swiglu
 from dyad.parallel.tensor import all_reduce_sum_grad
+from dyad.recompute import recomputing
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSSES = ("micro_batch", "seq", "none")
@@ -401,8 +402,8 @@ class MoELayer(nn.Module):
             y_TD = y_TD + self.shared_expert(x_TD)
         counts_E = assignment_counts(expert_idx_TK, valid_T, self.cfg.num_experts)
         self.last_expert_counts_E = counts_E
-        if self.expert_counts_E is not None and self.training and torch.is_grad_enabled():
-            self.expert_counts_E += counts_E
+        if self.expert_counts_E is not None and self.training and torch.is_grad_enabled() and not recomputing():
+            self.expert_counts_E += counts_E  # once per forward pass, not again when recomputed
         return y_TD, self.aux_loss(x_TD, scores_TE, expert_idx_TK, valid_T, seq_ids_T, counts_E)
 
     @torch.no_grad()

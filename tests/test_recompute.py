@@ -125,16 +125,53 @@ def test_bad_recompute_values_are_refused_naming_the_field(overrides, message):
         config_lib.load(None, overrides)
 
 
-def test_llm_recompute_is_refused_with_token_counting_expert_biases():
-    with pytest.raises(ValueError, match=r"train.recompute cannot hold 'llm' with llm.moe.expert_bias"):
-        _resolved(["train.recompute=[llm]", "llm.moe.expert_bias=true"])
-    assert _resolved(["train.recompute=[encoder]", "llm.moe.expert_bias=true"]).train.recompute == ("encoder",)
+def _expert_counts(model, dtype=torch.float32):
+    from dyad.llm_service.moe import MoELayer
+
+    ids, rows, positions = _llm_inputs(_resolved(), "cpu")
+    logits, aux = model.to(dtype)(ids, rows.to(dtype), positions)
+    (logits.float().sum() + aux).backward()
+    return [layer.expert_counts_E.tolist() for layer in model.modules() if isinstance(layer, MoELayer)]
+
+
+def test_recomputed_moe_blocks_count_their_tokens_once():
+    """The expert biases' token counts: the recomputation in the backward pass adds nothing, eagerly
+    and compiled (bf16, where the MoE block is one graph)."""
+    import torch._dynamo
+
+    config = _resolved(["llm.n_layers=3", "llm.moe.expert_bias=true"])
+    plain, recomputing = _both_models(config, "llm")
+    expected = _expert_counts(plain)
+    assert sum(map(sum, expected)) > 0
+    assert _expert_counts(recomputing) == expected
+    torch._dynamo.reset()
+    plain, recomputing = _both_models(config, "llm")
+    compile_blocks(recomputing, "aot_eager")
+    assert _expert_counts(recomputing, torch.bfloat16) == _expert_counts(plain, torch.bfloat16)
+
+
+def test_llm_recompute_is_refused_where_a_graph_break_would_count_tokens_twice():
+    with pytest.raises(ValueError, match=r"train.recompute cannot hold 'llm' with llm.moe.expert_bias under train.compile in float32"):
+        _resolved(["train.recompute=[llm]", "llm.moe.expert_bias=true", "train.compile=true", "train.dtype=float32"])
+    for allowed in (["train.recompute=[llm]"], ["train.recompute=[encoder]", "train.compile=true"],
+                    ["train.recompute=[llm]", "train.compile=true", "train.dtype=bfloat16"]):
+        _resolved([*allowed, "llm.moe.expert_bias=true"])
+
+
+def test_an_eager_recomputing_run_with_expert_biases_matches_single_process(tmp_path):
+    overrides = ["train.steps=3", "train.warmup_steps=1", "train.global_batch=8", "parallel.llm.dp=2",
+                 "train.recompute=[encoder, llm]", "llm.moe.expert_bias=true"]
+    _assert_run_matches_single_process(overrides, tmp_path)
 
 
 def test_a_compiled_recomputing_run_in_parallel_layouts_matches_single_process(tmp_path):
     overrides = ["train.steps=3", "train.warmup_steps=1", "train.global_batch=8", "parallel.llm.dp=2",
                  "parallel.encoder.dp=2", "train.recompute=[encoder, llm]",
                  "train.compile=true", "train.compile_backend=aot_eager"]
+    _assert_run_matches_single_process(overrides, tmp_path)
+
+
+def _assert_run_matches_single_process(overrides, tmp_path):
     config = dataclasses.replace(config_lib.load(None, overrides), out_dir=str(tmp_path / "run"))
     job = run_job(config, progress=False)
     assert job.succeeded, job.info.message
@@ -172,25 +209,21 @@ def test_compiled_recomputing_blocks_on_a_gpu_match_and_use_less_memory():
     assert peaks[1] < peaks[0], peaks
 
 
-def test_each_kind_of_recomputing_llm_block_compiles_to_one_graph():
-    """No graph break at the MoE layer's side effect: one graph for the dense block and one for
-    the MoE block, each holding its recomputation (a graph break would run the block eagerly)."""
+@pytest.mark.parametrize("expert_bias", [False, True])
+def test_each_kind_of_recomputing_llm_block_compiles_to_one_graph(expert_bias):
+    """No graph break at the MoE layer's side effects (its last counts; with expert biases, the
+    count it adds to): one graph for the dense block and one for the MoE block, each holding its
+    recomputation (a graph break would run the block eagerly)."""
     import torch._dynamo
-
-    graphs = []
-
-    def counting_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    config = _resolved(["llm.n_layers=3"])
+    config = _resolved(["llm.n_layers=3", f"llm.moe.expert_bias={str(expert_bias).lower()}"])
     model = build_model(config, "llm").to(torch.bfloat16)
     recompute_blocks(model)
-    compile_blocks(model, counting_backend)
+    compile_blocks(model, "aot_eager")
     ids, rows, positions = _llm_inputs(config, "cpu")
     logits, aux = model(ids, rows.bfloat16(), positions)
     (logits.float().sum() + aux).backward()
-    assert len(graphs) == 2 and config.llm.dense_layers == (0,)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 and config.llm.dense_layers == (0,)
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
