@@ -4,7 +4,9 @@ bf16 compute with float32 master weights and optimizer state. Reports model FLOP
 for each variant: one sequence per optimizer step, eight (gradients accumulated over eight
 microbatches of one sequence, or four of two, or two of four: the same global batch), each eager
 and with compiled blocks (`train.compile`, dyad/compile.py), and eight with float8 GEMMs
-(llm.fp8; its FLOPs counted against the same bf16 peak). On a GPU each variant also reports how
+(llm.fp8; its FLOPs counted against the same bf16 peak), and with blocks recomputing their
+activations (`train.recompute`; the recomputation's FLOPs are not counted, as MFU does not count
+them). On a GPU each variant also reports how
 long the host takes to issue one step from an idle GPU against that step's end on the GPU (close
 means the step waits on the host), and the caching allocator's peak reservation and cudaMalloc
 retries.
@@ -33,6 +35,7 @@ from dyad.llm_service.fp8 import convert_to_fp8
 from dyad.llm_service.model import LLMConfig, MoELM
 from dyad.llm_service.moe import MoEConfig
 from dyad.optim import build_optimizer
+from dyad.recompute import recompute_blocks
 from moe_layer import median_ms, write_kernel_table  # beside this script
 from run_info import bench_device, run_header, write_json  # beside this script
 
@@ -70,6 +73,7 @@ class Variant(NamedTuple):
     sequences: int = 1  # 4,096-token sequences per microbatch (Megatron's micro-batch size)
     fp8: str | None = None  # float8 GEMMs: no / "eager" / "compiled" quantization
     compiled_blocks: bool = False
+    recompute: bool = False  # blocks recompute their activations in the backward pass (dyad/recompute.py)
 
 
 VARIANTS = {  # the global batch is microbatches x sequences sequences of 4,096 tokens
@@ -79,6 +83,9 @@ VARIANTS = {  # the global batch is microbatches x sequences sequences of 4,096 
     "bf16-8mb-compiled": Variant(8, compiled_blocks=True),
     "bf16-4mb-x2-compiled": Variant(4, sequences=2, compiled_blocks=True),
     "bf16-2mb-x4-compiled": Variant(2, sequences=4, compiled_blocks=True),
+    "bf16-1mb-recompute": Variant(1, recompute=True),
+    "bf16-2mb-x4-compiled-recompute": Variant(2, sequences=4, compiled_blocks=True, recompute=True),
+    "bf16-1mb-x8-compiled-recompute": Variant(1, sequences=8, compiled_blocks=True, recompute=True),
     "fp8-8mb": Variant(8, fp8="eager"),
     "fp8c-8mb": Variant(8, fp8="compiled"),
 }
@@ -90,7 +97,7 @@ def needs_compiler(name: str) -> bool:
     return variant.compiled_blocks or variant.fp8 == "compiled"
 
 
-def build(cfg: LLMConfig, device: str, fp8: str | None, compiled_blocks: bool = False):
+def build(cfg: LLMConfig, device: str, fp8: str | None, compiled_blocks: bool = False, recompute: bool = False):
     torch.manual_seed(0)
     model = MoELM(cfg)
     if fp8:
@@ -98,6 +105,8 @@ def build(cfg: LLMConfig, device: str, fp8: str | None, compiled_blocks: bool = 
     if fp8 == "compiled":
         compile_quantization()
     model = model.to(device)
+    if recompute:
+        recompute_blocks(model)
     if compiled_blocks:
         compile_blocks(model)
     train = argparse.Namespace(weight_decay=0.01, beta1=0.9, beta2=0.95, eps=1e-8, lr=1e-4)
@@ -170,7 +179,7 @@ def main() -> None:
     names = args.variants.split(",") if args.variants else list(VARIANTS) if device == "cuda" else eager
     for name in names:
         variant = VARIANTS[name]
-        model, optimizer = build(cfg, device, variant.fp8, variant.compiled_blocks)
+        model, optimizer = build(cfg, device, variant.fp8, variant.compiled_blocks, variant.recompute)
         result["total_params"] = sum(p.numel() for p in model.parameters())
         step = make_step(model, optimizer, cfg, S, N, variant, device)
         if device == "cuda":

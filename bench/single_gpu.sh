@@ -20,6 +20,6 @@ part moe_layer_interleaved 200 python3 bench/moe_layer.py --interleave --head-st
     --layers dyad,dyad-wgrads-joined-at-once,torchtitan-0.3.0 --out "$OUT/moe_layer_interleaved.json"
 part router_kernels 120 python3 bench/router_kernels.py --out "$OUT/router_kernels.json"
 part expert_order 60 python3 bench/expert_order.py --out "$OUT/expert_order.json"
-part llm_step 180 python3 bench/llm_step.py --out "$OUT/llm_step.json" --profile-dir "$OUT"
+part llm_step 300 python3 bench/llm_step.py --out "$OUT/llm_step.json" --profile-dir "$OUT"
 part fp8_convergence 300 python3 bench/fp8_convergence.py --out "$OUT/fp8_convergence.json"
 tar czf /tmp/results.tgz -C "$OUT" . && find "$OUT" -type f ! -name summary.txt -delete && mv /tmp/results.tgz "$OUT/"
