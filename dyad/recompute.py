@@ -38,14 +38,15 @@ def recompute_blocks(model: nn.Module) -> int:
 
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     blocks = transformer_blocks(model)
+    if any(getattr(block, "recomputes", False) for block in blocks):
+        raise ValueError(f"{type(model).__name__}'s blocks already recompute")
     for block in blocks:
-        if isinstance(block.forward, functools.partial):
-            raise ValueError(f"{type(block).__name__} blocks of {type(model).__name__} already recompute")
         block.forward = functools.partial(_recomputed, block.forward)
+        block.recomputes = True
     return len(blocks)
 
 
-_state = threading.local()  # the autograd engine recomputes on the thread of the backward pass
+_state = threading.local()  # set and read on the thread that recomputes (on a GPU, autograd's device thread)
 
 
 def recomputing() -> bool:
