@@ -20,21 +20,9 @@ from dyad.data import make_dataset
 from dyad.jobs import run_job
 from dyad.service import build_model
 from dyad.verify import compare_with_reference
+from tests.tiny_models import llm_inputs, resolved_config
 
 CUDA = torch.cuda.is_available()
-
-
-def _resolved(overrides=()):
-    config = config_lib.load(None, ["llm.moe.shared_expert_dim=32", *overrides])
-    return config_lib.resolve(config, vocab_size=make_dataset(config.data).tokenizer.vocab_size)
-
-
-def _llm_inputs(config, device):
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(config.llm.vocab_size, (2, 24), generator=generator).to(device)
-    rows = torch.randn(6, config.llm.dim, generator=generator).to(device)
-    positions = torch.tensor([1, 2, 3, 30, 31, 32], device=device)
-    return ids, rows, positions
 
 
 def _llm_loss_and_grads(model, inputs, autocast: bool):
@@ -48,7 +36,7 @@ def _llm_loss_and_grads(model, inputs, autocast: bool):
 
 
 def test_compile_blocks_finds_each_models_blocks():
-    config = _resolved()
+    config = resolved_config()
     assert compile_blocks(build_model(config, "llm"), "aot_eager") == config.llm.n_layers
     assert compile_blocks(build_model(config, "encoder"), "aot_eager") == config.encoder.depth
     with pytest.raises(TypeError, match="Linear has no transformer blocks"):
@@ -64,10 +52,10 @@ def test_each_kind_of_llm_block_is_one_graph():
         graphs.append(graph_module)
         return graph_module.forward
 
-    config = _resolved(["llm.n_layers=3"])
+    config = resolved_config(["llm.n_layers=3"])
     model = build_model(config, "llm").to(torch.bfloat16)
     compile_blocks(model, counting_backend)
-    ids, rows, positions = _llm_inputs(config, "cpu")
+    ids, rows, positions = llm_inputs(config, "cpu")
     logits, aux = model(ids, rows.bfloat16(), positions)
     assert len(graphs) == 2 and config.llm.dense_layers == (0,)
     (logits.float().sum() + aux).backward()
@@ -79,10 +67,10 @@ def test_an_unknown_backend_is_refused_naming_the_field():
 
 
 def test_compiled_llm_and_encoder_match_eager_on_cpu():
-    config = _resolved()
+    config = resolved_config()
     eager, compiled = build_model(config, "llm"), build_model(config, "llm")
     compile_blocks(compiled, "aot_eager")
-    inputs = _llm_inputs(config, "cpu")
+    inputs = llm_inputs(config, "cpu")
     loss, grads = _llm_loss_and_grads(eager, inputs, autocast=False)
     loss_c, grads_c = _llm_loss_and_grads(compiled, inputs, autocast=False)
     torch.testing.assert_close(loss_c, loss, rtol=1e-6, atol=1e-6)
@@ -110,10 +98,10 @@ def test_a_compiled_disaggregated_run_matches_single_process(tmp_path):
 
 @pytest.mark.skipif(not CUDA, reason="inductor's GPU kernels need a CUDA device")
 def test_inductor_blocks_match_eager_in_bf16_on_a_gpu():
-    config = _resolved(["llm.dim=256", "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.expert_dim=128"])
+    config = resolved_config(["llm.dim=256", "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.expert_dim=128"])
     eager, compiled = build_model(config, "llm", "cuda"), build_model(config, "llm", "cuda")
     compile_blocks(compiled)
-    inputs = _llm_inputs(config, "cuda")
+    inputs = llm_inputs(config, "cuda")
     loss, grads = _llm_loss_and_grads(eager, inputs, autocast=True)
     loss_c, grads_c = _llm_loss_and_grads(compiled, inputs, autocast=True)
     torch.testing.assert_close(loss_c, loss, rtol=1e-2, atol=1e-3)

@@ -16,21 +16,9 @@ from dyad.jobs import run_job
 from dyad.recompute import recompute_blocks
 from dyad.service import build_model
 from dyad.verify import compare_with_reference
+from tests.tiny_models import llm_inputs, resolved_config
 
 CUDA = torch.cuda.is_available()
-
-
-def _resolved(overrides=()):
-    config = config_lib.load(None, ["llm.moe.shared_expert_dim=32", *overrides])
-    return config_lib.resolve(config, vocab_size=make_dataset(config.data).tokenizer.vocab_size)
-
-
-def _llm_inputs(config, device):
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(config.llm.vocab_size, (2, 24), generator=generator).to(device)
-    rows = torch.randn(6, config.llm.dim, generator=generator).to(device)
-    positions = torch.tensor([1, 2, 3, 30, 31, 32], device=device)
-    return ids, rows, positions
 
 
 def _llm_loss(model, inputs, autocast=False):
@@ -74,39 +62,28 @@ def _both_models(config, pool, device="cpu"):
 
 def test_recomputing_blocks_give_the_same_loss_and_gradients():
     """On a CPU the recomputed forward runs the same kernels on the same inputs: equal bits."""
-    config = _resolved()
-    inputs = _llm_inputs(config, "cpu")
-    plain, recomputing = _both_models(config, "llm")
-    loss, grads = _loss_and_grads(plain, _llm_loss, inputs)
-    loss_r, grads_r = _loss_and_grads(recomputing, _llm_loss, inputs)
-    torch.testing.assert_close(loss_r, loss, rtol=0, atol=0)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grads_r[name], grad, rtol=0, atol=0, msg=name)
-
+    config = resolved_config()
     images = torch.rand(3, 1, 16, 16, generator=torch.Generator().manual_seed(1))
-    plain, recomputing = _both_models(config, "encoder")
-    loss, grads = _loss_and_grads(plain, _encoder_loss, images)
-    loss_r, grads_r = _loss_and_grads(recomputing, _encoder_loss, images)
-    torch.testing.assert_close(loss_r, loss, rtol=0, atol=0)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grads_r[name], grad, rtol=0, atol=0, msg=name)
+    for pool, loss_fn, inputs in (("llm", _llm_loss, llm_inputs(config, "cpu")), ("encoder", _encoder_loss, images)):
+        plain, recomputing = _both_models(config, pool)
+        loss, grads = _loss_and_grads(plain, loss_fn, inputs)
+        loss_r, grads_r = _loss_and_grads(recomputing, loss_fn, inputs)
+        torch.testing.assert_close(loss_r, loss, rtol=0, atol=0)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grads_r[name], grad, rtol=0, atol=0, msg=f"{pool}: {name}")
 
 
 def test_recomputing_blocks_keep_a_fraction_of_the_activations():
-    config = _resolved(["llm.n_layers=4", "encoder.depth=4"])
-    inputs = _llm_inputs(config, "cpu")
-    plain, recomputing = _both_models(config, "llm")
-    kept, kept_r = _saved_bytes(plain, _llm_loss, inputs), _saved_bytes(recomputing, _llm_loss, inputs)
-    assert kept_r < kept / 4, (kept_r, kept)
-
+    config = resolved_config(["llm.n_layers=4", "encoder.depth=4"])
     images = torch.rand(3, 1, 16, 16, generator=torch.Generator().manual_seed(1))
-    plain, recomputing = _both_models(config, "encoder")
-    kept, kept_r = _saved_bytes(plain, _encoder_loss, images), _saved_bytes(recomputing, _encoder_loss, images)
-    assert kept_r < kept / 4, (kept_r, kept)
+    for pool, loss_fn, inputs in (("llm", _llm_loss, llm_inputs(config, "cpu")), ("encoder", _encoder_loss, images)):
+        plain, recomputing = _both_models(config, pool)
+        kept, kept_r = _saved_bytes(plain, loss_fn, inputs), _saved_bytes(recomputing, loss_fn, inputs)
+        assert kept_r < kept / 4, (pool, kept_r, kept)
 
 
 def test_a_model_recomputes_once():
-    model = build_model(_resolved(), "encoder")
+    model = build_model(resolved_config(), "encoder")
     recompute_blocks(model)
     with pytest.raises(ValueError, match="already recompute"):
         recompute_blocks(model)
@@ -128,7 +105,7 @@ def test_bad_recompute_values_are_refused_naming_the_field(overrides, message):
 def _expert_counts(model, dtype=torch.float32):
     from dyad.llm_service.moe import MoELayer
 
-    ids, rows, positions = _llm_inputs(_resolved(), "cpu")
+    ids, rows, positions = llm_inputs(resolved_config(), "cpu")
     logits, aux = model.to(dtype)(ids, rows.to(dtype), positions)
     (logits.float().sum() + aux).backward()
     return [layer.expert_counts_E.tolist() for layer in model.modules() if isinstance(layer, MoELayer)]
@@ -139,7 +116,7 @@ def test_recomputed_moe_blocks_count_their_tokens_once():
     and compiled (bf16, where the MoE block is one graph)."""
     import torch._dynamo
 
-    config = _resolved(["llm.n_layers=3", "llm.moe.expert_bias=true"])
+    config = resolved_config(["llm.n_layers=3", "llm.moe.expert_bias=true"])
     plain, recomputing = _both_models(config, "llm")
     expected = _expert_counts(plain)
     assert sum(map(sum, expected)) > 0
@@ -152,10 +129,10 @@ def test_recomputed_moe_blocks_count_their_tokens_once():
 
 def test_llm_recompute_is_refused_where_a_graph_break_would_count_tokens_twice():
     with pytest.raises(ValueError, match=r"train.recompute cannot hold 'llm' with llm.moe.expert_bias under train.compile in float32"):
-        _resolved(["train.recompute=[llm]", "llm.moe.expert_bias=true", "train.compile=true", "train.dtype=float32"])
+        resolved_config(["train.recompute=[llm]", "llm.moe.expert_bias=true", "train.compile=true", "train.dtype=float32"])
     for allowed in (["train.recompute=[llm]"], ["train.recompute=[encoder]", "train.compile=true"],
                     ["train.recompute=[llm]", "train.compile=true", "train.dtype=bfloat16"]):
-        _resolved([*allowed, "llm.moe.expert_bias=true"])
+        resolved_config([*allowed, "llm.moe.expert_bias=true"])
 
 
 def test_an_eager_recomputing_run_with_expert_biases_matches_single_process(tmp_path):
@@ -184,7 +161,7 @@ def _assert_run_matches_single_process(overrides, tmp_path):
 
 @pytest.mark.skipif(not CUDA, reason="inductor's GPU kernels and the CUDA allocator's peak need a CUDA device")
 def test_compiled_recomputing_blocks_on_a_gpu_match_and_use_less_memory():
-    config = _resolved(["llm.dim=256", "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.expert_dim=128"])
+    config = resolved_config(["llm.dim=256", "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.expert_dim=128"])
     plain, recomputing = _both_models(config, "llm", "cuda")
     compile_blocks(plain)
     compile_blocks(recomputing)
@@ -218,11 +195,11 @@ def test_each_kind_of_recomputing_llm_block_compiles_to_one_graph(expert_bias):
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    config = _resolved(["llm.n_layers=3", f"llm.moe.expert_bias={str(expert_bias).lower()}"])
+    config = resolved_config(["llm.n_layers=3", f"llm.moe.expert_bias={str(expert_bias).lower()}"])
     model = build_model(config, "llm").to(torch.bfloat16)
     recompute_blocks(model)
     compile_blocks(model, "aot_eager")
-    ids, rows, positions = _llm_inputs(config, "cpu")
+    ids, rows, positions = llm_inputs(config, "cpu")
     logits, aux = model(ids, rows.bfloat16(), positions)
     (logits.float().sum() + aux).backward()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 and config.llm.dense_layers == (0,)
