@@ -78,31 +78,26 @@ def microbatches(global_batch: int, llm_dp: int, samples_per_microbatch: int = S
     return f"train.microbatches={per_lane}"
 
 
-def layouts_for(global_batch: int) -> dict:
-    """name: (overrides, GPUs used), every layout at `global_batch` samples a step."""
-    hetero = ["parallel.encoder_devices=[0]", "parallel.llm_devices=[1]"]
+DP2 = ["parallel.encoder.dp=2", "parallel.llm.dp=2"]  # both pools on both GPUs, rank r on GPU r
+HETERO = ["parallel.encoder_devices=[0]", "parallel.llm_devices=[1]"]
+LAYOUTS = {  # name: (overrides, LLM data-parallel lanes, samples per LLM microbatch); two GPUs each
+    "homogeneous-colocated": (DP2, 2, SAMPLES_PER_MICROBATCH),
+    # dp2 where its memory does not fit an 80 GB GPU at 32 samples or more: the encoder's blocks
+    # (most of a GPU's activations) recompute in the backward pass, or both pools' blocks
+    "homogeneous-colocated-recompute-encoder": ([*DP2, "train.recompute=[encoder]"], 2, SAMPLES_PER_MICROBATCH),
+    "homogeneous-colocated-recompute-both": ([*DP2, "train.recompute=[encoder, llm]"], 2, SAMPLES_PER_MICROBATCH),
+    "homogeneous-colocated-ep2": ([*DP2, "parallel.llm.ep=2"], 2, SAMPLES_PER_MICROBATCH),
+    "heterogeneous": (HETERO, 1, SAMPLES_PER_MICROBATCH),
+    "heterogeneous-4mb": (HETERO, 1, SAMPLES_PER_MICROBATCH // 2),
+}
+
+
+def layouts_for(global_batch: int, names: list[str] | None = None) -> dict:
+    """name: (overrides, GPUs used) of the layouts named (all when none), in the order named, at
+    `global_batch` samples a step; only those are checked against it."""
     return {
-        "homogeneous-colocated": (
-            ["parallel.encoder.dp=2", "parallel.llm.dp=2", microbatches(global_batch, 2)],
-            2,
-        ),
-        # dp2 where its memory does not fit an 80 GB GPU at 32 samples or more: the encoder's blocks
-        # (most of a GPU's activations) recompute in the backward pass, or both pools' blocks
-        "homogeneous-colocated-recompute-encoder": (
-            ["parallel.encoder.dp=2", "parallel.llm.dp=2", "train.recompute=[encoder]", microbatches(global_batch, 2)],
-            2,
-        ),
-        "homogeneous-colocated-recompute-both": (
-            ["parallel.encoder.dp=2", "parallel.llm.dp=2", "train.recompute=[encoder, llm]",
-             microbatches(global_batch, 2)],
-            2,
-        ),
-        "homogeneous-colocated-ep2": (
-            ["parallel.encoder.dp=2", "parallel.llm.dp=2", "parallel.llm.ep=2", microbatches(global_batch, 2)],
-            2,
-        ),
-        "heterogeneous": ([*hetero, microbatches(global_batch, 1)], 2),
-        "heterogeneous-4mb": ([*hetero, microbatches(global_batch, 1, SAMPLES_PER_MICROBATCH // 2)], 2),
+        name: ([*overrides, microbatches(global_batch, lanes, samples)], 2)
+        for name, (overrides, lanes, samples) in chosen_layouts(LAYOUTS, names).items()
     }
 
 
@@ -246,15 +241,15 @@ def main() -> None:
                         help="a config override for every layout, e.g. train.overlap_grad_reduce=false")
     args = parser.parse_args()
     if args.toy:
-        base, layouts = TOY, TOY_LAYOUTS
+        base, layouts = TOY, chosen_layouts(TOY_LAYOUTS, args.layouts)
     else:
         base = [*with_compile(WORKLOADS[args.workload], args), f"train.global_batch={args.global_batch}"]
-        layouts = layouts_for(args.global_batch)
+        layouts = layouts_for(args.global_batch, args.layouts)
     base = [*base, *args.set]
     steps, skip = (3, 1) if args.toy else (args.steps, args.skip)
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-e2e-"))
     results = {}
-    for name, (overrides, gpus) in chosen_layouts(layouts, args.layouts).items():
+    for name, (overrides, gpus) in layouts.items():
         if args.profile_step is not None:  # read by the workers (dyad/worker.py)
             profile_dir = Path(args.profile_dir or work) / f"profile-{name}"
             profile_dir.mkdir(parents=True, exist_ok=True)

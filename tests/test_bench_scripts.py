@@ -89,6 +89,7 @@ def test_e2e_layouts_keep_eight_samples_a_microbatch_at_every_global_batch():
             assert per_microbatch == (4 if name == "heterogeneous-4mb" else 8), (name, samples)
     with pytest.raises(SystemExit, match="--global-batch 24: not a multiple of 2 lanes x 8 samples"):
         layouts_for(24)
+    assert list(layouts_for(24, ["heterogeneous"])) == ["heterogeneous"]  # the layouts not run are not checked
 
 
 def test_e2e_layouts_run_in_the_order_named_and_an_unknown_one_is_named():
@@ -99,6 +100,7 @@ def test_e2e_layouts_run_in_the_order_named_and_an_unknown_one_is_named():
         sys.path.remove(str(BENCH))
     layouts = layouts_for(16)
     assert list(chosen_layouts(layouts, None)) == list(layouts)
+    assert list(layouts_for(16, ["heterogeneous", "homogeneous-colocated"])) == ["heterogeneous", "homogeneous-colocated"]
     names = ["heterogeneous", "homogeneous-colocated-ep2"]
     assert list(chosen_layouts(layouts, names)) == names
     assert list(chosen_layouts(layouts, list(reversed(names)))) == list(reversed(names))
