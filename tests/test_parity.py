@@ -52,6 +52,17 @@ LAYOUT_CASES = {
     "enc-dp4-llm-cp2-dp2-ep4": [*VARIABLE_IMAGES, "parallel.encoder.dp=4", "parallel.llm.cp=2",
                                 "parallel.llm.dp=2", "parallel.llm.ep=4", "train.global_batch=8",
                                 "llm.moe.expert_bias=true", "llm.moe.expert_bias_rate=0.05"],
+    # Both pools' blocks recomputing (train.recompute): the recomputed forward runs the
+    # tensor-parallel, sequence-parallel and expert all-to-all collectives again in the backward
+    # pass. The expert bias moves (at rates of 0.05 and 0.1 this layout's bias swings back and
+    # forth and ends the ten steps at zero, here as in the reference); that its tokens are counted
+    # once is checked in tests/test_recompute.py (parity cannot see it: the update reads only
+    # the counts' signs).
+    "recompute-enc-tp2-llm-tp2-ep2-sp": [
+        *VARIABLE_IMAGES, "parallel.encoder.tp=2", "parallel.llm.tp=2", "parallel.llm.ep=2",
+        "parallel.sequence_parallel=true", "train.recompute=[encoder, llm]", "train.global_batch=8",
+        "llm.moe.expert_bias=true", "llm.moe.expert_bias_rate=0.02",
+    ],
 }
 
 

@@ -135,20 +135,10 @@ def test_llm_recompute_is_refused_where_a_graph_break_would_count_tokens_twice()
         resolved_config([*allowed, "llm.moe.expert_bias=true"])
 
 
-def test_an_eager_recomputing_run_with_expert_biases_matches_single_process(tmp_path):
-    overrides = ["train.steps=3", "train.warmup_steps=1", "train.global_batch=8", "parallel.llm.dp=2",
-                 "train.recompute=[encoder, llm]", "llm.moe.expert_bias=true"]
-    _assert_run_matches_single_process(overrides, tmp_path)
-
-
 def test_a_compiled_recomputing_run_in_parallel_layouts_matches_single_process(tmp_path):
     overrides = ["train.steps=3", "train.warmup_steps=1", "train.global_batch=8", "parallel.llm.dp=2",
                  "parallel.encoder.dp=2", "train.recompute=[encoder, llm]",
                  "train.compile=true", "train.compile_backend=aot_eager"]
-    _assert_run_matches_single_process(overrides, tmp_path)
-
-
-def _assert_run_matches_single_process(overrides, tmp_path):
     config = dataclasses.replace(config_lib.load(None, overrides), out_dir=str(tmp_path / "run"))
     job = run_job(config, progress=False)
     assert job.succeeded, job.info.message
