@@ -8,19 +8,18 @@ checked on a GPU in bf16, where they round differently: within bf16 tolerances.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch import nn
 
 from dyad import config as config_lib
 from dyad.compile import compile_blocks, transformer_blocks
-from dyad.data import make_dataset
-from dyad.jobs import run_job
 from dyad.service import build_model
-from dyad.verify import compare_with_reference
-from tests.tiny_models import llm_inputs, resolved_config
+from tests.tiny_models import (
+    assert_short_run_matches_single_process,
+    llm_inputs,
+    resolved_config,
+)
 
 CUDA = torch.cuda.is_available()
 
@@ -84,16 +83,9 @@ def test_compiled_llm_and_encoder_match_eager_on_cpu():
 
 
 def test_a_compiled_disaggregated_run_matches_single_process(tmp_path):
-    overrides = ["train.steps=3", "train.warmup_steps=1", "train.global_batch=8", "parallel.llm.dp=2",
-                 "train.compile=true", "train.compile_backend=aot_eager"]
-    config = dataclasses.replace(config_lib.load(None, overrides), out_dir=str(tmp_path / "run"))
-    job = run_job(config, progress=False)
-    assert job.succeeded, job.info.message
-    dataset = make_dataset(config.data)
-    resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
-    comparison = compare_with_reference(resolved, dataset, job)  # the reference runs eagerly
-    assert all(error <= 1e-5 for *_, error in comparison.losses), comparison.losses
-    assert comparison.worst_param_error <= 1e-5, comparison.worst_param
+    assert_short_run_matches_single_process(
+        ["parallel.llm.dp=2", "train.compile=true", "train.compile_backend=aot_eager"], tmp_path
+    )
 
 
 @pytest.mark.skipif(not CUDA, reason="inductor's GPU kernels need a CUDA device")

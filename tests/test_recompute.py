@@ -4,19 +4,18 @@ both pools (compiled, in parallel layouts) trains as the single process does."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from dyad import config as config_lib
 from dyad.compile import compile_blocks
-from dyad.data import make_dataset
-from dyad.jobs import run_job
 from dyad.recompute import recompute_blocks
 from dyad.service import build_model
-from dyad.verify import compare_with_reference
-from tests.tiny_models import llm_inputs, resolved_config
+from tests.tiny_models import (
+    assert_short_run_matches_single_process,
+    llm_inputs,
+    resolved_config,
+)
 
 CUDA = torch.cuda.is_available()
 
@@ -136,17 +135,11 @@ def test_llm_recompute_is_refused_where_a_graph_break_would_count_tokens_twice()
 
 
 def test_a_compiled_recomputing_run_in_parallel_layouts_matches_single_process(tmp_path):
-    overrides = ["train.steps=3", "train.warmup_steps=1", "train.global_batch=8", "parallel.llm.dp=2",
-                 "parallel.encoder.dp=2", "train.recompute=[encoder, llm]",
-                 "train.compile=true", "train.compile_backend=aot_eager"]
-    config = dataclasses.replace(config_lib.load(None, overrides), out_dir=str(tmp_path / "run"))
-    job = run_job(config, progress=False)
-    assert job.succeeded, job.info.message
-    dataset = make_dataset(config.data)
-    resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
-    comparison = compare_with_reference(resolved, dataset, job)  # the reference neither compiles nor recomputes
-    assert all(error <= 1e-5 for *_, error in comparison.losses), comparison.losses
-    assert comparison.worst_param_error <= 1e-5, comparison.worst_param
+    assert_short_run_matches_single_process(
+        ["parallel.llm.dp=2", "parallel.encoder.dp=2", "train.recompute=[encoder, llm]",
+         "train.compile=true", "train.compile_backend=aot_eager"],
+        tmp_path,
+    )
 
 
 @pytest.mark.skipif(not CUDA, reason="inductor's GPU kernels and the CUDA allocator's peak need a CUDA device")
