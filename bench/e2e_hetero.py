@@ -87,6 +87,9 @@ LAYOUTS = {  # name: (overrides, LLM data-parallel lanes, samples per LLM microb
     "homogeneous-colocated-recompute-encoder": ([*DP2, "train.recompute=[encoder]"], 2, SAMPLES_PER_MICROBATCH),
     "homogeneous-colocated-recompute-both": ([*DP2, "train.recompute=[encoder, llm]"], 2, SAMPLES_PER_MICROBATCH),
     "homogeneous-colocated-ep2": ([*DP2, "parallel.llm.ep=2"], 2, SAMPLES_PER_MICROBATCH),
+    # dp2 fitting an 80 GB GPU by halving its LLM microbatches instead (which changes which tokens
+    # share a load-balancing loss: compare it with heterogeneous-4mb for the same math)
+    "homogeneous-colocated-4mb": (DP2, 2, SAMPLES_PER_MICROBATCH // 2),
     "heterogeneous": (HETERO, 1, SAMPLES_PER_MICROBATCH),
     "heterogeneous-4mb": (HETERO, 1, SAMPLES_PER_MICROBATCH // 2),
 }
@@ -236,7 +239,7 @@ def main() -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="vit-l-448-merge2")
     parser.add_argument("--global-batch", type=int, default=16,
                         help=f"samples a step; every layout's LLM microbatches keep {SAMPLES_PER_MICROBATCH} samples "
-                        "(heterogeneous-4mb: half), so more samples mean more microbatches a step")
+                        "(the -4mb layouts: half), so more samples mean more microbatches a step")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every layout, e.g. train.overlap_grad_reduce=false")
     args = parser.parse_args()
