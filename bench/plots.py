@@ -36,6 +36,7 @@ MOE_RUNS = {  # label: result file under --results, every run interleaved with t
     "H200 E": "moe_deferred_h200/run_e_dyad_last.json",
 }
 RECOMPUTE_H100 = "e2e_recompute_h100/start_1"
+MICROBATCH_H100 = "e2e_microbatch_h100"
 E2E_RUNS = {  # label: one result file, or several whose layouts together make the run
     "H200 run 1": "e2e_2xh200_vit448_compiled.json",
     "H200 run 2": "e2e_2xh200_vit448_compiled_repeat.json",
@@ -63,6 +64,10 @@ E2E_RUNS = {  # label: one result file, or several whose layouts together make t
     "H100, 64 samples b": (f"{RECOMPUTE_H100}/e2e_3-h64.json", f"{RECOMPUTE_H100}/e2e_4-r64.json"),
     "H100, 32 samples a": (f"{RECOMPUTE_H100}/e2e_5-r32.json", f"{RECOMPUTE_H100}/e2e_6-h32.json"),
     "H100, 32 samples b": (f"{RECOMPUTE_H100}/e2e_7-h32.json", f"{RECOMPUTE_H100}/e2e_8-r32.json"),
+    # Another start of two H100s, 64 samples: dp2 fitting with four-sample microbatches instead,
+    # and both layouts at four samples (the same math).
+    "H100, 64 samples c": tuple(f"{MICROBATCH_H100}/e2e_{n}.json" for n in ("0-h64", "1-f64", "2-g64")),
+    "H100, 64 samples d": tuple(f"{MICROBATCH_H100}/e2e_{n}.json" for n in ("5-h64", "6-g64", "7-f64", "8-r64")),
 }
 # Per run of E2E_RUNS, the layouts that computed wrong gradients (torch 2.11 lost the backward of
 # the expert-parallel all-to-all in compiled blocks, fixed before the H100 runs;
