@@ -30,13 +30,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from dyad.llm_service.moe import MoEConfig, MoELayer
-from dyad.router.launcher import free_ports
 from moe_layer import expert_flops  # beside this script
 
 from dyad.layout import LLMLayout
+from dyad.llm_service.moe import MoEConfig, MoELayer
 from dyad.parallel.expert import DISPATCHERS, parallelize_moe
 from dyad.parallel.groups import ProcessGroups
+from dyad.router.launcher import free_ports
 
 # The MoE layer of bench/e2e_8gpu.py's LLM: 56 experts, so that ep 2, 4, 7 and 8 all divide them.
 GPU_SHAPE = {

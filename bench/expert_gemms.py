@@ -29,12 +29,12 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from moe_layer import SHAPES, TOY, expert_flops, median_ms  # beside this script
+from run_info import bench_device, run_header, write_json  # beside this script
 
 from dyad.kernels.expert_weight_grads import expert_grouped_mm
 from dyad.kernels.grouped_mm import grouped_mm
 from dyad.kernels.swiglu import swiglu as fused_swiglu
-from moe_layer import SHAPES, TOY, expert_flops, median_ms  # beside this script
-from run_info import bench_device, run_header, write_json  # beside this script
 
 METHODS = ["grouped", "grouped-fresh", "grouped-into-grad", "w13-into-grad", "looped-fresh", "dense-fresh", "swiglu", "swiglu-fused", "swiglu-compiled"]
 

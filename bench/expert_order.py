@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-
-from dyad.kernels.moe_permute import stable_expert_order
 from kernel_timeline import kernel_ms  # beside this script
 from moe_layer import SHAPES, TOY, median_ms
 from run_info import bench_device, run_header, write_json  # beside this script
+
+from dyad.kernels.moe_permute import stable_expert_order
 
 
 def order_steps(shape, device):

@@ -17,10 +17,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-
-from dyad.kernels import moe_permute, moe_router
 from moe_layer import SHAPES, TOY, _queue_busy_work  # beside this script
 from run_info import bench_device, run_header, write_json  # beside this script
+
+from dyad.kernels import moe_permute, moe_router
 
 
 def ops(device: str, shape: tuple) -> dict:

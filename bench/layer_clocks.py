@@ -16,7 +16,6 @@ import subprocess
 import time
 
 import torch
-
 from moe_layer import LAYERS, SHAPES, TOY, layer_step  # beside this script
 from run_info import bench_device, write_json  # beside this script
 

@@ -28,6 +28,8 @@ import time
 from typing import NamedTuple
 
 import torch
+from moe_layer import median_ms, write_kernel_table  # beside this script
+from run_info import bench_device, run_header, write_json  # beside this script
 
 from dyad.compile import compile_blocks
 from dyad.kernels.fp8 import compile_quantization
@@ -36,8 +38,6 @@ from dyad.llm_service.model import LLMConfig, MoELM
 from dyad.llm_service.moe import MoEConfig
 from dyad.optim import build_optimizer
 from dyad.recompute import recompute_blocks
-from moe_layer import median_ms, write_kernel_table  # beside this script
-from run_info import bench_device, run_header, write_json  # beside this script
 
 PEAK_TFLOPS = 989.0
 

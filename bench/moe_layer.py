@@ -20,6 +20,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+from kernel_timeline import write_timeline  # beside this script
+from run_info import bench_device, run_header, write_json  # beside this script
 from torch import nn
 
 from dyad.kernels import expert_weight_grads
@@ -27,8 +29,6 @@ from dyad.kernels.fp8 import forget_quantized, fp8_grouped_mm
 from dyad.kernels.grouped_mm import grouped_mm
 from dyad.kernels.moe_router import router_logits_reference
 from dyad.llm_service.moe import MoEConfig, MoELayer
-from kernel_timeline import write_timeline  # beside this script
-from run_info import bench_device, run_header, write_json  # beside this script
 
 SHAPES = {  # name: (dim, expert hidden, experts, top-k, tokens)
     "qwen3-like": (2048, 768, 128, 8, 16384),

@@ -21,11 +21,11 @@ import argparse
 import itertools
 
 import torch
-
-from dyad.kernels import moe_router
 from kernel_timeline import kernel_ms  # beside this script
 from moe_layer import SHAPES, TOY, time_interleaved
 from run_info import bench_device, write_json  # beside this script
+
+from dyad.kernels import moe_router
 
 
 def router_steps(shape, device, weight_dtype):

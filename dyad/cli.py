@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 
 from dyad.client import RouterClient
+from dyad.layout import POOLS
 from dyad.router.__main__ import add_arguments as add_router_arguments
 from dyad.router.auth import CLIENT_TOKEN_ENV, load_token
 from dyad.wire import pb
@@ -296,7 +297,7 @@ def _parser() -> argparse.ArgumentParser:
     worker = commands.add_parser(
         "worker", help="a pool pod's workers (Kubernetes; see dyad/pod.py for the environment)"
     )
-    worker.add_argument("--pool", choices=["encoder", "llm"], required=True)
+    worker.add_argument("--pool", choices=POOLS, required=True)
     worker.add_argument("--health-port", type=int, default=8081)
     worker.set_defaults(func=cmd_worker)
 
@@ -322,7 +323,7 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--from-step", type=int, default=0, help="replay steps from this one")
     run_command("stop", cmd_stop, "stop a run")
     scale = client_command("scale", cmd_scale, "resize a pool of a running run")
-    scale.add_argument("pool", choices=["encoder", "llm"])
+    scale.add_argument("pool", choices=POOLS)
     scale.add_argument("replicas", type=int)
     scale.add_argument("--run", dest="run_id", metavar="RUN_ID", help=ACTIVE_RUN_HELP)
     scale.set_defaults(naming_a_run="dyad scale POOL REPLICAS --run RUN_ID")

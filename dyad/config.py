@@ -18,7 +18,7 @@ import yaml
 
 from dyad.data import DataConfig
 from dyad.encoder_service.model import EncoderConfig
-from dyad.layout import EncoderLayout, LLMLayout, validate_encoder_layout, validate_llm_layout
+from dyad.layout import POOLS, EncoderLayout, LLMLayout, validate_encoder_layout, validate_llm_layout
 from dyad.llm_service.model import LLMConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "digits.yaml"
@@ -69,7 +69,7 @@ class TrainConfig:
             raise ValueError(f"train.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"train.device must be 'cpu' or 'cuda', got {self.device!r}")
-        unknown = [pool for pool in self.recompute if pool not in ("encoder", "llm")]
+        unknown = [pool for pool in self.recompute if pool not in POOLS]
         if unknown or len(set(self.recompute)) != len(self.recompute):
             raise ValueError(
                 f"train.recompute must list distinct pools out of 'encoder' and 'llm', got {list(self.recompute)}"

@@ -18,6 +18,9 @@ if TYPE_CHECKING:  # the configs' modules import torch; the layout math does not
     from dyad.encoder_service.model import EncoderConfig
     from dyad.llm_service.model import LLMConfig
 
+POOLS = ("encoder", "llm")  # a run's two services, each with its own layout (`parallel.<pool>`)
+
+
 def _check_positive(section: str, layout) -> None:
     for field in fields(layout):
         value = getattr(layout, field.name)

@@ -22,8 +22,8 @@ from dyad.init import init_parameters
 from dyad.kernels.boundary_pack import RowSegments
 from dyad.optim import apply_update, build_optimizer
 from dyad.parallel.gradients import pool_grad_sq_norm
-from dyad.parallel.overlap import GradientReduction
 from dyad.parallel.groups import ProcessGroups
+from dyad.parallel.overlap import GradientReduction
 from dyad.recompute import recompute_blocks
 from dyad.transport import Transport
 from dyad.wire import POOL_ENUMS, pb

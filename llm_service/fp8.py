@@ -11,10 +11,11 @@ the same model.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from dyad.kernels.fp8 import fp8_grouped_mm, fp8_linear
 from dyad.llm_service.model import Attention
 from dyad.llm_service.moe import MoELayer, SwiGLU
-from torch import nn
 
 _ALIGN = 16  # the float8 GEMMs need both matrix dims divisible by 16
 

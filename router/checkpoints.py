@@ -12,10 +12,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dyad.layout import POOLS
 from dyad.router.sampler import Cursor
 
 MANIFEST = "manifest.json"
-POOLS = ("encoder", "llm")
 
 
 @dataclass(frozen=True)

@@ -13,20 +13,19 @@ import queue
 import time
 from pathlib import Path
 
+from dyad import config as config_lib
+from dyad.layout import POOLS
+from dyad.optim import clip_scale
 from dyad.router import checkpoints
 from dyad.router.checkpoints import Committed
 from dyad.router.launcher import Launcher, WorkerSpec
 from dyad.router.run import Run, worker_key
 from dyad.router.sampler import Cursor
 from dyad.router.steps import StepPlanner, step_command
-
-from dyad import config as config_lib
-from dyad.optim import clip_scale
 from dyad.wire import POOL_ENUMS, as_dict, pb
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
-POOLS = ("encoder", "llm")
 
 
 class RunAborted(RuntimeError):

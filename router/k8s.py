@@ -36,11 +36,11 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from dyad.layout import POOLS
 from dyad.router.launcher import Launcher, WorkerSpec
 
 log = logging.getLogger(__name__)
 
-POOLS = ("encoder", "llm")
 RENDEZVOUS_PORT = 29500
 POD_SELECTOR = "app.kubernetes.io/name=dyad,app.kubernetes.io/component in (encoder,llm)"
 _COMPONENT_LABEL = "app.kubernetes.io/component"

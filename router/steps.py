@@ -6,7 +6,6 @@ The single-process reference walks the same `StepPlanner`, so both see identical
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from functools import lru_cache
 
 from dyad.config import RunConfig

@@ -26,11 +26,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dyad.layout import POOLS
+
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
 KUBERNETES_VERSION = "1.33"
 KUSTOMIZATIONS = ["base", "overlays/dev", "overlays/rdma", "overlays/lws"]
-POOLS = ("encoder", "llm")
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 
 # Exactly what the issue allows: resize through the scale subresource, follow the pods. The fake

@@ -11,11 +11,10 @@ import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from dyad.router.auth import Credentials
-from dyad.router.server import serve
-
 from dyad import config as config_lib
 from dyad.client import RouterClient
+from dyad.router.auth import Credentials
+from dyad.router.server import serve
 from dyad.wire import pb
 
 CREDENTIALS = Credentials(client_token="test-client-token", join_token="test-join-token")

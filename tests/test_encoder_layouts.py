@@ -15,13 +15,11 @@ from dyad.encoder_service.parallelize import parallelize_encoder
 from dyad.layout import EncoderLayout, validate_encoder_layout
 from dyad.optim import apply_update, clip_scale, grad_sq_norm
 from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm
-from dyad.parallel.overlap import GradientReduction
 from dyad.parallel.groups import ProcessGroups
+from dyad.parallel.overlap import GradientReduction
 from dyad.service import build_model
 from tests.distributed import run_distributed
 from tests.parity import assert_close, assert_tensors_close
-
-
 
 
 def _encoder_body(rank, world_size, dp, tp, merge):

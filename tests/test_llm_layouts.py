@@ -22,14 +22,14 @@ from dyad import config as config_lib
 from dyad.compile import compile_blocks
 from dyad.data import collate, make_dataset
 from dyad.layout import LLMLayout, validate_llm_layout
-from dyad.llm_service.parallelize import parallelize_llm
-from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm
-from dyad.parallel.overlap import GradientReduction
-from dyad.llm_service.sharding import shard_microbatch
 from dyad.llm_service.moe import update_expert_biases
+from dyad.llm_service.parallelize import parallelize_llm
+from dyad.llm_service.sharding import shard_microbatch
 from dyad.llm_service.step import microbatch_loss, whole_microbatch
 from dyad.optim import apply_update, clip_scale, grad_sq_norm
+from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm
 from dyad.parallel.groups import ProcessGroups
+from dyad.parallel.overlap import GradientReduction
 from dyad.router.sampler import EpochSampler, split_microbatches
 from dyad.service import build_model
 from tests.distributed import run_distributed

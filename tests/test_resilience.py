@@ -12,12 +12,12 @@ import sys
 import time
 
 import pytest
-from dyad.router.checkpoints import MANIFEST
-from dyad.router.launcher import free_ports
 
 from dyad import config as config_lib
 from dyad.cli import _describe_step, main
 from dyad.client import RouterClient
+from dyad.router.checkpoints import MANIFEST
+from dyad.router.launcher import free_ports
 from dyad.wire import pb
 from tests.resilience import (
     CREDENTIALS,
