@@ -38,6 +38,7 @@ from dyad.llm_service.model import LLMConfig, MoELM
 from dyad.llm_service.moe import MoEConfig
 from dyad.optim import build_optimizer
 from dyad.recompute import recompute_blocks
+from dyad.working_weights import WorkingWeights, trained_parameters
 
 PEAK_TFLOPS = 989.0
 
@@ -74,6 +75,7 @@ class Variant(NamedTuple):
     fp8: str | None = None  # float8 GEMMs: no / "eager" / "compiled" quantization
     compiled_blocks: bool = False
     recompute: bool = False  # blocks recompute their activations in the backward pass (dyad/recompute.py)
+    working_weights: bool = False  # bf16 copies of the matrices cast once a step (dyad/working_weights.py)
 
 
 VARIANTS = {  # the global batch is microbatches x sequences sequences of 4,096 tokens
@@ -83,6 +85,9 @@ VARIANTS = {  # the global batch is microbatches x sequences sequences of 4,096 
     "bf16-8mb-compiled": Variant(8, compiled_blocks=True),
     "bf16-4mb-x2-compiled": Variant(4, sequences=2, compiled_blocks=True),
     "bf16-2mb-x4-compiled": Variant(2, sequences=4, compiled_blocks=True),
+    "bf16-8mb-compiled-working-weights": Variant(8, compiled_blocks=True, working_weights=True),
+    "bf16-2mb-x4-compiled-working-weights": Variant(2, sequences=4, compiled_blocks=True, working_weights=True),
+    "bf16-8mb-working-weights": Variant(8, working_weights=True),
     "bf16-1mb-recompute": Variant(1, recompute=True),
     "bf16-2mb-x4-compiled-recompute": Variant(2, sequences=4, compiled_blocks=True, recompute=True),
     "bf16-1mb-x8-compiled-recompute": Variant(1, sequences=8, compiled_blocks=True, recompute=True),
@@ -97,20 +102,27 @@ def needs_compiler(name: str) -> bool:
     return variant.compiled_blocks or variant.fp8 == "compiled"
 
 
-def build(cfg: LLMConfig, device: str, fp8: str | None, compiled_blocks: bool = False, recompute: bool = False):
+def build(cfg: LLMConfig, device: str, variant: Variant):
+    """The model and its optimizer; with working weights the optimizer updates their float32
+    masters, and the step refreshes the bf16 copies after each update."""
     torch.manual_seed(0)
+    fp8 = variant.fp8
     model = MoELM(cfg)
     if fp8:
         convert_to_fp8(model)
     if fp8 == "compiled":
         compile_quantization()
     model = model.to(device)
-    if recompute:
+    working = WorkingWeights(model) if variant.working_weights else None
+    if variant.recompute:
         recompute_blocks(model)
-    if compiled_blocks:
+    if variant.compiled_blocks:
         compile_blocks(model)
     train = argparse.Namespace(weight_decay=0.01, beta1=0.9, beta2=0.95, eps=1e-8, lr=1e-4)
-    return model, build_optimizer(model, train)
+    optimizer = build_optimizer(trained_parameters(model), train)
+    if working is not None:
+        optimizer.register_step_post_hook(lambda *_: working.refresh())
+    return model, optimizer
 
 
 def make_step(model, optimizer, cfg: LLMConfig, S: int, N: int, variant: Variant, device: str):
@@ -121,7 +133,8 @@ def make_step(model, optimizer, cfg: LLMConfig, S: int, N: int, variant: Variant
     targets = torch.randint(cfg.vocab_size, (M, B, S), device=device)
     positions = (torch.arange(B, device=device)[:, None] * S + torch.arange(8, 8 + N, device=device)).reshape(-1)
     rows = torch.randn(B * N, cfg.dim, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
+    # bf16 working weights need autocast's bf16 activations, also in the CPU toy run
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" or variant.working_weights)
 
     def step():
         for m in range(M):
@@ -179,7 +192,7 @@ def main() -> None:
     names = args.variants.split(",") if args.variants else list(VARIANTS) if device == "cuda" else eager
     for name in names:
         variant = VARIANTS[name]
-        model, optimizer = build(cfg, device, variant.fp8, variant.compiled_blocks, variant.recompute)
+        model, optimizer = build(cfg, device, variant)
         result["total_params"] = sum(p.numel() for p in model.parameters())
         step = make_step(model, optimizer, cfg, S, N, variant, device)
         if device == "cuda":

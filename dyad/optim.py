@@ -17,17 +17,19 @@ from dyad.kernels.fp8 import forget_quantized_after_each_step
 CLIP_EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_
 
 
-def build_optimizer(model: nn.Module, train) -> torch.optim.AdamW:
-    """AdamW; matrices decay, vectors (norms, biases) do not. Fused on a GPU."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+def build_optimizer(model: nn.Module | Iterable[nn.Parameter], train) -> torch.optim.AdamW:
+    """AdamW over a model's parameters (or the parameters given); matrices decay, vectors
+    (norms, biases) do not. Fused on a GPU."""
+    params = list(model.parameters() if isinstance(model, nn.Module) else model)
+    decay = [p for p in params if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in params if p.requires_grad and p.dim() < 2]
     groups = [
         {"params": decay, "weight_decay": train.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
     # On a GPU the fused kernel updates each tensor in one pass over its four float32 arrays
     # (the multi-tensor default makes several): a third of a 1B-active MoE step otherwise.
-    on_gpu = any(p.is_cuda for p in model.parameters())
+    on_gpu = any(p.is_cuda for p in params)
     optimizer = torch.optim.AdamW(
         groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, fused=on_gpu or None
     )

@@ -14,6 +14,7 @@ run more than that forward ahead of the GPU). The experts' GEMMs run on two side
 the current stream waits for when the backward pass ends (see `add_weight_grads`): `.grad` is
 complete when `backward()` has returned, as autograd's is.
 
+A bf16 working weight's (`dyad/working_weights.py`) gradient is added into its float32 master.
 It applies to CUDA leaf weights with few experts (one GEMM launch per expert: with many small
 experts the launches would cost more than the add) outside torch.compile; everywhere else
 `expert_grouped_mm` is `grouped_mm`. Nothing that reads weight gradients from autograd itself
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from dyad.kernels.grouped_mm import _autocast, _standard_strides, grouped_mm, supports_fast_path
+from dyad.working_weights import master_of
 
 MAX_EXPERTS = 16  # beyond this the per-expert launches cost more than the add they save
 
@@ -35,9 +37,16 @@ MAX_EXPERTS = 16  # beyond this the per-expert launches cost more than the add t
 def expert_grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """`grouped_mm`, with w's gradient added into `w.grad` by the GEMM where that applies."""
     x_c, w_c = _autocast(x_ND), _autocast(w_EDF)
-    if not _into_grad_applies(x_c, w_EDF, w_c):
+    grad_into = _gradient_owner(w_EDF)
+    if not _into_grad_applies(x_c, grad_into, w_c):
         return grouped_mm(x_ND, w_EDF, offs_E)
-    return _GroupedMmIntoGrad.apply(x_c, w_EDF, w_c.detach(), offs_E.to(torch.int32))
+    return _GroupedMmIntoGrad.apply(x_c, grad_into, w_c.detach(), offs_E.to(torch.int32))
+
+
+def _gradient_owner(w_EDF: torch.Tensor) -> torch.Tensor:
+    """The tensor whose `.grad` gets w's gradient: a bf16 working weight's float32 master, else w."""
+    master = None if torch.compiler.is_compiling() else master_of(w_EDF)
+    return w_EDF if master is None else master
 
 
 def _into_grad_applies(x_ND, w_EDF, w_c) -> bool:

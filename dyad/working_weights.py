@@ -1,0 +1,95 @@
+"""bf16 working weights, cast from their float32 master weights once per optimizer step.
+
+Under autocast, every microbatch's forward pass casts each float32 matrix a matmul uses to
+bf16, and its backward pass upcasts the matrix's bf16 gradient to float32 before autograd adds it
+into `.grad`: 24 bytes of memory traffic a parameter a microbatch, about 24 ms a microbatch for a
+3 B-parameter LLM on an H100 (docs/performance.md, "dp2 with four-sample microbatches").
+`WorkingWeights` registers a bf16 copy of each such matrix in its module in the master's place,
+so eager code and compiled blocks alike multiply with it directly; a hook adds each working
+weight's bf16 gradient into its master's float32 `.grad` as autograd accumulates it, and
+`refresh()` copies the masters into the working weights after each update. The gradients are
+those of autocast's casts at each use, bit for bit: the same bf16 products, upcast exactly and
+summed in float32 in the same order (tests/test_working_weights.py).
+
+The masters keep every other role of the parameters: the optimizer, the gradient norm and a
+checkpoint use `masters()` (the working weights hold no state of their own). The matrices
+chosen are the Linear weights and the MoE layers' expert weights, except the routers', which
+compute in float32 with autocast off. Used so far by `bench/llm_step.py`'s `-working-weights`
+variants only; the services do not apply it yet (their gradient reduction's hooks sit on the
+masters, which leave the autograd graph here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+FLOAT32_SUBMODULES = ("router",)  # modules that compute in float32 under autocast: not cast
+_EXPERT_WEIGHTS = ("w1_EDF", "w3_EDF", "w2_EFD")
+
+_MASTER = "_dyad_master"  # the attribute of a working weight that holds its master
+
+
+def master_of(weight: torch.Tensor) -> nn.Parameter | None:
+    """The float32 master of a working weight, None for any other tensor."""
+    return getattr(weight, _MASTER, None)
+
+
+class WorkingWeights:
+    """The model's bf16 working weights and their float32 masters (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16):
+        self.masters_by_name: dict[str, nn.Parameter] = {}
+        self.working: list[nn.Parameter] = []
+        for qualified, module, name in _cast_matrices(model):
+            master = module._parameters[name]
+            working = nn.Parameter(master.detach().to(dtype), requires_grad=master.requires_grad)
+            working.register_post_accumulate_grad_hook(_adder_into(master))
+            module._parameters[name] = working
+            setattr(working, _MASTER, master)
+            self.masters_by_name[qualified] = master
+            self.working.append(working)
+
+    def masters(self) -> list[nn.Parameter]:
+        return [master_of(w) for w in self.working]
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the masters into the working weights (after each update of the masters)."""
+        if self.working:
+            torch._foreach_copy_(self.working, self.masters())
+
+
+def trained_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """What an optimizer updates: the model's parameters with each working weight's master in
+    its place."""
+    return [p if master_of(p) is None else master_of(p) for p in model.parameters()]
+
+
+def _cast_matrices(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    skipped = {
+        id(sub)
+        for prefix, module in model.named_modules()
+        if prefix.rsplit(".", 1)[-1] in FLOAT32_SUBMODULES
+        for sub in module.modules()
+    }
+    for prefix, module in model.named_modules():
+        if id(module) in skipped:
+            continue
+        names = ["weight"] if isinstance(module, nn.Linear) else [n for n in _EXPERT_WEIGHTS if n in module._parameters]
+        for name in names:
+            if module._parameters.get(name) is not None and module._parameters[name].dtype == torch.float32:
+                yield f"{prefix}.{name}" if prefix else name, module, name
+
+
+def _adder_into(master: nn.Parameter):
+    def add_into_master(working: nn.Parameter) -> None:
+        if master.grad is None:
+            master.grad = working.grad.to(master.dtype)
+        else:
+            master.grad.add_(working.grad)
+        working.grad = None
+
+    return add_into_master
