@@ -47,6 +47,9 @@ class TrainConfig:
     # Sum each bucket of gradients over its data-parallel group while the step's last backward
     # pass goes on (dyad/parallel/overlap.py); false: all of them after it. The same sums.
     overlap_grad_reduce: bool = True
+    # bf16 copies of both pools' matrices, cast from their float32 master weights once per
+    # optimizer step instead of at every use (dyad/working_weights.py). The same gradients.
+    working_weights: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "microbatches"):
@@ -69,6 +72,8 @@ class TrainConfig:
             raise ValueError(f"train.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"train.device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.working_weights and self.dtype != "bfloat16":
+            raise ValueError(f"train.working_weights needs train.dtype 'bfloat16', got {self.dtype!r}")
         unknown = [pool for pool in self.recompute if pool not in POOLS]
         if unknown or len(set(self.recompute)) != len(self.recompute):
             raise ValueError(
@@ -304,6 +309,11 @@ def resolve(config: RunConfig, *, vocab_size: int) -> RunConfig:
         raise ValueError(
             f"llm.fp8 needs parallel.llm.tp == 1 and etp == 1 (tensor-parallel linears have no float8 path "
             f"yet), got tp={config.parallel.llm.tp}, etp={config.parallel.llm.etp}"
+        )
+    if config.train.working_weights and config.llm.fp8:
+        raise ValueError(
+            "train.working_weights cannot be combined with llm.fp8: the float8 layers quantize their float32 "
+            "weights themselves"
         )
     if "llm" in config.train.recompute and config.llm.moe.expert_bias and config.train.compile and (
         config.train.dtype == "float32"

@@ -27,6 +27,7 @@ from dyad.parallel.overlap import GradientReduction
 from dyad.recompute import recompute_blocks
 from dyad.transport import Transport
 from dyad.wire import POOL_ENUMS, pb
+from dyad.working_weights import WorkingWeights, trained_parameters
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class PoolService(ABC):
         self.groups = ProcessGroups.build(self.layout)
         self.model = build_model(config, self.pool, self.device)
         self.gradient_plan = self.parallelize(self.model, self.groups)
+        self.working_weights = WorkingWeights(self.model) if config.train.working_weights else None
         self.reduction = GradientReduction(
             self.gradient_plan, self.groups, overlap=config.train.overlap_grad_reduce
         )
@@ -98,7 +100,9 @@ class PoolService(ABC):
             recompute_blocks(self.model)
         if config.train.compile:
             compile_blocks(self.model, config.train.compile_backend)
-        self.optimizer = build_optimizer(self.model, config.train)
+        self.optimizer = build_optimizer(trained_parameters(self.model), config.train)
+        if self.working_weights:
+            self.optimizer.register_step_post_hook(lambda *_: self.working_weights.refresh())
         self.peers: dict[tuple[int, int], str] = {}
         self.lr = config.train.lr
         self.generation = 0
@@ -157,7 +161,10 @@ class PoolService(ABC):
     def restore(self, path: str) -> int:
         """Load `<path>/<pool>/` into the live model and optimizer, whatever layout or pool size
         wrote it; returns the saved step. Collective over the pool."""
-        return restore_pool(path, self.pool, self.model, self.optimizer, self.groups)
+        step = restore_pool(path, self.pool, self.model, self.optimizer, self.groups)
+        if self.working_weights:
+            self.working_weights.refresh()
+        return step
 
     def close(self) -> None:
         pass

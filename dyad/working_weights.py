@@ -13,10 +13,9 @@ summed in float32 in the same order (tests/test_working_weights.py).
 
 The masters keep every other role of the parameters: the optimizer, the gradient norm and a
 checkpoint use `masters()` (the working weights hold no state of their own). The matrices
-chosen are the Linear weights and the MoE layers' expert weights, except the routers', which
-compute in float32 with autocast off. Used so far by `bench/llm_step.py`'s `-working-weights`
-variants only; the services do not apply it yet (their gradient reduction's hooks sit on the
-masters, which leave the autograd graph here).
+chosen are the weights of Linear layers (tensor-parallel ones included) and the MoE layers'
+expert weights, except the routers', which compute in float32 with autocast off. `train.working_weights` applies it to both pools
+(`dyad/service.py`), `bench/llm_step.py`'s `-working-weights` variants to the LLM alone.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ FLOAT32_SUBMODULES = ("router",)  # modules that compute in float32 under autoca
 _EXPERT_WEIGHTS = ("w1_EDF", "w3_EDF", "w2_EFD")
 
 _MASTER = "_dyad_master"  # the attribute of a working weight that holds its master
+_WORKING = "_dyad_working"  # and of a master, its working weight
 
 
 def master_of(weight: torch.Tensor) -> nn.Parameter | None:
@@ -49,6 +49,7 @@ class WorkingWeights:
             working.register_post_accumulate_grad_hook(_adder_into(master))
             module._parameters[name] = working
             setattr(working, _MASTER, master)
+            setattr(master, _WORKING, working)
             self.masters_by_name[qualified] = master
             self.working.append(working)
 
@@ -62,6 +63,17 @@ class WorkingWeights:
             torch._foreach_copy_(self.working, self.masters())
 
 
+def register_accumulated_hook(param: nn.Parameter, hook) -> None:
+    """`hook(param)` once autograd has accumulated a gradient into `param.grad`: a post-accumulate
+    hook on the parameter, or, for a master (which autograd no longer reaches), on its working
+    weight, after the working weight's gradient has been added into the master's."""
+    working = getattr(param, _WORKING, None)
+    if working is None:
+        param.register_post_accumulate_grad_hook(hook)
+    else:
+        working.register_post_accumulate_grad_hook(lambda _: hook(param))
+
+
 def trained_parameters(model: nn.Module) -> list[nn.Parameter]:
     """What an optimizer updates: the model's parameters with each working weight's master in
     its place."""
@@ -69,6 +81,9 @@ def trained_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _cast_matrices(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear  # (imports this module's users)
+
+    linears = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
     skipped = {
         id(sub)
         for prefix, module in model.named_modules()
@@ -78,7 +93,7 @@ def _cast_matrices(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
     for prefix, module in model.named_modules():
         if id(module) in skipped:
             continue
-        names = ["weight"] if isinstance(module, nn.Linear) else [n for n in _EXPERT_WEIGHTS if n in module._parameters]
+        names = ["weight"] if isinstance(module, linears) else [n for n in _EXPERT_WEIGHTS if n in module._parameters]
         for name in names:
             if module._parameters.get(name) is not None and module._parameters[name].dtype == torch.float32:
                 yield f"{prefix}.{name}" if prefix else name, module, name

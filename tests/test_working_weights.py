@@ -4,14 +4,18 @@ each use, bit for bit, eager and in compiled blocks; the masters are what an opt
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
 
+from dyad import config as config_lib
+from dyad.checkpoint import load_pool_state
 from dyad.compile import compile_blocks
+from dyad.jobs import run_job
 from dyad.optim import build_optimizer
 from dyad.service import build_model
-from dyad.working_weights import WorkingWeights, master_of, trained_parameters
+from dyad.working_weights import WorkingWeights, master_of, register_accumulated_hook, trained_parameters
 from tests.tiny_models import llm_inputs, resolved_config
 
 CUDA = torch.cuda.is_available()
@@ -104,3 +108,44 @@ def test_the_expert_gemms_add_a_working_weights_gradient_into_its_master_on_a_gp
     expected, got = _grads(plain), _grads(cast_once)
     for name, grad in expected.items():
         torch.testing.assert_close(got[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_a_hook_on_a_master_hears_of_its_gradient_after_the_working_weight_has_added_it():
+    config, model = _llm()
+    working = WorkingWeights(model)
+    master = working.masters_by_name["layers.0.attention.wq.weight"]
+    heard = []
+    register_accumulated_hook(master, lambda param: heard.append((param, param.grad.clone())))
+    _two_microbatches(config, model)
+    assert [param is master for param, _ in heard] == [True, True]  # once a microbatch
+    assert torch.equal(heard[-1][1], master.grad)  # the sum so far, already added in
+
+
+@pytest.mark.parametrize("layout", [[], ["parallel.encoder.dp=2", "parallel.llm.dp=2"]])
+def test_a_bf16_run_with_working_weights_is_the_run_without_bit_for_bit(tmp_path, layout):
+    """One rank a pool, and dp2 (whose overlapped reduction hears of each master's gradient from
+    its working weight's hook): the same losses and saved float32 parameters."""
+    jobs = []
+    for flag in ("false", "true"):
+        overrides = ["train.steps=3", "train.warmup_steps=1", "train.global_batch=8", "train.dtype=bfloat16",
+                     f"train.working_weights={flag}", *layout]
+        config = dataclasses.replace(config_lib.load(None, overrides), out_dir=str(tmp_path / flag))
+        job = run_job(config, progress=False)
+        assert job.succeeded, job.info.message
+        jobs.append(job)
+    plain, cast_once = jobs
+    assert [m["loss"] for m in cast_once.metrics] == [m["loss"] for m in plain.metrics]
+    for pool in ("encoder", "llm"):
+        expected = load_pool_state(plain.final_checkpoint(), pool)
+        got = load_pool_state(cast_once.final_checkpoint(), pool)
+        assert expected.keys() == got.keys()
+        for key, value in expected.items():
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), f"{pool}.{key}"
+
+
+def test_working_weights_need_bf16_and_no_float8():
+    with pytest.raises(ValueError, match="train.working_weights needs train.dtype 'bfloat16', got 'float32'"):
+        config_lib.load(None, ["train.working_weights=true"])
+    config = config_lib.load(None, ["train.working_weights=true", "train.dtype=bfloat16", "llm.fp8=true"])
+    with pytest.raises(ValueError, match="train.working_weights cannot be combined with llm.fp8"):
+        config_lib.resolve(config, vocab_size=32)

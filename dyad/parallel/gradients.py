@@ -16,6 +16,7 @@ from dyad.optim import sq_norm
 from dyad.parallel.expert import EXPERT_TP_DIM, gather_expert_tensor, local_expert_shard
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, all_gather_dim
+from dyad.working_weights import master_of
 
 _ROW_SHARDED = (ColumnParallelLinear, VocabParallelEmbedding)
 
@@ -109,10 +110,12 @@ def full_tensors(model: nn.Module, groups: ProcessGroups, *, grads: bool = False
 
 
 def owned_parameters(model: nn.Module):
-    """(single-device key, owning module, attribute name, parameter), in registration order."""
+    """(single-device key, owning module, attribute name, parameter), in registration order; for
+    a bf16 working weight (`dyad/working_weights.py`) the parameter is its float32 master."""
     for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
-            yield (f"{module_name}.{name}" if module_name else name), module, name, param
+            master = master_of(param)
+            yield (f"{module_name}.{name}" if module_name else name), module, name, param if master is None else master
 
 
 def gather_full(module, name, value, groups):

@@ -39,6 +39,7 @@ from dyad.parallel.gradients import (
     start_all_reduce,
 )
 from dyad.parallel.groups import ProcessGroups
+from dyad.working_weights import register_accumulated_hook
 
 
 @dataclass
@@ -91,7 +92,7 @@ class GradientReduction:
             self.lanes.append(lane)
             for index, bucket in enumerate(lane.buckets if overlap else []):
                 for param in bucket:
-                    param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, lane, index))
+                    register_accumulated_hook(param, functools.partial(self._accumulated, lane, index))
 
     def arm(self) -> None:
         """The next backward pass is the step's last: send buckets as it completes them."""
