@@ -11,11 +11,13 @@ weight's bf16 gradient into its master's float32 `.grad` as autograd accumulates
 those of autocast's casts at each use, bit for bit: the same bf16 products, upcast exactly and
 summed in float32 in the same order (tests/test_working_weights.py).
 
-The masters keep every other role of the parameters: the optimizer, the gradient norm and a
-checkpoint use `masters()` (the working weights hold no state of their own). The matrices
-chosen are the weights of Linear layers (tensor-parallel ones included) and the MoE layers'
-expert weights, except the routers', which compute in float32 with autocast off. `train.working_weights` applies it to both pools
-(`dyad/service.py`), `bench/llm_step.py`'s `-working-weights` variants to the LLM alone.
+The masters keep every other role of the parameters: the optimizer (`trained_parameters`), the
+gradient norm, the gradient reduction (`register_accumulated_hook`) and checkpoints
+(`dyad.parallel.gradients.owned_parameters`) see only them; the working weights hold no state of
+their own. The matrices chosen are the weights of Linear layers (tensor-parallel ones included)
+and the MoE layers' expert weights, except the routers', which compute in float32 with autocast
+off. `train.working_weights` applies this to both pools (`dyad/service.py`); `bench/llm_step.py`'s
+`-working-weights` variants to the LLM alone.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def register_accumulated_hook(param: nn.Parameter, hook) -> None:
 def trained_parameters(model: nn.Module) -> list[nn.Parameter]:
     """What an optimizer updates: the model's parameters with each working weight's master in
     its place."""
-    return [p if master_of(p) is None else master_of(p) for p in model.parameters()]
+    masters = [master_of(p) for p in model.parameters()]
+    return [p if master is None else master for p, master in zip(model.parameters(), masters)]
 
 
 def _cast_matrices(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
