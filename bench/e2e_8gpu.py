@@ -187,6 +187,7 @@ def main() -> None:
             args.gpus or torch.cuda.device_count(),
             args.pools.split(","),
         )
+    base = [*base, *args.set]
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the router's workers inherit it
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-e2e-8gpu-"))
     results = {}

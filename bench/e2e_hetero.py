@@ -208,6 +208,8 @@ def run_arguments(*, steps: int, skip: int) -> argparse.ArgumentParser:
     parser.add_argument("--work", help="run directories (default: a temporary one)")
     parser.add_argument("--out")
     parser.add_argument("--compile", action="store_true", help="train.compile=true (GPU runs; toy runs stay eager)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run, e.g. train.working_weights=true")
     return parser
 
 
@@ -240,8 +242,6 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16,
                         help=f"samples a step; every layout's LLM microbatches keep {SAMPLES_PER_MICROBATCH} samples "
                         "(the -4mb layouts: half), so more samples mean more microbatches a step")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for every layout, e.g. train.overlap_grad_reduce=false")
     args = parser.parse_args()
     if args.toy:
         base, layouts = TOY, chosen_layouts(TOY_LAYOUTS, args.layouts)

@@ -187,6 +187,7 @@ def main() -> None:
     parser.add_argument("--resize-after", type=int, default=7, help="request after this step")
     args = parser.parse_args()
     base, pools = (TOY, TOY_POOLS) if args.toy else (with_compile(RESIZE, args), GPU_POOLS)
+    base = [*base, *args.set]
     if args.toy:
         args.steps, args.resize_after, args.skip = 7, 2, 1
     # Steady steps before: skip..resize_after; after: the one in flight, the first after the

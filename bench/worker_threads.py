@@ -44,6 +44,7 @@ def main() -> None:
     args = run_arguments(steps=6, skip=2).parse_args()
     gpu_base = with_compile([*VIT_L_224, *LARGER_ENCODER], args)
     base, pools, gpus = (TOY, TOY_POOLS, 2) if args.toy else (gpu_base, GPU_POOLS, 4)
+    base = [*base, *args.set]
     steps, skip = (3, 1) if args.toy else (args.steps, args.skip)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-threads-"))
