@@ -121,7 +121,7 @@ def build(cfg: LLMConfig, device: str, variant: Variant):
     train = argparse.Namespace(weight_decay=0.01, beta1=0.9, beta2=0.95, eps=1e-8, lr=1e-4)
     optimizer = build_optimizer(trained_parameters(model), train)
     if working is not None:
-        optimizer.register_step_post_hook(lambda *_: working.refresh())
+        working.refresh_after_each_step(optimizer)
     return model, optimizer
 
 

@@ -102,7 +102,7 @@ class PoolService(ABC):
             compile_blocks(self.model, config.train.compile_backend)
         self.optimizer = build_optimizer(trained_parameters(self.model), config.train)
         if self.working_weights:
-            self.optimizer.register_step_post_hook(lambda *_: self.working_weights.refresh())
+            self.working_weights.refresh_after_each_step(self.optimizer)
         self.peers: dict[tuple[int, int], str] = {}
         self.lr = config.train.lr
         self.generation = 0

@@ -27,6 +27,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)  # modules whose `weight` a matmul reads
 FLOAT32_SUBMODULES = ("router",)  # modules that compute in float32 under autocast: not cast
 _EXPERT_WEIGHTS = ("w1_EDF", "w3_EDF", "w2_EFD")
 
@@ -58,6 +61,10 @@ class WorkingWeights:
     def masters(self) -> list[nn.Parameter]:
         return [master_of(w) for w in self.working]
 
+    def refresh_after_each_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refresh the working weights whenever `optimizer` (over the masters) has stepped."""
+        optimizer.register_step_post_hook(lambda *_: self.refresh())
+
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the masters into the working weights (after each update of the masters)."""
@@ -84,9 +91,6 @@ def trained_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _cast_matrices(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
-    from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear  # (imports this module's users)
-
-    linears = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
     skipped = {
         id(sub)
         for prefix, module in model.named_modules()
@@ -96,7 +100,7 @@ def _cast_matrices(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
     for prefix, module in model.named_modules():
         if id(module) in skipped:
             continue
-        names = ["weight"] if isinstance(module, linears) else [n for n in _EXPERT_WEIGHTS if n in module._parameters]
+        names = ["weight"] if isinstance(module, LINEARS) else [n for n in _EXPERT_WEIGHTS if n in module._parameters]
         for name in names:
             if module._parameters.get(name) is not None and module._parameters[name].dtype == torch.float32:
                 yield f"{prefix}.{name}" if prefix else name, module, name
