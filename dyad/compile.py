@@ -4,7 +4,9 @@ Applied from outside, after the model is parallelized for its rank, like every o
 change. A block's many small kernels (norms, rotary, routing, SwiGLU, autocast's weight casts)
 fuse, and one compiled call replaces hundreds of eager launches: the LLM step is host-bound
 without it (docs/performance.md). Blocks of the same kind share one compiled graph; a new
-sequence length recompiles once, after which lengths are symbolic. The collectives inside a
+sequence length recompiles once, after which lengths are symbolic; that step takes seconds
+longer (5–32 s on the benchmark's LLM, docs/performance.md), and the worker's log names the
+guard that failed (`log_recompiles`). The collectives inside a
 block are traced as torch's functional collectives (`dyad/parallel/collectives.py`, which says
 why); the expert-parallel dispatcher's one host sync splits its block's graph there. Checked
 on torch 2.11 (the GPU hosts') and 2.13 (CI's): on 2.11 a traced autograd.Function's backward
@@ -17,6 +19,7 @@ limit), which is still the same function.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -42,3 +45,11 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     for block in blocks:
         block.compile(backend=backend)
     return len(blocks)
+
+
+def log_recompiles() -> None:
+    """Have torch log every recompile and the guard that failed ("size mismatch at index 1.
+    expected 521, actual 263") to the process's stderr, which is its worker's log: a step that
+    recompiles takes seconds longer, and the log says why. TORCH_LOGS, when set, takes precedence
+    (torch ignores this call then)."""
+    torch._logging.set_logs(recompiles=True)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dyad import config as config_lib
-from dyad.compile import compile_blocks, transformer_blocks
+from dyad.compile import compile_blocks, log_recompiles, transformer_blocks
 from dyad.service import build_model
 from tests.tiny_models import (
     assert_short_run_matches_single_process,
@@ -58,6 +58,24 @@ def test_each_kind_of_llm_block_is_one_graph():
     logits, aux = model(ids, rows.bfloat16(), positions)
     assert len(graphs) == 2 and config.llm.dense_layers == (0,)
     (logits.float().sum() + aux).backward()
+
+
+def test_a_recompile_for_a_new_sequence_length_is_logged_with_its_reason(capfd):
+    """A worker's log says why a step took seconds longer: the guard that a shorter sequence
+    failed."""
+    config = resolved_config()
+    model = build_model(config, "llm").to(torch.bfloat16)
+    compile_blocks(model, "aot_eager")
+    ids, rows, positions = llm_inputs(config, "cpu")
+    log_recompiles()
+    try:
+        model(ids, rows.bfloat16(), positions)
+        assert "size mismatch" not in capfd.readouterr().err  # (the MoE blocks' graph is logged: is_moe)
+        model(ids[:, :20], rows.bfloat16(), positions)
+        err = capfd.readouterr().err
+    finally:
+        torch._logging.set_logs()
+    assert "Recompiling" in err and "size mismatch at index 1. expected 24, actual 20" in err, err[-2000:]
 
 
 def test_an_unknown_backend_is_refused_naming_the_field():
