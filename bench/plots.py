@@ -7,7 +7,7 @@
   against torchtitan's, from an idle GPU and with the host ahead, beside the goal (torchtitan's
   time in the same run over 1.2): a run's spread reads better as points than as a table.
 - `e2e_two_gpus.png`: tokens/s of `bench/e2e_hetero.py`, one group of bars per run, one bar per
-  layout it measured (hatched: layouts known to have computed wrong gradients in that run,
+  layout it measured (", working weights": run with `train.working_weights`; hatched: layouts known to have computed wrong gradients in that run,
   E2E_WRONG_GRADIENTS; a layout that failed in a run, e.g. out of memory, is labelled so).
 
 Only the files named in MOE_RUNS and E2E_RUNS are read; a missing one is an error naming it.
@@ -37,6 +37,7 @@ MOE_RUNS = {  # label: result file under --results, every run interleaved with t
 }
 RECOMPUTE_H100 = "e2e_recompute_h100/start_1"
 MICROBATCH_H100 = "e2e_microbatch_h100"
+WORKING_WEIGHTS = "working_weights_e2e"
 E2E_RUNS = {  # label: one result file, or several whose layouts together make the run
     "H200 run 1": "e2e_2xh200_vit448_compiled.json",
     "H200 run 2": "e2e_2xh200_vit448_compiled_repeat.json",
@@ -68,6 +69,13 @@ E2E_RUNS = {  # label: one result file, or several whose layouts together make t
     # and both layouts at four samples (the same math).
     "H100, 64 samples c": tuple(f"{MICROBATCH_H100}/e2e_{n}.json" for n in ("0-h64", "1-f64", "2-g64")),
     "H100, 64 samples d": tuple(f"{MICROBATCH_H100}/e2e_{n}.json" for n in ("5-h64", "6-g64", "7-f64", "8-r64")),
+    # bf16 working weights (train.working_weights) against none, one start of each kind of host.
+    "H100, 64 samples e": tuple(
+        f"{WORKING_WEIGHTS}/h100/e2e_{n}.json" for n in ("0-h64w", "1-d64w", "2-d64", "3-h64", "4-r64w", "5-r64")
+    ),
+    "H100, 64 samples f": tuple(f"{WORKING_WEIGHTS}/h100/e2e_{n}.json" for n in ("6-r64w", "7-h64w", "8-h64")),
+    "H200, 64 samples c": tuple(f"{WORKING_WEIGHTS}/h200/e2e_{n}.json" for n in ("0-d64w", "1-h64w")),
+    "H200, 64 samples d": tuple(f"{WORKING_WEIGHTS}/h200/e2e_{n}.json" for n in ("2-h64", "3-d64")),
 }
 # Per run of E2E_RUNS, the layouts that computed wrong gradients (torch 2.11 lost the backward of
 # the expert-parallel all-to-all in compiled blocks, fixed before the H100 runs;
@@ -115,10 +123,13 @@ def plot_moe_runs(results: Path, out: Path, shapes=("mixtral-like", "qwen3-like"
 
 
 def e2e_layouts(results: Path, names: str | tuple[str, ...]) -> dict:
-    """The layouts of one run of E2E_RUNS, merged from its files."""
+    """The layouts of one run of E2E_RUNS, merged from its files (a file run with bf16 working
+    weights names its layouts so)."""
     merged = {}
     for name in (names,) if isinstance(names, str) else names:
-        merged.update(load(results, name)["layouts"])
+        result = load(results, name)
+        suffix = ", working weights" if "train.working_weights=true" in result.get("config", []) else ""
+        merged.update({layout + suffix: measured for layout, measured in result["layouts"].items()})
     return merged
 
 
