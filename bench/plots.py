@@ -7,8 +7,9 @@
   against torchtitan's, from an idle GPU and with the host ahead, beside the goal (torchtitan's
   time in the same run over 1.2): a run's spread reads better as points than as a table.
 - `e2e_two_gpus.png`: tokens/s of `bench/e2e_hetero.py`, one group of bars per run, one bar per
-  layout it measured (", working weights": run with `train.working_weights`; hatched: layouts known to have computed wrong gradients in that run,
-  E2E_WRONG_GRADIENTS; a layout that failed in a run, e.g. out of memory, is labelled so).
+  layout it measured (", working weights": run with `train.working_weights`; hatched: layouts
+  known to have computed wrong gradients in that run, E2E_WRONG_GRADIENTS; a layout that failed
+  in a run, e.g. out of memory, is labelled so).
 
 Only the files named in MOE_RUNS and E2E_RUNS are read; a missing one is an error naming it.
 """
