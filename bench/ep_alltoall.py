@@ -30,7 +30,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from moe_layer import expert_flops  # beside this script
+from kernel_timeline import write_timeline  # beside this script
+from moe_layer import expert_flops
 
 from dyad.layout import LLMLayout
 from dyad.llm_service.moe import MoEConfig, MoELayer
@@ -94,7 +95,8 @@ def expert_parallel_layer(shape: dict, groups: ProcessGroups, device, dtype) -> 
     return layer.to(device, dtype)
 
 
-def time_layer(layer: MoELayer, x_TD: torch.Tensor, iters: int) -> float:
+def layer_step(layer: MoELayer, x_TD: torch.Tensor):
+    """The layer's forward + backward on `x_TD`, as a function of no arguments."""
     x_TD = x_TD.detach().requires_grad_()
     grad_TD = torch.randn_like(x_TD)
 
@@ -102,27 +104,38 @@ def time_layer(layer: MoELayer, x_TD: torch.Tensor, iters: int) -> float:
         y_TD, aux = layer(x_TD)
         torch.autograd.backward([y_TD, aux], [grad_TD, torch.ones_like(aux)])
 
-    return median_s(step, iters, x_TD.device)
+    return step
 
 
 def remote_bytes(splits: list[int], me: int, row_bytes: int) -> int:
     return (sum(splits) - splits[me]) * row_bytes
 
 
+def dispatcher_calls(layer: MoELayer, groups: ProcessGroups, x_TD: torch.Tensor):
+    """The dispatcher, its dispatch and combine as functions of no arguments (on the routing the
+    layer's router chose for `x_TD`), and the handle of one dispatch."""
+    dispatcher = DISPATCHERS["alltoall"](groups.group("ep"), layer.cfg.num_experts, groups.group("etp"))
+    _, gates_TK, expert_idx_TK = layer.route(x_TD)
+    x_local_MD, _, handle = dispatcher.dispatch(x_TD, expert_idx_TK)
+    return (
+        lambda: dispatcher.dispatch(x_TD, expert_idx_TK),
+        lambda: dispatcher.combine(x_local_MD, gates_TK, handle),
+        handle,
+    )
+
+
 @torch.no_grad()
 def time_dispatcher(layer: MoELayer, groups: ProcessGroups, x_TD: torch.Tensor, iters: int) -> dict:
     """The dispatcher's dispatch and combine, and all_to_all_single of the same splits, each way."""
     ep_group, device = groups.group("ep"), x_TD.device
-    dispatcher = DISPATCHERS["alltoall"](ep_group, layer.cfg.num_experts, groups.group("etp"))
-    _, gates_TK, expert_idx_TK = layer.route(x_TD)
-    x_local_MD, _, handle = dispatcher.dispatch(x_TD, expert_idx_TK)
+    dispatch, combine, handle = dispatcher_calls(layer, groups, x_TD)
     send_ND = x_TD.new_empty(sum(handle.send_splits), x_TD.shape[1])
     recv_ND = x_TD.new_empty(sum(handle.recv_splits), x_TD.shape[1])
     send, recv = handle.send_splits, handle.recv_splits
     row_bytes, me = x_TD.shape[1] * x_TD.element_size(), dist.get_rank(ep_group)
     return {
-        "dispatch_s": median_s(lambda: dispatcher.dispatch(x_TD, expert_idx_TK), iters, device),
-        "combine_s": median_s(lambda: dispatcher.combine(x_local_MD, gates_TK, handle), iters, device),
+        "dispatch_s": median_s(dispatch, iters, device),
+        "combine_s": median_s(combine, iters, device),
         "reference_dispatch_s": median_s(
             lambda: dist.all_to_all_single(recv_ND, send_ND, recv, send, group=ep_group),
             iters,
@@ -138,7 +151,18 @@ def time_dispatcher(layer: MoELayer, groups: ProcessGroups, x_TD: torch.Tensor, 
     }
 
 
-def measure(shape: dict, ep: int, world: int, iters: int, device, dtype) -> dict:
+def write_timelines(layer: MoELayer, groups: ProcessGroups, x_TD: torch.Tensor, prefix: str) -> None:
+    """Every rank: the kernels and host ops of three layer steps, dispatches and combines
+    (`bench/kernel_timeline.py`), to `{prefix}_{layer,dispatch,combine}_rank{r}.txt`."""
+    with torch.no_grad():
+        dispatch, combine, _ = dispatcher_calls(layer, groups, x_TD)
+    for name, call in (("layer", layer_step(layer, x_TD)), ("dispatch", dispatch), ("combine", combine)):
+        dist.barrier()
+        with torch.set_grad_enabled(name == "layer"):
+            write_timeline(call, f"{prefix}_{name}_rank{dist.get_rank()}.txt", host_ops=120)
+
+
+def measure(shape: dict, ep: int, world: int, iters: int, device, dtype, timeline_dir: str | None = None) -> dict:
     """One row per token count: every time is the slowest rank's median, bytes the ranks' mean."""
     groups = ProcessGroups.build(LLMLayout(dp=world, ep=ep))
     layer = expert_parallel_layer(shape, groups, device, dtype)
@@ -146,7 +170,8 @@ def measure(shape: dict, ep: int, world: int, iters: int, device, dtype) -> dict
     for tokens in shape["tokens"]:
         torch.manual_seed(1000 + dist.get_rank())
         x_TD = torch.randn(tokens, shape["dim"], device=device, dtype=dtype)
-        local = {"layer_s": time_layer(layer, x_TD, iters)} | time_dispatcher(layer, groups, x_TD, iters)
+        layer_s = median_s(layer_step(layer, x_TD), iters, device)
+        local = {"layer_s": layer_s} | time_dispatcher(layer, groups, x_TD, iters)
         row = {key: over_ranks(value, dist.ReduceOp.MAX, device) for key, value in local.items() if key.endswith("_s")}
         for direction in ("dispatch", "combine"):
             mean_bytes = over_ranks(local[f"{direction}_bytes"], dist.ReduceOp.SUM, device) / world
@@ -157,6 +182,8 @@ def measure(shape: dict, ep: int, world: int, iters: int, device, dtype) -> dict
             row["layer_s"] * 1e12
         )
         rows[tokens] = row
+        if timeline_dir and device.type == "cuda":
+            write_timelines(layer, groups, x_TD, f"{timeline_dir}/timeline_ep{ep}_{tokens}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -172,7 +199,7 @@ def _worker(rank: int, world: int, port: int, shape: dict, args, results) -> Non
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
     for ep in args.ep:
-        rows = measure(shape, ep, world, args.iters, device, dtype)
+        rows = measure(shape, ep, world, args.iters, device, dtype, args.timeline_dir)
         if rank == 0:
             results[ep] = rows
     dist.destroy_process_group()
@@ -199,7 +226,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", help="per rank")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out")
+    parser.add_argument("--timeline-dir", help="GPU: every rank writes its layer, dispatch and combine timelines here")
     args = parser.parse_args()
+    if args.timeline_dir:
+        os.makedirs(args.timeline_dir, exist_ok=True)
     world = 2 if args.toy else torch.cuda.device_count()
     args.ep = [2] if args.toy else [ep for ep in args.ep if ep <= world]
     if not args.ep:

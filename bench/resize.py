@@ -3,6 +3,7 @@ encoder 2 -> 3 GPUs, LLM 6 -> 5), through the router's ScalePool at a step bound
 steady throughput before, the resize's cost, and the steady throughput after.
 
     NCCL_NVLS_ENABLE=0 python bench/resize.py --out $OUT/resize.json --work $OUT/runs
+    python bench/resize.py --pools 1+3   # four GPUs: encoder 1 -> 2, LLM 3 -> 2
     python bench/resize.py --toy         # CPU: encoder 1 -> 2 ranks, LLM 2 -> 1 (CI)
 
 How a GPU changes pools. ScalePool resizes one pool's data-parallel degree (`dyad.config.scaled`:
@@ -18,8 +19,9 @@ boundaries, the GPU is free before the encoder takes it (the JSON counts the res
 
 Why this LLM: `scaled` keeps ep, and ep must divide the LLM pool at both sizes (6 and 5): only
 ep=1 does. So the LLM is bench/e2e_hetero.py's (2.9 B parameters, 16 experts), which fits one
-GPU without expert parallelism, with bench/e2e_8gpu.py's larger encoder; the step's 30 LLM
-microbatches split evenly over 6 and 5 ranks.
+GPU without expert parallelism, with bench/e2e_8gpu.py's larger encoder; the step's LLM
+microbatches of four samples split evenly over both sizes of the LLM pool: 30 (120 samples)
+for 6 and 5 ranks, 30 for 3 and 2 (`gpu_pools`).
 
 Measured, from the run's step events (arrival times on this side) and the router's step times:
 - before / after: medians over the steady steps (e2e_hetero's `summarize`);
@@ -33,6 +35,7 @@ Measured, from the run's step events (arrival times on this side) and the router
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 import time
@@ -45,9 +48,31 @@ from dyad import config as config_lib
 from dyad.client import RouterClient, local_router
 from dyad.wire import as_dict, pb
 
-RESIZE = [*VIT_L_224, *LARGER_ENCODER, "train.global_batch=120"]
-GPU_POOLS = {"encoder": 2, "llm": 6, "move": 1, "microbatches": 5}
-TOY_POOLS = {"encoder": 1, "llm": 2, "move": 1, "microbatches": 1}
+RESIZE = [*VIT_L_224, *LARGER_ENCODER]
+SAMPLES_PER_MICROBATCH = 4
+MIN_MICROBATCHES = 30  # a step's LLM microbatches, at least
+TOY_POOLS = {"encoder": 1, "llm": 2, "move": 1, "microbatches": 1, "global_batch": 8}
+
+
+def gpu_pools(split: str) -> dict:
+    """'2+6' -> the encoder pool on 2 GPUs, the LLM pool on 6, one GPU moving from the LLM to the
+    encoder; the step's LLM microbatches a multiple of both LLM sizes, at least MIN_MICROBATCHES."""
+    encoder, _, llm = split.partition("+")
+    if not (encoder.isdigit() and llm.isdigit()) or int(encoder) < 1 or int(llm) < 2:
+        raise SystemExit(f"--pools: E+L with E >= 1 encoder GPUs and L >= 2 LLM GPUs, got {split!r}")
+    encoder, llm = int(encoder), int(llm)
+    both = math.lcm(llm, llm - 1)
+    total = both * math.ceil(MIN_MICROBATCHES / both)
+    return {
+        "encoder": encoder,
+        "llm": llm,
+        "move": 1,
+        "microbatches": total // llm,
+        "global_batch": total * SAMPLES_PER_MICROBATCH,
+    }
+
+
+GPU_POOLS = gpu_pools("2+6")
 
 
 def device_lists(encoder: int, llm: int, move: int) -> tuple[list[int], list[int]]:
@@ -63,6 +88,7 @@ def pool_overrides(pools: dict) -> list[str]:
         f"parallel.encoder.dp={pools['encoder']}",
         f"parallel.llm.dp={pools['llm']}",
         f"train.microbatches={pools['microbatches']}",
+        f"train.global_batch={pools['global_batch']}",
         f"parallel.encoder_devices={encoder_devices}",
         f"parallel.llm_devices={llm_devices}",
     ]
@@ -185,8 +211,9 @@ def print_result(result: dict, pools: dict) -> None:
 def main() -> None:
     parser = run_arguments(steps=18, skip=2)  # skip: at the start and after the resize
     parser.add_argument("--resize-after", type=int, default=7, help="request after this step")
+    parser.add_argument("--pools", default="2+6", help="E+L: encoder and LLM GPUs before the resize")
     args = parser.parse_args()
-    base, pools = (TOY, TOY_POOLS) if args.toy else (with_compile(RESIZE, args), GPU_POOLS)
+    base, pools = (TOY, TOY_POOLS) if args.toy else (with_compile(RESIZE, args), gpu_pools(args.pools))
     base = [*base, *args.set]
     if args.toy:
         args.steps, args.resize_after, args.skip = 7, 2, 1
