@@ -31,7 +31,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dyad.kernels.moe_permute import expert_counts, permute, stable_expert_order, unpermute
+from dyad.kernels.moe_permute import (
+    expert_counts,
+    inverse_permutation,
+    permute,
+    permute_rows,
+    stable_expert_order,
+    unpermute,
+)
 from dyad.parallel.collectives import all_gather_rows, all_to_all_rows, reduce_scatter_rows
 
 
@@ -211,6 +218,7 @@ class AllToAllHandle:
     recv_splits: list[int]  # rows from each ep rank
     etp_sizes: list[int]  # rows each etp rank received over ep
     expert_order_M: torch.Tensor  # (etp rank, ep rank, local expert)-major rows -> local-expert-major
+    expert_inverse_M: torch.Tensor  # and back
 
 
 class _ExpertParallelDispatcher:
@@ -248,11 +256,13 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         local_expert_M = torch.arange(L, device=x_TD.device).repeat(Q * P)
         local_expert_M = local_expert_M.repeat_interleave(counts_QPL.reshape(-1), output_size=sum(etp_sizes))
         expert_order_M = stable_expert_order(local_expert_M, L)
-        handle = AllToAllHandle(sorted_order_N, send_splits, recv_splits, etp_sizes, expert_order_M)
-        return x_grid_MD.index_select(0, expert_order_M), counts_QPL.sum(dim=(0, 1)), handle
+        expert_inverse_M = inverse_permutation(expert_order_M)
+        handle = AllToAllHandle(sorted_order_N, send_splits, recv_splits, etp_sizes, expert_order_M, expert_inverse_M)
+        x_local_MD = permute_rows(x_grid_MD, expert_order_M, expert_inverse_M)
+        return x_local_MD, counts_QPL.sum(dim=(0, 1)), handle
 
     def combine(self, y_local_MD, gates_TK, handle: AllToAllHandle):
-        y_grid_MD = torch.zeros_like(y_local_MD).index_copy(0, handle.expert_order_M, y_local_MD)
+        y_grid_MD = permute_rows(y_local_MD, handle.expert_inverse_M, handle.expert_order_M)
         y_recv_ND = reduce_scatter(y_grid_MD, handle.etp_sizes, self.etp_group)
         y_sorted_ND = all_to_all(y_recv_ND, handle.send_splits, handle.recv_splits, self.ep_group)
         return unpermute(y_sorted_ND, handle.sorted_order_N, gates_TK)

@@ -49,8 +49,34 @@ def unpermute(y_sorted_ND: torch.Tensor, sorted_order_N: torch.Tensor, gates_TK:
 
 def _positions_TK(sorted_order_N: torch.Tensor, T: int, K: int) -> torch.Tensor:
     """Where each assignment t*K + k sits in expert-major order, as [T, K]."""
-    flat_N = torch.arange(sorted_order_N.shape[0], device=sorted_order_N.device)
-    return torch.empty_like(sorted_order_N).scatter_(0, sorted_order_N, flat_N).view(T, K)
+    return inverse_permutation(sorted_order_N).view(T, K)
+
+
+def inverse_permutation(order_N: torch.Tensor) -> torch.Tensor:
+    """inverse_N with inverse_N[order_N[i]] = i, for a permutation `order_N` of range(N)."""
+    flat_N = torch.arange(order_N.shape[0], device=order_N.device)
+    return torch.empty_like(order_N).scatter_(0, order_N, flat_N)
+
+
+def permute_rows(x_MD: torch.Tensor, order_M: torch.Tensor, inverse_M: torch.Tensor) -> torch.Tensor:
+    """x_MD[order_M] for a permutation `order_M` of the rows and its inverse `inverse_M`.
+
+    The gradient is a gather by the inverse: autograd's own backward of `index_select` adds the
+    rows into zeros with `index_add_`, whose atomics take 1.2 ms for 64k rows of 2048 bf16 on an
+    H100, against about 0.2 ms for the gather. The same values: a permutation adds nothing."""
+    return _PermuteRows.apply(x_MD, order_M, inverse_M)
+
+
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MD, order_M, inverse_M):
+        ctx.save_for_backward(inverse_M)
+        return x_MD.index_select(0, order_M)
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        (inverse_M,) = ctx.saved_tensors
+        return grad_MD.index_select(0, inverse_M), None, None
 
 
 class _GatherCopies(torch.autograd.Function):

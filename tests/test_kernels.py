@@ -6,7 +6,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dyad.kernels.grouped_mm import grouped_mm, grouped_mm_reference, supports_fast_path
-from dyad.kernels.moe_permute import permute, permute_reference, stable_expert_order, unpermute, unpermute_reference
+from dyad.kernels.moe_permute import (
+    inverse_permutation,
+    permute,
+    permute_reference,
+    permute_rows,
+    stable_expert_order,
+    unpermute,
+    unpermute_reference,
+)
 
 
 def _offsets(counts):
@@ -91,7 +99,7 @@ def _check_permute_matches_reference(x_TD, expert_idx_TK, num_experts):
 _DEVICES = [
     "cpu",
     pytest.param("cuda", marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="no CUDA device here: the GPU's radix sort is not exercised")),
+        not torch.cuda.is_available(), reason="no CUDA device here: the GPU path is not exercised")),
 ]
 
 
@@ -104,6 +112,28 @@ def test_stable_expert_order_is_the_int64_stable_argsort(num_ids, device):
     ids[:2], ids[2:4] = num_ids - 1, 0  # both ends of the range
     ids = ids.to(device)
     assert torch.equal(stable_expert_order(ids, num_ids), torch.argsort(ids, stable=True))
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("M", [0, 1, 37])
+def test_permute_rows_equals_index_select_and_its_gradient(M, device):
+    """The same rows and the same input gradient, bit for bit, as autograd's index_select (whose
+    backward adds into zeros), in bf16 as the dispatcher uses it."""
+    g = torch.Generator().manual_seed(M)
+    order_M = torch.randperm(M, generator=g).to(device)
+    inverse_M = inverse_permutation(order_M)
+    assert torch.equal(order_M[inverse_M], torch.arange(M, device=device))
+    x_MD = torch.randn(M, 6, generator=g).to(device, torch.bfloat16)
+    grad_MD = torch.randn(M, 6, generator=g).to(device, torch.bfloat16)
+    results = []
+    for select in (lambda x: permute_rows(x, order_M, inverse_M), lambda x: x.index_select(0, order_M)):
+        x = x_MD.clone().requires_grad_()
+        y = select(x)
+        y.backward(grad_MD)
+        results.append((y.detach(), x.grad))
+    (y, dx), (y_ref, dx_ref) = results
+    assert torch.equal(y, y_ref)
+    assert torch.equal(dx, dx_ref)
 
 
 @settings(max_examples=40, deadline=None)
