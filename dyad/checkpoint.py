@@ -38,6 +38,10 @@ from dyad.parallel.groups import ProcessGroups
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 RESTORE_BATCH_BYTES = 1 << 30  # full tensors read into host memory at a time
+# Threads each rank serializes and writes its files with: a 19 GB checkpoint of one rank took
+# 29.9 s to save with DCP's one thread and 19.9 s with eight on an H100 host of 16 CPUs
+# (bench/checkpoint_io.py).
+WRITER_THREADS = 8
 
 
 def pool_dir(directory: str | Path, pool: str) -> Path:
@@ -53,14 +57,16 @@ def save_pool(
     groups: ProcessGroups,
     *,
     step: int,
+    writer_threads: int = WRITER_THREADS,
 ) -> Path:
-    """Write the pool's model, AdamW state, step and this rank's RNG states. Collective over the
+    """Write the pool's model, AdamW state, step and this rank's RNG states, each rank's files with
+    `writer_threads` threads (every file synced, as DCP does by default). Collective over the
     pool's default process group; returns the pool's checkpoint path."""
     state = _owned_full_state(model, optimizer, groups, dist.get_rank(), dist.get_world_size())
     state.update(_rng_states(dist.get_rank(), _device(model)))
     state["step"] = step
     path = pool_dir(directory, pool)
-    dcp.save(state, checkpoint_id=path)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=writer_threads))
     return path
 
 

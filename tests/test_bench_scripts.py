@@ -33,6 +33,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         ("resize.py", []),
         ("fp8_convergence.py", []),
         ("worker_threads.py", []),
+        ("checkpoint_io.py", []),
     ],
 )
 def test_bench_script_runs_at_toy_size(tmp_path, script, args):

@@ -1,0 +1,123 @@
+"""Where a pool checkpoint's time goes, one process: `dyad.checkpoint.save_pool` with one writer
+thread (DCP's default) and with `--threads`, `restore_pool` at several read batch sizes, and
+beside them the parts: reading the files' bytes alone, and the save's copy of every full tensor
+to host memory alone. The model: `--layers` bias-free 4096 x
+4096 linear layers with fused AdamW state after one step (12 bytes a parameter: 96 layers are a
+19 GB checkpoint), on the GPU when there is one. Each save overwrites the last; the restores read
+the last. Prints each time; writes JSON.
+
+    python bench/checkpoint_io.py --work /tmp/ckpt --out $OUT/checkpoint_io.json   # GPU host
+    python bench/checkpoint_io.py --toy                                            # CPU, tiny (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from run_info import bench_device, run_header, write_json  # beside this script
+from torch import nn
+
+from dyad import checkpoint
+from dyad.layout import LLMLayout
+from dyad.parallel.groups import ProcessGroups
+from dyad.router.launcher import free_ports
+
+RESTORE_BATCHES_MB = [1024, 256, 16384]
+
+
+def trained_model(layers: int, dim: int, device: str):
+    """The model and its AdamW after one step (so the moments exist)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(layers)]).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device == "cuda")
+    model(torch.randn(2, dim, device=device)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def seconds(fn, device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def read_bytes(directory: Path) -> None:
+    for path in checkpoint.pool_dir(directory, "llm").iterdir():
+        with open(path, "rb") as f:
+            while f.read(1 << 26):
+                pass
+
+
+def copy_to_host(model, optimizer, groups) -> None:
+    for _, full in checkpoint._full_entries(model, optimizer, groups):
+        full.detach().cpu()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--toy", action="store_true", help="CPU, a tiny model (keeps the script working)")
+    parser.add_argument("--layers", type=int, default=96)
+    parser.add_argument(
+        "--threads", type=int, default=checkpoint.WRITER_THREADS, help="writer threads of the second save"
+    )
+    parser.add_argument("--work", help="where the checkpoint is written (default: a temporary directory)")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    device = bench_device(args.toy)
+    layers, dim = (2, 64) if args.toy else (args.layers, 4096)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    groups = ProcessGroups.build(LLMLayout(dp=1))
+    model, optimizer = trained_model(layers, dim, device)
+    work = Path(args.work or tempfile.mkdtemp(prefix="dyad-checkpoint-io-"))
+    times = {}
+
+    def timed(name: str, fn) -> None:
+        times[name] = seconds(fn, device)
+        print(f"{name:32s} {times[name]:7.2f} s", flush=True)
+
+    for threads in (1, args.threads):
+        shutil.rmtree(work, ignore_errors=True)
+        timed(
+            f"save, {threads} writer thread(s)",
+            partial(checkpoint.save_pool, work, "llm", model, optimizer, groups, step=1, writer_threads=threads),
+        )
+    for mb in RESTORE_BATCHES_MB:
+        timed(
+            f"restore, {mb} MB batches",
+            partial(checkpoint.restore_pool, work, "llm", model, optimizer, groups, batch_bytes=mb << 20),
+        )
+    timed("read the files' bytes alone", lambda: read_bytes(work))
+    timed("copy the tensors to host alone", lambda: copy_to_host(model, optimizer, groups))
+    stored = sum(path.stat().st_size for path in checkpoint.pool_dir(work, "llm").iterdir())
+    print(f"checkpoint: {stored / 1e9:.2f} GB in {len(list(checkpoint.pool_dir(work, 'llm').iterdir()))} files")
+    write_json(
+        args.out,
+        {
+            **run_header(device),
+            "layers": layers,
+            "dim": dim,
+            "threads": args.threads,
+            "bytes": stored,
+            "seconds": times,
+        },
+    )
+    dist.destroy_process_group()
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
