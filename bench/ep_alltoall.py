@@ -3,6 +3,7 @@ all_to_all_single moving the same bytes between the same ranks, and the MoE laye
 backward, at each ep.
 
     NCCL_NVLS_ENABLE=0 python bench/ep_alltoall.py --out $OUT/ep_alltoall.json   # ep 4 and 8
+    python bench/ep_alltoall.py --ep 2 4 --timeline-dir $OUT/timelines          # four GPUs, profiled
     python bench/ep_alltoall.py --toy                                           # CPU, gloo, ep 2 (CI)
 
 One process per GPU (gloo on CPU with --toy). For each ep, the LLM pool's own layout object
@@ -16,7 +17,9 @@ dispatcher, and each rank feeds it its own tokens. Per token count:
   each direction, into preallocated buffers: the wire alone.
 Bandwidth counts the bytes each rank sends to other ranks (its own rows stay), averaged over the
 ranks, over the slowest rank's median time. Every timing starts from a barrier with the devices
-idle. Prints a table; writes JSON.
+idle. Prints a table; writes JSON. With `--timeline-dir`, every rank then profiles three of each
+(layer steps, dispatches, combines) and writes their kernels, the gaps between them and the host
+ops (`bench/kernel_timeline.py`).
 """
 
 from __future__ import annotations
