@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from e2e_8gpu import LARGER_ENCODER  # beside this script
+from e2e_8gpu import LARGER_ENCODER, parse_pool  # beside this script
 from e2e_hetero import TOY, VIT_L_224, run_arguments, summarize, with_compile, write_results
 
 from dyad import config as config_lib
@@ -57,10 +57,10 @@ TOY_POOLS = {"encoder": 1, "llm": 2, "move": 1, "microbatches": 1, "global_batch
 def gpu_pools(split: str) -> dict:
     """'2+6' -> the encoder pool on 2 GPUs, the LLM pool on 6, one GPU moving from the LLM to the
     encoder; the step's LLM microbatches a multiple of both LLM sizes, at least MIN_MICROBATCHES."""
-    encoder, _, llm = split.partition("+")
-    if not (encoder.isdigit() and llm.isdigit()) or int(encoder) < 1 or int(llm) < 2:
+    pools = parse_pool(split)
+    if pools is None or pools[1] < 2:
         raise SystemExit(f"--pools: E+L with E >= 1 encoder GPUs and L >= 2 LLM GPUs, got {split!r}")
-    encoder, llm = int(encoder), int(llm)
+    encoder, llm = pools
     both = math.lcm(llm, llm - 1)
     total = both * math.ceil(MIN_MICROBATCHES / both)
     return {
