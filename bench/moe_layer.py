@@ -147,6 +147,18 @@ def joining_weight_grads_at_once(make):
     return make_joining
 
 
+def weight_grads_on_streams(make, streams: int):
+    """The layer `make` builds, its per-expert weight-gradient GEMMs queued on `streams` side
+    streams (1), or on the current stream (0), instead of two side streams (for A/B runs)."""
+
+    def make_on_streams(dim, hidden, experts, top_k):
+        layer = make(dim, hidden, experts, top_k)
+        layer.bench_weight_grad_streams = streams
+        return layer
+
+    return make_on_streams
+
+
 def titan_layer(dim, hidden, experts, top_k):
     from torchtitan.models.common.config_utils import (
         make_moe_config,
@@ -193,6 +205,8 @@ LAYERS = {
     "dyad-compiled": compiled(dyad_layer),
     "dyad-reference-router": dyad_reference_router_layer,
     "dyad-wgrads-joined-at-once": joining_weight_grads_at_once(dyad_layer),
+    "dyad-wgrads-one-side-stream": weight_grads_on_streams(dyad_layer, 1),
+    "dyad-wgrads-current-stream": weight_grads_on_streams(dyad_layer, 0),
     "dyad-fp8": dyad_fp8_layer,
     "dyad-fp8-compiled": dyad_fp8_compiled_layer,
     "dyad-fp8-codes-kept": keeping_weight_codes(dyad_fp8_layer),
@@ -214,13 +228,14 @@ def layer_step(make, shape, device, dtype):
     is_dyad = isinstance(layer, MoELayer)
     requantize = not getattr(layer, "bench_keeps_weight_codes", False)
     joins_at_once = getattr(layer, "bench_joins_weight_grads_at_once", False)
+    grad_streams = getattr(layer, "bench_weight_grad_streams", None)
 
     def step():
         if is_dyad:
             if requantize:  # each call quantizes its weights once, as after an optimizer step
                 forget_quantized(layer)
             y, aux = layer(x)
-            with _joining_weight_grads_at_once(joins_at_once):
+            with _joining_weight_grads_at_once(joins_at_once), _weight_grads_on(grad_streams):
                 torch.autograd.backward([y, aux], [grad, torch.ones_like(aux)])
         else:
             out = layer(x.unsqueeze(0))
@@ -228,6 +243,23 @@ def layer_step(make, shape, device, dtype):
             out.backward(grad.view_as(out))
 
     return step
+
+
+@contextlib.contextmanager
+def _weight_grads_on(streams: int | None):
+    if streams is None:
+        yield
+        return
+    two_sides = expert_weight_grads._side_streams_after_current
+
+    def fewer(device):
+        return two_sides(device)[:streams] if streams else [torch.cuda.current_stream(device)]
+
+    expert_weight_grads._side_streams_after_current = fewer
+    try:
+        yield
+    finally:
+        expert_weight_grads._side_streams_after_current = two_sides
 
 
 @contextlib.contextmanager
