@@ -28,9 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dyad.byte_runs import byte_runs
 from dyad.parallel.gradients import gather_full, local_part, owned_parameters
@@ -42,6 +40,14 @@ RESTORE_BATCH_BYTES = 1 << 30  # full tensors read into host memory at a time
 # 29.9 s to save with DCP's one thread and 19.9 s with eight on an H100 host of 16 CPUs
 # (bench/checkpoint_io.py).
 WRITER_THREADS = 8
+
+
+def _dcp():
+    """torch.distributed.checkpoint, imported where a checkpoint is read or written: importing it
+    pulls in DTensor and costs about a second, which every process importing this module paid."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 def pool_dir(directory: str | Path, pool: str) -> Path:
@@ -62,6 +68,7 @@ def save_pool(
     """Write the pool's model, AdamW state, step and this rank's RNG states, each rank's files with
     `writer_threads` threads (every file synced, as DCP does by default). Collective over the
     pool's default process group; returns the pool's checkpoint path."""
+    dcp = _dcp()
     state = _owned_full_state(model, optimizer, groups, dist.get_rank(), dist.get_world_size())
     state.update(_rng_states(dist.get_rank(), _device(model)))
     state["step"] = step
@@ -126,6 +133,7 @@ def restore_pool(
     it is larger) and this rank's piece of each is copied into place. Collective over the pool's
     default process group. Zeroes the gradients, restores this rank's RNG states when the
     checkpoint holds them, and returns the saved step."""
+    dcp = _dcp()
     path = pool_dir(directory, pool)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     targets = _restore_targets(model, optimizer)
@@ -194,12 +202,13 @@ def _hyperparameters(optimizer: torch.optim.Optimizer) -> dict:
 
 def load_pool_state(directory: str | Path, pool: str) -> dict[str, torch.Tensor]:
     """The pool's full single-device model state dict (CPU), read in this process alone."""
+    dcp = _dcp()
     path = pool_dir(directory, pool)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     state = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in stored.items()
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+        if key.startswith("model.") and isinstance(meta, dcp.metadata.TensorStorageMetadata)
     }
     with warnings.catch_warnings():  # DCP warns on every single-process load, even when asked for one
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -209,6 +218,7 @@ def load_pool_state(directory: str | Path, pool: str) -> dict[str, torch.Tensor]
 
 def saved_ranks(directory: str | Path, pool: str) -> list[int]:
     """The pool ranks that wrote the checkpoint (each saved its RNG states), ascending."""
+    dcp = _dcp()
     stored = dcp.FileSystemReader(pool_dir(directory, pool)).read_metadata().state_dict_metadata
     return sorted(int(key.split(".")[1].removeprefix("rank")) for key in stored if _is_cpu_rng_key(key))
 

@@ -14,12 +14,12 @@ Rules by name: norm weights (names ending in `norm.weight`, or weights of LayerN
 GroupNorm/BatchNorm modules) are 1, biases are 0, everything else is normal(0, 0.02).
 """
 
+import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 INIT_STD = 0.02
 _NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
@@ -47,8 +47,16 @@ def initial_value(name: str, shape: torch.Size, seed: int, is_norm_weight: bool)
     return torch.empty(shape).normal_(0.0, INIT_STD, generator=generator)
 
 
+def _is_dtensor(param: torch.Tensor) -> bool:
+    # Not imported here (it costs about a second): no DTensor exists before its module is loaded.
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    return dtensor_module is not None and isinstance(param, dtensor_module.DTensor)
+
+
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    if isinstance(param, DTensor):
+    if _is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
+
         # src_data_rank=None: each rank cuts its own shard from its identical copy, no collectives.
         mesh = param.device_mesh
         shard = distribute_tensor(full.to(mesh.device_type), mesh, param.placements, src_data_rank=None)

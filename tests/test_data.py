@@ -27,7 +27,7 @@ from dyad.data import (
     load_tokenizer,
     make_dataset,
 )
-from dyad.data.digits import DIGIT_WORDS
+from dyad.data.digits import DIGIT_WORDS, load_digits
 
 N_DIGITS = 1797
 
@@ -78,6 +78,16 @@ def test_config_is_keyword_only():
 
 
 # --- digits --------------------------------------------------------------------------------------
+
+
+def test_the_bundled_digits_are_scikit_learns():
+    from sklearn.datasets import load_digits as scikit_learn_digits
+
+    pixels, labels = load_digits()
+    expected_pixels, expected_labels = scikit_learn_digits(return_X_y=True)
+    assert pixels.shape == (N_DIGITS, 64) and labels.shape == (N_DIGITS,)
+    np.testing.assert_array_equal(pixels, expected_pixels)
+    np.testing.assert_array_equal(labels, expected_labels)
 
 
 def test_digits_images_and_captions():

@@ -1,5 +1,8 @@
-"""The built-in dataset: scikit-learn's 1,797 handwritten 8x8 digits (bundled, no download),
-captioned "<image> this is the digit seven".
+"""The built-in dataset: scikit-learn's 1,797 handwritten 8x8 digits, captioned "<image> this is
+the digit seven". `digits.npz` beside this file holds them (pixels 0..16 and labels, as uint8), a
+copy of `sklearn.datasets.load_digits()` (from the UCI "Optical Recognition of Handwritten Digits"
+set, CC BY 4.0), so that no process pays scikit-learn's import (about 2 s) to read them;
+tests/test_data.py checks the copy against scikit-learn's.
 
 Composition is fixed by seed 0, independent of the run seed: heldout_fraction of the IMAGES is
 held out, and held-out samples use only held-out images. Each image gets one single-image sample;
@@ -11,11 +14,11 @@ text_only_fraction of each split's samples.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from importlib import resources
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 
 from dyad.data.samples import DataConfig, MultimodalDataset, Sample
 from dyad.data.tokenizer import IMAGE, TextTokenizer, build_word_tokenizer, load_tokenizer
@@ -64,9 +67,15 @@ def _compose(
     return [composed[j] for j in rng.permutation(len(composed))]
 
 
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The bundled digits: pixels [1797, 64] (0..16) and labels [1797], both int64."""
+    with resources.files("dyad.data").joinpath("digits.npz").open("rb") as file, np.load(file) as stored:
+        return stored["pixels"].astype(np.int64), stored["labels"].astype(np.int64)
+
+
 class DigitsDataset(MultimodalDataset):
     def __init__(self, cfg: DataConfig):
-        pixels, labels = load_digits(return_X_y=True)  # [1797, 64] in 0..16, [1797]
+        pixels, labels = load_digits()  # [1797, 64] in 0..16, [1797]
         # Kept at 8x8 and upsampled per request: 1,797 images at 224x224x3 would take 1 GB.
         self._digits_N188 = torch.from_numpy(pixels).float().view(-1, 1, 8, 8) / 16.0
         self.labels = labels
