@@ -15,8 +15,9 @@ by the single-device model's names and holding full (unsharded) tensors:
 Saving gathers one sharded tensor at a time to its full shape (a collective) and keeps it, in
 host memory, only on the rank chosen to write it (the ranks take turns by bytes), so a rank
 holds about 1/world of the full state and the GPUs one full tensor beyond their own state.
-Restoring reads the full tensors in batches of bounded size into host memory and copies this
-rank's piece of each into the live model and AdamW state, cut by `local_part`: the inverse of
+Restoring reads the full tensors in batches of bounded size, each tensor by one rank into its
+host memory (the ranks take turns by bytes, as in saving), broadcasts it to the other ranks, and
+copies each rank's piece into its live model and AdamW state, cut by `local_part`: the inverse of
 the gather, written beside it and used by the parallel modules when they shard themselves, so
 no layout's slicing is written twice.
 """
@@ -88,12 +89,10 @@ def full_pool_state(model: nn.Module, optimizer: torch.optim.Optimizer, groups: 
 def _owned_full_state(model, optimizer, groups, rank: int, world: int) -> dict:
     """The full tensors this rank writes, in host memory: every tensor goes to the rank with the
     fewest bytes so far (the same choice on every rank). Collective."""
-    written = [0] * world
+    turns = _TurnsByBytes(world)
     owned = {}
     for key, full in _full_entries(model, optimizer, groups):
-        owner = min(range(world), key=lambda r: written[r])
-        written[owner] += full.numel() * full.element_size()
-        if owner == rank:
+        if turns.owner(full.numel() * full.element_size()) == rank:
             owned[key] = full.detach().cpu()
     owned.update(_hyperparameters(optimizer))  # small and the same everywhere: written once
     return owned
@@ -129,20 +128,20 @@ def restore_pool(
 ) -> int:
     """Load the pool's checkpoint into the live `model` and `optimizer`, whatever layout wrote it.
 
-    Full tensors are read into host memory at most `batch_bytes` at a time (or one tensor, when
-    it is larger) and this rank's piece of each is copied into place. Collective over the pool's
+    Each full tensor is read by one rank (the ranks take turns by bytes, as in saving), at most
+    `batch_bytes` a rank at a time (or one tensor, when it is larger), and broadcast to the others,
+    so the pool reads the checkpoint once; each rank copies its piece into place. Collective over the pool's
     default process group. Zeroes the gradients, restores this rank's RNG states when the
     checkpoint holds them, and returns the saved step."""
     dcp = _dcp()
     path = pool_dir(directory, pool)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     targets = _restore_targets(model, optimizer)
+    turns = _TurnsByBytes(dist.get_world_size())
     for batch in _batches(list(targets), stored, batch_bytes):
-        holders = {key: torch.empty(stored[key].size, dtype=stored[key].properties.dtype) for key in batch}
-        dcp.load(holders, checkpoint_id=path)
-        with torch.no_grad():
-            for key, full in holders.items():
-                module, name, destination = targets[key]
+        for key, full in _read_once_for_all(path, batch, stored, turns, _device(model)):
+            module, name, destination = targets[key]
+            with torch.no_grad():
                 destination.copy_(local_part(module, name, full, groups))
     small = _hyperparameters(optimizer) | {f"optimizer.{key}.step": torch.zeros(()) for key, *_ in owned_parameters(model)}
     small.update({k: v for k, v in _rng_states(dist.get_rank(), _device(model)).items() if k in stored})
@@ -177,14 +176,43 @@ def _restore_targets(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return targets
 
 
+def _read_once_for_all(path: Path, keys: list[str], stored: dict, turns: _TurnsByBytes, device: torch.device):
+    """(key, full tensor on `device`) for each of `keys`, in order: each read from the checkpoint
+    by the rank whose turn it is and broadcast from it to the others. Collective."""
+    owners = {key: turns.owner(_stored_bytes(stored[key])) for key in keys}
+    rank = dist.get_rank()
+    mine = {key: _holder(stored[key]) for key in keys if owners[key] == rank}
+    _dcp().load(mine, checkpoint_id=path)  # collective: every rank, each with its own keys
+    for key in keys:
+        full = mine.pop(key).to(device) if owners[key] == rank else _holder(stored[key], device)
+        dist.broadcast(full, src=owners[key])
+        yield key, full
+
+
+class _TurnsByBytes:
+    """Hands each tensor to the rank that has taken the fewest bytes so far, the same choice on
+    every rank given the same sizes in the same order."""
+
+    def __init__(self, world: int):
+        self.taken = [0] * world
+
+    def owner(self, nbytes: int) -> int:
+        rank = min(range(len(self.taken)), key=self.taken.__getitem__)
+        self.taken[rank] += nbytes
+        return rank
+
+
+def _holder(meta, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
+
+
+def _stored_bytes(meta) -> int:
+    return meta.size.numel() * meta.properties.dtype.itemsize
+
+
 def _batches(keys: list[str], stored: dict, batch_bytes: int):
     """`keys` in order, cut into runs whose stored tensors total at most `batch_bytes`."""
-
-    def nbytes(key: str) -> int:
-        meta = stored[key]
-        return meta.size.numel() * meta.properties.dtype.itemsize
-
-    return byte_runs(keys, nbytes, batch_bytes)
+    return byte_runs(keys, lambda key: _stored_bytes(stored[key]), batch_bytes)
 
 
 def _fused(optimizer: torch.optim.Optimizer) -> bool:
