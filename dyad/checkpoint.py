@@ -36,7 +36,7 @@ from dyad.parallel.gradients import gather_full, local_part, owned_parameters
 from dyad.parallel.groups import ProcessGroups
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-RESTORE_BATCH_BYTES = 1 << 30  # full tensors read into host memory at a time
+RESTORE_BATCH_BYTES = 1 << 30  # full tensors read into host memory at a time, over all ranks
 # Threads each rank serializes and writes its files with: a 19 GB checkpoint of one rank took
 # 29.9 s to save with DCP's one thread and 19.9 s with eight on an H100 host of 16 CPUs
 # (bench/checkpoint_io.py).
@@ -129,10 +129,10 @@ def restore_pool(
     """Load the pool's checkpoint into the live `model` and `optimizer`, whatever layout wrote it.
 
     Each full tensor is read by one rank (the ranks take turns by bytes, as in saving), at most
-    `batch_bytes` a rank at a time (or one tensor, when it is larger), and broadcast to the others,
-    so the pool reads the checkpoint once; each rank copies its piece into place. Collective over the pool's
-    default process group. Zeroes the gradients, restores this rank's RNG states when the
-    checkpoint holds them, and returns the saved step."""
+    `batch_bytes` a rank at a time (or one tensor, when it is larger), and broadcast to the
+    others, so the pool reads the checkpoint once; each rank copies its piece into place.
+    Collective over the pool's default process group. Zeroes the gradients, restores this rank's
+    RNG states when the checkpoint holds them, and returns the saved step."""
     dcp = _dcp()
     path = pool_dir(directory, pool)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
