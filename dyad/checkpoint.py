@@ -234,7 +234,7 @@ def load_pool_state(directory: str | Path, pool: str) -> dict[str, torch.Tensor]
     path = pool_dir(directory, pool)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        key: _holder(meta)
         for key, meta in stored.items()
         if key.startswith("model.") and isinstance(meta, dcp.metadata.TensorStorageMetadata)
     }
