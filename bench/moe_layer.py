@@ -159,19 +159,6 @@ def weight_grads_on_streams(make, streams: int):
     return make_on_streams
 
 
-def products_per_expert(make, streams: str):
-    """The layer `make` builds, its forward and input-gradient expert GEMMs one cuBLAS GEMM per
-    expert instead of grouped ("current": on the current stream; "sides": the forward's on the
-    two side streams), where the weight gradients' path applies (for A/B runs)."""
-
-    def make_per_expert(dim, hidden, experts, top_k):
-        layer = make(dim, hidden, experts, top_k)
-        layer.bench_products_per_expert = streams
-        return layer
-
-    return make_per_expert
-
-
 def titan_layer(dim, hidden, experts, top_k):
     from torchtitan.models.common.config_utils import (
         make_moe_config,
@@ -220,8 +207,6 @@ LAYERS = {
     "dyad-wgrads-joined-at-once": joining_weight_grads_at_once(dyad_layer),
     "dyad-wgrads-one-side-stream": weight_grads_on_streams(dyad_layer, 1),
     "dyad-wgrads-current-stream": weight_grads_on_streams(dyad_layer, 0),
-    "dyad-products-per-expert": products_per_expert(dyad_layer, "current"),
-    "dyad-products-per-expert-sides": products_per_expert(dyad_layer, "sides"),
     "dyad-fp8": dyad_fp8_layer,
     "dyad-fp8-compiled": dyad_fp8_compiled_layer,
     "dyad-fp8-codes-kept": keeping_weight_codes(dyad_fp8_layer),
@@ -244,16 +229,14 @@ def layer_step(make, shape, device, dtype):
     requantize = not getattr(layer, "bench_keeps_weight_codes", False)
     joins_at_once = getattr(layer, "bench_joins_weight_grads_at_once", False)
     grad_streams = getattr(layer, "bench_weight_grad_streams", None)
-    per_expert = getattr(layer, "bench_products_per_expert", None)
 
     def step():
         if is_dyad:
             if requantize:  # each call quantizes its weights once, as after an optimizer step
                 forget_quantized(layer)
-            with _products_per_expert(per_expert):
-                y, aux = layer(x)
-                with _joining_weight_grads_at_once(joins_at_once), _weight_grads_on(grad_streams):
-                    torch.autograd.backward([y, aux], [grad, torch.ones_like(aux)])
+            y, aux = layer(x)
+            with _joining_weight_grads_at_once(joins_at_once), _weight_grads_on(grad_streams):
+                torch.autograd.backward([y, aux], [grad, torch.ones_like(aux)])
         else:
             out = layer(x.unsqueeze(0))
             out = out[0] if isinstance(out, tuple) else out
@@ -277,16 +260,6 @@ def _weight_grads_on(streams: int | None):
         yield
     finally:
         expert_weight_grads._side_streams_after_current = two_sides
-
-
-@contextlib.contextmanager
-def _products_per_expert(streams: str | None):
-    before = expert_weight_grads.PRODUCTS_PER_EXPERT
-    expert_weight_grads.PRODUCTS_PER_EXPERT = streams
-    try:
-        yield
-    finally:
-        expert_weight_grads.PRODUCTS_PER_EXPERT = before
 
 
 @contextlib.contextmanager

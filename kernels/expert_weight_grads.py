@@ -61,9 +61,6 @@ def _into_grad_applies(x_ND, w_EDF, w_c) -> bool:
     )
 
 
-PRODUCTS_PER_EXPERT: str | None = None  # experiment: None, "current" or "sides" (see _products)
-
-
 class _GroupedMmIntoGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, w_EDF, w_compute_EDF, offs_E):
@@ -73,47 +70,19 @@ class _GroupedMmIntoGrad(torch.autograd.Function):
         ctx.ends_ready = torch.cuda.Event()
         ctx.ends_ready.record()
         ctx.save_for_backward(x_ND, w_compute_EDF, offs_E)
-        if PRODUCTS_PER_EXPERT is None:
-            return F.grouped_mm(x_ND, w_compute_EDF, offs=offs_E)
-        ctx.ends_ready.synchronize()
-        return _products(x_ND, w_compute_EDF, ctx.ends_host.tolist(), PRODUCTS_PER_EXPERT == "sides")
+        return F.grouped_mm(x_ND, w_compute_EDF, offs=offs_E)
 
     @staticmethod
     def backward(ctx, grad_NF):
         x_ND, w_EDF, offs_E = ctx.saved_tensors
         grad_NF = _standard_strides(grad_NF)
         sides = _side_streams_after_current(x_ND.device)
-        ctx.ends_ready.synchronize()  # long done: recorded in the forward
-        ends = ctx.ends_host.tolist()
         grad_x = None
         if ctx.needs_input_grad[0]:
-            if PRODUCTS_PER_EXPERT is None:
-                grad_x = F.grouped_mm(grad_NF, w_EDF.transpose(-2, -1), offs=offs_E)
-            else:
-                grad_x = _products(grad_NF, w_EDF.transpose(-2, -1), ends, on_sides=False)
-        add_weight_grads(ctx.weight, x_ND, grad_NF, ends, sides)
+            grad_x = F.grouped_mm(grad_NF, w_EDF.transpose(-2, -1), offs=offs_E)
+        ctx.ends_ready.synchronize()  # long done: recorded in the forward
+        add_weight_grads(ctx.weight, x_ND, grad_NF, ctx.ends_host.tolist(), sides)
         return grad_x, None, None, None
-
-
-def _products(a_NK: torch.Tensor, b_EKM: torch.Tensor, ends: list[int], on_sides: bool) -> torch.Tensor:
-    """out[rows of e] = a[rows of e] @ b[e], one cuBLAS GEMM per expert, on the current stream or
-    alternating between the two side streams (which the current stream then waits for)."""
-    out_NM = a_NK.new_empty(a_NK.shape[0], b_EKM.shape[-1])
-    streams = _side_streams_after_current(a_NK.device) if on_sides else [torch.cuda.current_stream()]
-    if on_sides:
-        for t in (a_NK, b_EKM, out_NM):
-            for side in streams:
-                t.record_stream(side)
-    starts = [0] + ends[:-1]
-    for parity, stream in enumerate(streams):
-        with torch.cuda.stream(stream):
-            for e in range(parity, len(ends), len(streams)):
-                if ends[e] > starts[e]:
-                    torch.mm(a_NK[starts[e] : ends[e]], b_EKM[e], out=out_NM[starts[e] : ends[e]])
-    if on_sides:
-        for side in streams:
-            torch.cuda.current_stream().wait_stream(side)
-    return out_NM
 
 
 def add_weight_grads(
