@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -63,9 +64,54 @@ def read_bytes(directory: Path) -> int:
     return total
 
 
+def fingerprints(model, optimizer, groups) -> dict[str, tuple[float, float]]:
+    """Each checkpointed tensor's sum and sum of squares (float64)."""
+    return {
+        key: (full.double().sum().item(), full.double().square().sum().item())
+        for key, full in checkpoint._full_entries(model, optimizer, groups)
+    }
+
+
+@torch.no_grad()
+def scramble(model, optimizer) -> None:
+    for param in model.parameters():
+        param.fill_(7.0)
+        for moment in checkpoint.MOMENTS:
+            optimizer.state[param][moment].fill_(7.0)
+
+
 def copy_to_host(model, optimizer, groups) -> None:
+    """Every full tensor to ordinary (pageable) host memory, one after the other: the save's copies."""
     for _, full in checkpoint._full_entries(model, optimizer, groups):
         full.detach().cpu()
+
+
+def copy_to_pinned_host(model, optimizer, groups) -> None:
+    """Every full tensor into page-locked host memory, queued without waiting, then one wait; the
+    memory is handed back to the system after (as a one-off save would have to)."""
+    copies = []
+    for _, full in checkpoint._full_entries(model, optimizer, groups):
+        host = torch.empty(full.shape, dtype=full.dtype, pin_memory=full.is_cuda)
+        copies.append(host.copy_(full.detach(), non_blocking=True))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    del copies
+    if torch.cuda.is_available():
+        empty_host_cache()
+
+
+def empty_host_cache() -> None:
+    """Hands cached page-locked memory back (torch.accelerator's call from 2.12, torch._C's before)."""
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
+def copy_to_host_threads(model, optimizer, groups, threads: int = 4) -> None:
+    """Every full tensor to pageable host memory, `threads` copies at a time."""
+    with ThreadPoolExecutor(threads) as pool:
+        for copy in [pool.submit(full.detach().cpu) for _, full in checkpoint._full_entries(model, optimizer, groups)]:
+            copy.result()
 
 
 def main() -> None:
@@ -97,13 +143,21 @@ def main() -> None:
             f"save, {threads} writer thread(s)",
             partial(checkpoint.save_pool, work, "llm", model, optimizer, groups, step=1, writer_threads=threads),
         )
+    saved = fingerprints(model, optimizer, groups)
     for mb in RESTORE_BATCHES_MB:
+        scramble(model, optimizer)  # so that each restore has to put every byte back
         timed(
             f"restore, {mb} MB batches",
             partial(checkpoint.restore_pool, work, "llm", model, optimizer, groups, batch_bytes=mb << 20),
         )
+        if fingerprints(model, optimizer, groups) != saved:
+            raise SystemExit(f"the restore with {mb} MB batches did not bring back the saved state")
     timed("read the files' bytes alone", lambda: read_bytes(work))
     timed("copy the tensors to host alone", lambda: copy_to_host(model, optimizer, groups))
+    timed("... to pinned host memory", lambda: copy_to_pinned_host(model, optimizer, groups))
+    timed("... to host, 4 threads", lambda: copy_to_host_threads(model, optimizer, groups))
+    timed("... to host again", lambda: copy_to_host(model, optimizer, groups))
+    timed("... to pinned host memory again", lambda: copy_to_pinned_host(model, optimizer, groups))
     stored = sum(path.stat().st_size for path in checkpoint.pool_dir(work, "llm").iterdir())
     print(f"checkpoint: {stored / 1e9:.2f} GB in {len(list(checkpoint.pool_dir(work, 'llm').iterdir()))} files")
     write_json(

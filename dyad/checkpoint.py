@@ -138,11 +138,13 @@ def restore_pool(
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     targets = _restore_targets(model, optimizer)
     turns = _TurnsByBytes(dist.get_world_size())
+    staging = _Staging(_device(model))
     for batch in _batches(list(targets), stored, batch_bytes):
-        for key, full in _read_once_for_all(path, batch, stored, turns, _device(model)):
+        for key, full in _read_once_for_all(path, batch, stored, turns, staging):
             module, name, destination = targets[key]
             with torch.no_grad():
                 destination.copy_(local_part(module, name, full, groups))
+    staging.release()
     small = _hyperparameters(optimizer) | {f"optimizer.{key}.step": torch.zeros(()) for key, *_ in owned_parameters(model)}
     small.update({k: v for k, v in _rng_states(dist.get_rank(), _device(model)).items() if k in stored})
     small["step"] = 0
@@ -176,17 +178,61 @@ def _restore_targets(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return targets
 
 
-def _read_once_for_all(path: Path, keys: list[str], stored: dict, turns: _TurnsByBytes, device: torch.device):
-    """(key, full tensor on `device`) for each of `keys`, in order: each read from the checkpoint
-    by the rank whose turn it is and broadcast from it to the others. Collective."""
+def _read_once_for_all(path: Path, keys: list[str], stored: dict, turns: _TurnsByBytes, staging: _Staging):
+    """(key, full tensor on the staging's device) for each of `keys`, in order: each read from the
+    checkpoint into `staging` by the rank whose turn it is and broadcast from it to the others.
+    Collective."""
     owners = {key: turns.owner(_stored_bytes(stored[key])) for key in keys}
     rank = dist.get_rank()
-    mine = {key: _holder(stored[key]) for key in keys if owners[key] == rank}
+    mine = staging.holders({key: stored[key] for key in keys if owners[key] == rank})
     _dcp().load(mine, checkpoint_id=path)  # collective: every rank, each with its own keys
     for key in keys:
-        full = mine.pop(key).to(device) if owners[key] == rank else _holder(stored[key], device)
+        if owners[key] == rank:
+            full = mine.pop(key).to(staging.device, non_blocking=True)
+        else:
+            full = _holder(stored[key], staging.device)
         dist.broadcast(full, src=owners[key])
         yield key, full
+
+
+class _Staging:
+    """One host buffer that every batch of a restore is read into, cut into its tensors: page-locked
+    when the model is on a GPU, so that the copies to it are fast and need not be waited for. On
+    one H200 host, restoring a 19 GB checkpoint into fresh ordinary memory for each tensor took
+    16.9-18.4 s where reading its files took 3.4 s (docs/results/checkpoint_io_h200/). Grown to the
+    largest batch; a batch waits for the last one's copies before it overwrites them."""
+
+    _ALIGN = 64  # bytes: every tensor's offset in the buffer
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pinned = device.type == "cuda"
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def holders(self, metas: dict) -> dict[str, torch.Tensor]:
+        offsets, end = {}, 0
+        for key, meta in metas.items():
+            offsets[key] = end
+            end += -(-_stored_bytes(meta) // self._ALIGN) * self._ALIGN
+        if self._pinned:
+            torch.cuda.current_stream(self.device).synchronize()  # the last batch's copies are done
+        if end > self._buffer.numel():
+            self._buffer = torch.empty(end, dtype=torch.uint8, pin_memory=self._pinned)
+        return {
+            key: self._buffer[offsets[key] : offsets[key] + _stored_bytes(meta)]
+            .view(meta.properties.dtype)
+            .view(meta.size)
+            for key, meta in metas.items()
+        }
+
+    def release(self) -> None:
+        """Hands the buffer back; page-locked memory also leaves torch's cache of it."""
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+        if self._pinned:
+            torch.cuda.current_stream(self.device).synchronize()
+            empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+            if empty is not None:
+                empty()
 
 
 class _TurnsByBytes:

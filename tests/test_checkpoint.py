@@ -228,3 +228,26 @@ def test_llm_checkpoint_restores_under_other_layouts(tmp_path):
 def test_encoder_checkpoint_restores_under_other_layouts(tmp_path):
     _check_round_trip(tmp_path, "encoder", dict(dp=2), [dict(tp=2), dict()])
 
+
+
+def _meta(*size, dtype=torch.float32):
+    return TensorStorageMetadata(properties=dcp.metadata.TensorProperties(dtype=dtype), size=torch.Size(size),
+                                 chunks=[])
+
+
+def test_a_restore_batch_is_read_into_one_reused_buffer_cut_into_aligned_tensors():
+    staging = checkpoint._Staging(torch.device("cpu"))
+    first = staging.holders({"a": _meta(3, 5), "b": _meta(7, dtype=torch.bfloat16), "c": _meta(2, 2)})
+    assert [t.shape for t in first.values()] == [(3, 5), (7,), (2, 2)]
+    assert [t.dtype for t in first.values()] == [torch.float32, torch.bfloat16, torch.float32]
+    base = staging._buffer.data_ptr()
+    assert [t.data_ptr() - base for t in first.values()] == [0, 64, 128]  # 60 and 14 bytes, each aligned to 64
+    for value, tensor in enumerate(first.values()):
+        tensor.fill_(value)
+    assert [t.unique().tolist() for t in first.values()] == [[0.0], [1.0], [2.0]]  # no overlap
+    smaller = staging.holders({"d": _meta(4, 4)})
+    assert smaller["d"].data_ptr() == base  # the same buffer, not a new one
+    larger = staging.holders({"e": _meta(100)})
+    assert larger["e"].numel() == 100 and staging._buffer.numel() >= 400
+    staging.release()
+    assert staging._buffer.numel() == 0
