@@ -1,7 +1,9 @@
 """Where a pool checkpoint's time goes, one process: `dyad.checkpoint.save_pool` with one writer
 thread (DCP's default) and with `--threads`, `restore_pool` at several read batch sizes, and
 beside them the parts: reading the files' bytes alone, and the save's copy of every full tensor
-to host memory alone. The model: `--layers` bias-free 4096 x
+to host memory alone (ordinary memory, page-locked memory, ordinary from four threads). Each
+restore starts from scrambled state and must bring back every tensor's sum and sum of squares.
+The model: `--layers` bias-free 4096 x
 4096 linear layers with fused AdamW state after one step (12 bytes a parameter: 96 layers are a
 19 GB checkpoint), on the GPU when there is one. Each save overwrites the last; the restores read
 the last. Prints each time; writes JSON.
