@@ -11,6 +11,9 @@ Each pool trains two AdamW steps under layout A, saves, and takes a third step. 
 
 from __future__ import annotations
 
+import itertools
+
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -251,3 +254,26 @@ def test_a_restore_batch_is_read_into_one_reused_buffer_cut_into_aligned_tensors
     assert larger["e"].numel() == 100 and staging._buffer.numel() >= 400
     staging.release()
     assert staging._buffer.numel() == 0
+
+
+def _cuda_round_trip_body(rank, world_size, tmp):
+    dims = [96 + 8 * i for i in range(9)]  # sizes that do not fill the buffer evenly
+    model = torch.nn.Sequential(*[torch.nn.Linear(a, b, bias=False) for a, b in itertools.pairwise(dims)]).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    model(torch.randn(2, dims[0], device="cuda")).sum().backward()
+    optimizer.step()
+    groups = ProcessGroups.build(LLMLayout())
+    saved = {key: full.clone() for key, full in checkpoint._full_entries(model, optimizer, groups)}
+    save_pool(tmp, "llm", model, optimizer, groups, step=1)
+    with torch.no_grad():
+        for param in model.parameters():
+            for tensor in (param, *(optimizer.state[param][moment] for moment in checkpoint.MOMENTS)):
+                tensor.fill_(7.0)
+    restore_pool(tmp, "llm", model, optimizer, groups, batch_bytes=100_000)  # several batches, the buffer reused
+    restored = dict(checkpoint._full_entries(model, optimizer, groups))
+    assert [key for key in saved if not torch.equal(saved[key], restored[key])] == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the page-locked staging of a restore is not exercised")
+def test_cuda_a_restore_through_the_page_locked_buffer_brings_back_every_tensor(tmp_path):
+    run_distributed(_cuda_round_trip_body, 1, tmp_path)
