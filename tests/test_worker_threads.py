@@ -27,10 +27,16 @@ def test_a_polling_ucx_progress_thread_keeps_its_core():
 
 
 def test_the_users_setting_wins():
-    assert worker_environment({"PATH": "/bin"}, {}, 8) == {"PATH": "/bin", "OMP_NUM_THREADS": "8"}
+    assert worker_environment({"PATH": "/bin"}, {}, 8) == {
+        "PATH": "/bin",
+        "OMP_NUM_THREADS": "8",
+        "THP_MEM_ALLOC_ENABLE": "1",
+    }
     assert worker_environment({"OMP_NUM_THREADS": "3"}, {}, 8)["OMP_NUM_THREADS"] == "3"
+    assert worker_environment({"THP_MEM_ALLOC_ENABLE": "0"}, {}, 8)["THP_MEM_ALLOC_ENABLE"] == "0"
     assert worker_environment({}, {"OMP_NUM_THREADS": "2", "DYAD_JOIN_TOKEN": "t"}, 8) == {
         "OMP_NUM_THREADS": "2",
+        "THP_MEM_ALLOC_ENABLE": "1",
         "DYAD_JOIN_TOKEN": "t",
     }
 
