@@ -232,7 +232,6 @@ def test_encoder_checkpoint_restores_under_other_layouts(tmp_path):
     _check_round_trip(tmp_path, "encoder", dict(dp=2), [dict(tp=2), dict()])
 
 
-
 def _meta(*size, dtype=torch.float32):
     return TensorStorageMetadata(properties=dcp.metadata.TensorProperties(dtype=dtype), size=torch.Size(size),
                                  chunks=[])
