@@ -16,6 +16,7 @@ _FAST_KERNEL = getattr(F, "grouped_mm", None)
 _ALIGN_BYTES = 16  # the kernel needs 16-byte-aligned base pointers and non-unit strides
 
 
+@torch.compiler.disable  # it reads the row counts on the host: traced, every new count would recompile
 def grouped_mm_reference(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """Rows offs[e-1]:offs[e] of x times w[e], one matmul per expert (offs[-1] == N)."""
     ends = offs_E.tolist()
