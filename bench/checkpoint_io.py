@@ -97,16 +97,8 @@ def copy_to_pinned_host(model, optimizer, groups) -> None:
         copies.append(host.copy_(full.detach(), non_blocking=True))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    del copies
-    if torch.cuda.is_available():
-        empty_host_cache()
-
-
-def empty_host_cache() -> None:
-    """Hands cached page-locked memory back (torch.accelerator's call from 2.12, torch._C's before)."""
-    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
-    if empty is not None:
-        empty()
+        del copies
+        checkpoint.empty_host_cache()
 
 
 def copy_to_host_threads(model, optimizer, groups, threads: int = 4) -> None:

@@ -230,9 +230,15 @@ class _Staging:
         self._buffer = torch.empty(0, dtype=torch.uint8)
         if self._pinned:
             torch.cuda.current_stream(self.device).synchronize()
-            empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
-            if empty is not None:
-                empty()
+            empty_host_cache()
+
+
+def empty_host_cache() -> None:
+    """Hands the page-locked memory torch keeps cached back to the system (torch.accelerator's call
+    from torch 2.12, torch._C's before). Needs a GPU."""
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 class _TurnsByBytes:
