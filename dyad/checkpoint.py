@@ -65,16 +65,20 @@ def save_pool(
     *,
     step: int,
     writer_threads: int = WRITER_THREADS,
+    sync_files: bool = True,
 ) -> Path:
     """Write the pool's model, AdamW state, step and this rank's RNG states, each rank's files with
-    `writer_threads` threads (every file synced, as DCP does by default). Collective over the
-    pool's default process group; returns the pool's checkpoint path."""
+    `writer_threads` threads; `sync_files`: each file is synced to stable storage before this
+    returns (otherwise it is written to the page cache, and the router syncs it before it
+    commits the checkpoint: `dyad.router.checkpoints.commit`). Collective over the pool's default
+    process group; returns the pool's checkpoint path."""
     dcp = _dcp()
     state = _owned_full_state(model, optimizer, groups, dist.get_rank(), dist.get_world_size())
     state.update(_rng_states(dist.get_rank(), _device(model)))
     state["step"] = step
     path = pool_dir(directory, pool)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=writer_threads))
+    writer = dcp.FileSystemWriter(path, thread_count=writer_threads, sync_files=sync_files)
+    dcp.save(state, storage_writer=writer)
     return path
 
 

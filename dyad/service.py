@@ -156,7 +156,10 @@ class PoolService(ABC):
     def save(self, command: pb.SaveCommand) -> pb.SaveResult:
         """The pool's checkpoint at `<command.path>/<pool>/`, written by every rank together in
         a form that loads under any layout or pool size (`dyad.checkpoint`)."""
-        path = save_pool(command.path, self.pool, self.model, self.optimizer, self.groups, step=command.step)
+        path = save_pool(
+            command.path, self.pool, self.model, self.optimizer, self.groups, step=command.step,
+            sync_files=not self.config.checkpoint.sync_in_background,
+        )
         return pb.SaveResult(step=command.step, path=str(path))
 
     def restore(self, path: str) -> int:

@@ -1,6 +1,7 @@
 """Committed checkpoints: a directory per step with each pool's DCP checkpoint, and a manifest
-the router writes last and atomically. A directory without a manifest is incomplete (a pool
-died while writing, or the router did before committing) and is never loaded.
+the router writes last and atomically, once every file of the pools' parts is on stable storage.
+A directory without a manifest is incomplete (a pool died while writing, or the router did
+before committing) and is never loaded.
 
     <out_dir>/checkpoints/step_00000120/{encoder/, llm/, manifest.json}
 """
@@ -8,7 +9,9 @@ died while writing, or the router did before committing) and is never loaded.
 from __future__ import annotations
 
 import json
+import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from dyad.layout import POOLS
 from dyad.router.sampler import Cursor
 
 MANIFEST = "manifest.json"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,10 +35,12 @@ def checkpoint_dir(out_dir: str | Path, step: int) -> Path:
 
 
 def commit(path: Path, *, run_id: str, step: int, cursor: Cursor, layouts: dict) -> Committed:
-    """Write the manifest once every pool has written its part; atomic (rename)."""
+    """Sync the pools' parts to stable storage, then write the manifest; atomic (rename)."""
     missing = [pool for pool in POOLS if not (path / pool).is_dir()]
     if missing:
         raise RuntimeError(f"cannot commit {path}: no checkpoint from pool(s) {', '.join(missing)}")
+    for pool in POOLS:
+        sync_tree(path / pool)
     manifest = {
         "run_id": run_id,
         "step": step,
@@ -47,7 +53,64 @@ def commit(path: Path, *, run_id: str, step: int, cursor: Cursor, layouts: dict)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / MANIFEST)
+    _fsync(path)  # the rename itself
     return Committed(path, step, cursor, layouts)
+
+
+def sync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every directory (their entries), `root` last. Files
+    written by other processes or pods are synced too: fsync flushes the file, whoever wrote it."""
+    directories = []
+    for directory, _, files in os.walk(root):
+        for name in files:
+            _fsync(Path(directory) / name)
+        directories.append(Path(directory))
+    for directory in reversed(directories):
+        _fsync(directory)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class BackgroundCommits:
+    """Commits checkpoints on one thread, in order, while training goes on: `start` hands over a
+    checkpoint every pool has written; `finished` and `wait` give it back once committed, or
+    raise why it could not be (e.g. an fsync failed)."""
+
+    def __init__(self):
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit")
+        self._pending: Future | None = None
+
+    def start(self, written: Committed, run_id: str) -> None:
+        if self._pending is not None:
+            raise RuntimeError("a checkpoint is still being committed: wait() for it first")
+        self._pending = self._thread.submit(
+            commit, written.path, run_id=run_id, step=written.step, cursor=written.cursor,
+            layouts=written.layouts,
+        )
+
+    def finished(self) -> Committed | None:
+        """The pending checkpoint if it has been committed since the last call, else None."""
+        if self._pending is None or not self._pending.done():
+            return None
+        return self.wait()
+
+    def wait(self) -> Committed | None:
+        """Block until the pending checkpoint is committed; it, or None if none was pending."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        except Exception:  # the run is over; its last checkpoint stays uncommitted
+            log.exception("the last checkpoint could not be committed")
+        self._thread.shutdown()
 
 
 def read_committed(path: str | Path) -> Committed:

@@ -52,7 +52,11 @@ class RunDriver:
         self.worker_env = worker_env or {}
         self.resumed = resumed  # a restarted router taking over: workers may still be running
         self.out_dir = Path(run.config.out_dir)
-        self.committed: Committed | None = None
+        self.committed: Committed | None = None  # the newest checkpoint with its manifest
+        # The newest checkpoint both pools have written, what a new generation restores: the
+        # committed one, or one whose files `self.commits` is syncing before its manifest.
+        self.written: Committed | None = None
+        self.commits = checkpoints.BackgroundCommits()
         self.step = 0
         self.planner = StepPlanner(run.config, dataset)
 
@@ -72,6 +76,7 @@ class RunDriver:
         finally:
             self.run.send(pb.WorkerCommand(stop=pb.StopCommand(reason=message or "done")))
             self.launcher.stop(timeout_s=self.config.router.stop_grace_s)
+            self.commits.close()
             self.run.set_state(state, message)
 
     def _drive(self) -> None:
@@ -81,45 +86,53 @@ class RunDriver:
             # The samples each step trained on, to audit that none is lost or repeated.
             open(self.out_dir / "samples.jsonl", "a") as self._samples_file,
         ):
-            self._continue_from(self._first_checkpoint())
             try:
-                if self.resumed:
-                    self._take_over_workers()
-                else:
-                    self._start_generation(restarting=POOLS, restore_all=True)
+                self._train_to_the_end()
+            finally:  # a stopped or failed run's last checkpoint is committed all the same
+                self._commit_before_leaving()
+
+    def _train_to_the_end(self) -> None:
+        self._continue_from(self._first_checkpoint())
+        try:
+            if self.resumed:
+                self._take_over_workers()
+            else:
+                self._start_generation(restarting=POOLS, restore_all=True)
+        except WorkerLost as lost:
+            self._recover(lost)
+        self.run.set_state(pb.RUN_STATE_RUNNING)
+        total = self.config.train.steps
+        while self.written is None or self.written.step != total:
+            self._check_stop()
+            try:
+                if self.step == total:  # the final checkpoint (a recovery rewinds the step)
+                    self._commit()
+                    continue
+                self._between_steps()
+                metrics, samples = self._train_step(self.step)
             except WorkerLost as lost:
                 self._recover(lost)
-            self.run.set_state(pb.RUN_STATE_RUNNING)
-            total = self.config.train.steps
-            while self.committed is None or self.committed.step != total:
-                self._check_stop()
-                try:
-                    if self.step == total:  # the final checkpoint (a recovery rewinds the step)
-                        self._commit()
-                        continue
-                    self._between_steps()
-                    metrics, samples = self._train_step(self.step)
-                except WorkerLost as lost:
-                    self._recover(lost)
-                    continue
-                self._write(as_dict(metrics) | {"generation": self.run.generation})
-                self._samples_file.write(json.dumps(
-                    {"step": self.step, "generation": self.run.generation, "samples": samples}
-                ) + "\n")
-                self._samples_file.flush()
-                self.run.record_step(metrics)
-                self.step += 1
-                interval = self.config.checkpoint.interval_steps
-                if interval and self.step % interval == 0 and self.step < total:
-                    self._commit_or_recover()
+                continue
+            self._write(as_dict(metrics) | {"generation": self.run.generation})
+            self._samples_file.write(json.dumps(
+                {"step": self.step, "generation": self.run.generation, "samples": samples}
+            ) + "\n")
+            self._samples_file.flush()
+            self.run.record_step(metrics)
+            self.step += 1
+            interval = self.config.checkpoint.interval_steps
+            if interval and self.step % interval == 0 and self.step < total:
+                self._commit_or_recover()
+        self._wait_for_commit()
 
     def _write(self, record: dict) -> None:
         self._metrics_file.write(json.dumps(record) + "\n")
         self._metrics_file.flush()
 
-    def _notice(self, kind: str, message: str) -> None:
-        """A RunNotice in the WatchRun stream and an `event` record in metrics.jsonl."""
-        notice = self.run.notice(kind, self.step, message)
+    def _notice(self, kind: str, message: str, step: int | None = None) -> None:
+        """A RunNotice in the WatchRun stream and an `event` record in metrics.jsonl, of `step`
+        (default the current one)."""
+        notice = self.run.notice(kind, self.step if step is None else step, message)
         self._write({
             "event": kind, "step": notice.step, "generation": notice.generation,
             "recoveries": notice.recoveries, "message": message,
@@ -136,8 +149,9 @@ class RunDriver:
         return None
 
     def _continue_from(self, committed: Committed | None) -> None:
-        self.committed = committed
+        self.committed = self.written = committed
         self.step = committed.step if committed else 0
+        self.run.continue_from(self.step)
         cursor = committed.cursor if committed else Cursor()
         self.planner = StepPlanner(self.config, self.dataset, cursor)
         if self.step > self.config.train.steps:
@@ -147,20 +161,44 @@ class RunDriver:
             )
 
     def _commit(self) -> None:
-        """Both pools write their part, then the manifest makes it a checkpoint."""
+        """Both pools write their part, then the manifest makes it a checkpoint: once their files
+        are synced, on the commit thread while training goes on (`checkpoint.sync_in_background`)
+        or before the next step."""
+        self._wait_for_commit()  # one at a time, in order
         path = checkpoints.checkpoint_dir(self.out_dir, self.step)
         path.mkdir(parents=True, exist_ok=True)
         self.run.send(pb.WorkerCommand(save=pb.SaveCommand(step=self.step, path=str(path))))
         self._collect("save", lambda result: result.step == self.step)
-        layouts = {
-            "encoder": config_lib.to_dict(self.config.parallel)["encoder"],
-            "llm": config_lib.to_dict(self.config.parallel)["llm"],
-        }
-        self.committed = checkpoints.commit(
-            path, run_id=self.run.run_id, step=self.step, cursor=self.planner.cursor, layouts=layouts
-        )
-        self.run.set_checkpoint(str(path))
-        self._notice("checkpoint", f"committed {path}")
+        parallel = config_lib.to_dict(self.config.parallel)
+        layouts = {"encoder": parallel["encoder"], "llm": parallel["llm"]}
+        self.written = Committed(path, self.step, self.planner.cursor, layouts)
+        self.commits.start(self.written, run_id=self.run.run_id)
+        if not self.config.checkpoint.sync_in_background:
+            self._wait_for_commit()
+
+    def _wait_for_commit(self) -> None:
+        self._take_commit(wait=True)
+
+    def _commit_if_synced(self) -> None:
+        self._take_commit(wait=False)
+
+    def _take_commit(self, wait: bool) -> None:
+        """The checkpoint being committed (if any), once it is (`wait`: block until then); a
+        failure to sync it ends the run."""
+        try:
+            committed = self.commits.wait() if wait else self.commits.finished()
+        except (OSError, RuntimeError) as error:
+            raise RunAborted(f"the checkpoint {self.written.path} could not be committed: {error}") from error
+        if committed is not None:
+            self.committed = committed
+            self.run.set_checkpoint(str(committed.path))
+            self._notice("checkpoint", f"committed {committed.path}", step=committed.step)
+
+    def _commit_before_leaving(self) -> None:
+        try:
+            self._wait_for_commit()
+        except RunAborted as error:
+            log.error("run %s: %s", self.run.run_id, error)
 
     def _commit_or_recover(self) -> None:
         try:
@@ -199,7 +237,7 @@ class RunDriver:
             pb.Peer(worker=pb.WorkerId(pool=POOL_ENUMS[pool], rank=rank), data_address=channel.address)
             for (pool, rank), channel in sorted(self.run.registered().items())
         ]
-        restore = str(self.committed.path) if self.committed else ""
+        restore = str(self.written.path) if self.written else ""
         for pool in POOLS:
             setup = pb.SetupCommand(
                 peers=peers,
@@ -233,6 +271,7 @@ class RunDriver:
             if self.run.info().recoveries >= limit:  # RunInfo.recoveries never exceeds the bound
                 raise RunAborted(f"gave up after router.max_recoveries={limit}: {lost}")
             used = self.run.count_recovery()
+            self._wait_for_commit()
             self._continue_from(self.committed)
             log.warning("run %s: recovering (%d/%d) from step %d: %s",
                         self.run.run_id, used, limit, self.step, lost)
@@ -244,11 +283,13 @@ class RunDriver:
                 lost = again
 
     def _between_steps(self) -> None:
-        """Requests that wait for a step boundary: resizes, then an on-demand checkpoint."""
+        """Requests that wait for a step boundary: resizes, then an on-demand checkpoint. A
+        resized pool restores the checkpoint just written, committed or not yet."""
+        self._commit_if_synced()
         resizes = self.run.take_scale_requests()
         if resizes or self.run.checkpoint_requested.is_set():
             self.run.checkpoint_requested.clear()
-            if self.committed is None or self.committed.step != self.step:
+            if self.written is None or self.written.step != self.step:
                 self._commit()
         if not resizes:
             return

@@ -167,12 +167,17 @@ class Run:
                 step=step, kind=kind, message=message,
                 generation=self._info.generation, recoveries=self._info.recoveries,
             )
-            self._info.step = step
             self._append(pb.RunEvent(notice=notice))
             self._lock.notify_all()
         self.persist()
         self.observer.notice(self, notice)
         return notice
+
+    def continue_from(self, step: int) -> None:
+        """The run goes on from `step` steps done: a start, or a rewind to a checkpoint."""
+        with self._lock:
+            self._info.step = step
+        self.persist()
 
     def count_recovery(self) -> int:
         with self._lock:

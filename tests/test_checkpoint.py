@@ -12,6 +12,7 @@ Each pool trains two AdamW steps under layout A, saves, and takes a third step. 
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -276,3 +277,20 @@ def _cuda_round_trip_body(rank, world_size, tmp):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the page-locked staging of a restore is not exercised")
 def test_cuda_a_restore_through_the_page_locked_buffer_brings_back_every_tensor(tmp_path):
     run_distributed(_cuda_round_trip_body, 1, tmp_path)
+
+
+def _files_synced_by_save(rank, world_size, tmp):
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    groups = ProcessGroups.build(LLMLayout())
+    synced, real_fsync = [], os.fsync
+    os.fsync = lambda fd: (synced.append(fd), real_fsync(fd))[1]
+    save_pool(tmp / "background", "llm", model, optimizer, groups, step=1, sync_files=False)
+    assert synced == []  # left to the router's commit (`dyad.router.checkpoints.commit`)
+    save_pool(tmp / "synced", "llm", model, optimizer, groups, step=1, sync_files=True)
+    assert len(synced) >= 2  # the data file and the metadata at least
+    assert load_pool_state(tmp / "background", "llm").keys() == load_pool_state(tmp / "synced", "llm").keys()
+
+
+def test_a_save_leaves_its_files_unsynced_only_when_asked(tmp_path):
+    run_distributed(_files_synced_by_save, 1, tmp_path)
