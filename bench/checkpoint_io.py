@@ -1,5 +1,6 @@
 """Where a pool checkpoint's time goes, one process: `dyad.checkpoint.save_pool` with one writer
-thread (DCP's default) and with `--threads`, `restore_pool` at several read batch sizes, and
+thread (DCP's default) and with `--threads`, with `--threads` unsynced and then synced as the
+router's commit thread syncs it, `restore_pool` at several read batch sizes, and
 beside them the parts: reading the files' bytes alone, and the save's copy of every full tensor
 to host memory alone (ordinary memory, page-locked memory, ordinary from four threads). Each
 restore starts from scrambled state and must bring back every tensor's sum and sum of squares.
@@ -31,6 +32,7 @@ from torch import nn
 from dyad import checkpoint
 from dyad.layout import LLMLayout
 from dyad.parallel.groups import ProcessGroups
+from dyad.router.checkpoints import sync_tree
 from dyad.router.launcher import free_ports
 
 RESTORE_BATCHES_MB = [1024, 256, 16384]
@@ -137,6 +139,15 @@ def main() -> None:
             f"save, {threads} writer thread(s)",
             partial(checkpoint.save_pool, work, "llm", model, optimizer, groups, step=1, writer_threads=threads),
         )
+    # What the router's background commit takes off the training path: the same save left in the
+    # page cache (`checkpoint.sync_in_background`), then the router's sync of its files.
+    shutil.rmtree(work, ignore_errors=True)
+    timed(
+        f"save, {args.threads} threads, unsynced",
+        partial(checkpoint.save_pool, work, "llm", model, optimizer, groups, step=1,
+                writer_threads=args.threads, sync_files=False),
+    )
+    timed("... then the router's sync", lambda: sync_tree(checkpoint.pool_dir(work, "llm")))
     saved = fingerprints(model, optimizer, groups)
     for mb in RESTORE_BATCHES_MB:
         scramble(model, optimizer)  # so that each restore has to put every byte back

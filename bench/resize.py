@@ -4,6 +4,7 @@ steady throughput before, the resize's cost, and the steady throughput after.
 
     NCCL_NVLS_ENABLE=0 python bench/resize.py --out $OUT/resize.json --work $OUT/runs
     python bench/resize.py --pools 1+3   # four GPUs: encoder 1 -> 2, LLM 3 -> 2
+    python bench/resize.py --pools 1+2 --devices 0,1/1,0   # two GPUs, each shared by a rank of each pool
     python bench/resize.py --toy         # CPU: encoder 1 -> 2 ranks, LLM 2 -> 1 (CI)
 
 How a GPU changes pools. ScalePool resizes one pool's data-parallel degree (`dyad.config.scaled`:
@@ -82,8 +83,17 @@ def device_lists(encoder: int, llm: int, move: int) -> tuple[list[int], list[int
     return list(range(encoder)) + llm_devices[llm - move :], llm_devices
 
 
-def pool_overrides(pools: dict) -> list[str]:
-    encoder_devices, llm_devices = device_lists(pools["encoder"], pools["llm"], pools["move"])
+def parse_devices(text: str) -> tuple[list[int], list[int]]:
+    """'0,1/1,0' -> the encoder's and the LLM's GPU lists."""
+    try:
+        encoder, llm = (tuple(int(gpu) for gpu in part.split(",")) for part in text.split("/"))
+    except ValueError:
+        raise SystemExit(f"--devices: ENCODER_GPUS/LLM_GPUS such as 0,1/1,0, got {text!r}") from None
+    return list(encoder), list(llm)
+
+
+def pool_overrides(pools: dict, devices: tuple[list[int], list[int]]) -> list[str]:
+    encoder_devices, llm_devices = devices
     return [
         f"parallel.encoder.dp={pools['encoder']}",
         f"parallel.llm.dp={pools['llm']}",
@@ -212,6 +222,8 @@ def main() -> None:
     parser = run_arguments(steps=18, skip=2)  # skip: at the start and after the resize
     parser.add_argument("--resize-after", type=int, default=7, help="request after this step")
     parser.add_argument("--pools", default="2+6", help="E+L: encoder and LLM GPUs before the resize")
+    parser.add_argument("--devices", help="ENCODER/LLM GPU lists (rank r on list[r %% len]) instead of "
+                        "one GPU a rank, e.g. 0,1/1,0 for --pools 1+2 on two GPUs")
     args = parser.parse_args()
     base, pools = (TOY, TOY_POOLS) if args.toy else (with_compile(RESIZE, args), gpu_pools(args.pools))
     base = [*base, *args.set]
@@ -223,24 +235,23 @@ def main() -> None:
         raise SystemExit("--steps / --resize-after / --skip leave no steady steps to measure")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the router's workers inherit it
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-resize-"))
-    config = config_lib.load(None, [*base, *pool_overrides(pools), f"train.steps={args.steps}"])
+    devices = parse_devices(args.devices) if args.devices else device_lists(pools["encoder"], pools["llm"], pools["move"])
+    config = config_lib.load(None, [*base, *pool_overrides(pools, devices), f"train.steps={args.steps}"])
     config = dataclasses.replace(config, out_dir=str((work / "resize").resolve()))
     for pool, replicas in scale_requests(pools):  # refuse here what the router would
         config_lib.scaled(config, pool, replicas)
     with local_router(work / "resize" / "logs" / "router.log") as client:
         run_id = client.start_run(config_lib.to_yaml(config)).run_id
         timeline = follow_with_resize(client, run_id, args.resize_after, scale_requests(pools))
-    result = measure(config, timeline, args, pools["encoder"] + pools["llm"])
+    result = measure(config, timeline, args, gpus=len(set(devices[0]) | set(devices[1])))
     print_result(result, pools)
     if args.out:
-        encoder_devices, llm_devices = device_lists(pools["encoder"], pools["llm"], pools["move"])
-        devices = {"encoder": encoder_devices, "llm": llm_devices}
         write_results(
             args.out,
             args.toy,
             base,
             pools=pools,
-            devices=devices,
+            devices={"encoder": devices[0], "llm": devices[1]},
             notices=timeline.notices,
             **result,
         )

@@ -157,9 +157,9 @@ class CheckpointConfig:
     # committed one). Any layout or pool sizes: the pools reshard on load.
     resume_from: str = ""
     # The router syncs a checkpoint's files to stable storage and then writes its manifest on a
-    # thread while training goes on; a resize restores from the written files at once. false:
-    # every worker syncs its own files before reporting them written and training waits (for a
-    # shared filesystem where one client's fsync does not cover another client's writes).
+    # thread while training goes on (a resize or a recovery waits for it). false: every worker
+    # syncs its own files before reporting them written and training waits (for a shared
+    # filesystem where one client's fsync does not cover another client's writes).
     sync_in_background: bool = True
 
     def __post_init__(self) -> None:

@@ -53,8 +53,8 @@ class RunDriver:
         self.resumed = resumed  # a restarted router taking over: workers may still be running
         self.out_dir = Path(run.config.out_dir)
         self.committed: Committed | None = None  # the newest checkpoint with its manifest
-        # The newest checkpoint both pools have written, what a new generation restores: the
-        # committed one, or one whose files `self.commits` is syncing before its manifest.
+        # The newest checkpoint both pools have written: the committed one, or one whose files
+        # `self.commits` is syncing before it writes the manifest.
         self.written: Committed | None = None
         self.commits = checkpoints.BackgroundCommits()
         self.step = 0
@@ -161,8 +161,8 @@ class RunDriver:
             )
 
     def _commit(self) -> None:
-        """Both pools write their part, then the manifest makes it a checkpoint: once their files
-        are synced, on the commit thread while training goes on (`checkpoint.sync_in_background`)
+        """Both pools write their part, then the manifest makes it a checkpoint once their files
+        are synced: on the commit thread while training goes on (`checkpoint.sync_in_background`),
         or before the next step."""
         self._wait_for_commit()  # one at a time, in order
         path = checkpoints.checkpoint_dir(self.out_dir, self.step)
@@ -237,7 +237,7 @@ class RunDriver:
             pb.Peer(worker=pb.WorkerId(pool=POOL_ENUMS[pool], rank=rank), data_address=channel.address)
             for (pool, rank), channel in sorted(self.run.registered().items())
         ]
-        restore = str(self.written.path) if self.written else ""
+        restore = str(self.committed.path) if self.committed else ""
         for pool in POOLS:
             setup = pb.SetupCommand(
                 peers=peers,
@@ -284,7 +284,8 @@ class RunDriver:
 
     def _between_steps(self) -> None:
         """Requests that wait for a step boundary: resizes, then an on-demand checkpoint. A
-        resized pool restores the checkpoint just written, committed or not yet."""
+        resize waits for the checkpoint's commit: pools restarted while its files were being
+        synced took 9 s longer to start (one run on two H200s, docs/resilience.md)."""
         self._commit_if_synced()
         resizes = self.run.take_scale_requests()
         if resizes or self.run.checkpoint_requested.is_set():
@@ -293,6 +294,7 @@ class RunDriver:
                 self._commit()
         if not resizes:
             return
+        self._wait_for_commit()
         config = self.config
         for pool, replicas in resizes.items():
             config = config_lib.scaled(config, pool, replicas)

@@ -56,13 +56,15 @@ def test_the_gpu_configs_of_the_scripts_load():
     try:
         from e2e_8gpu import EIGHT_GPU, LARGER_ENCODER
         from e2e_hetero import VIT_L_224, WORKLOADS, layouts_for
-        from resize import GPU_POOLS, RESIZE, pool_overrides
+        from resize import GPU_POOLS, RESIZE, device_lists, gpu_pools, parse_devices, pool_overrides
         from worker_threads import GPU_POOLS as THREAD_POOLS
 
         from dyad import config as config_lib
     finally:
         sys.path.remove(str(BENCH))
-    configs = [EIGHT_GPU, [*RESIZE, *pool_overrides(GPU_POOLS)], [*VIT_L_224, *LARGER_ENCODER, *THREAD_POOLS]]
+    resize_eight = pool_overrides(GPU_POOLS, device_lists(GPU_POOLS["encoder"], GPU_POOLS["llm"], GPU_POOLS["move"]))
+    resize_two = pool_overrides(gpu_pools("1+2"), parse_devices("0,1/1,0"))
+    configs = [EIGHT_GPU, [*RESIZE, *resize_eight], [*RESIZE, *resize_two], [*VIT_L_224, *LARGER_ENCODER, *THREAD_POOLS]]
     configs += [
         [*workload, f"train.global_batch={samples}", *overrides]
         for workload in WORKLOADS.values()
