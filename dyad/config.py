@@ -156,10 +156,10 @@ class CheckpointConfig:
     # Start from a committed checkpoint: its directory, or a run's out_dir (its newest
     # committed one). Any layout or pool sizes: the pools reshard on load.
     resume_from: str = ""
-    # The router syncs a checkpoint's files to stable storage and then writes its manifest on a
-    # thread while training goes on (a resize or a recovery waits for it). false: every worker
-    # syncs its own files before reporting them written and training waits (for a shared
-    # filesystem where one client's fsync does not cover another client's writes).
+    # Periodic and on-demand checkpoints: the router syncs their files to stable storage and then
+    # writes the manifest on a thread while training goes on. false, and for the checkpoints the
+    # run waits for (before a resize, at the end): every worker syncs its own files as it writes
+    # them (for a shared filesystem where one client's fsync does not cover another's writes).
     sync_in_background: bool = True
 
     def __post_init__(self) -> None:

@@ -158,7 +158,7 @@ class PoolService(ABC):
         a form that loads under any layout or pool size (`dyad.checkpoint`)."""
         path = save_pool(
             command.path, self.pool, self.model, self.optimizer, self.groups, step=command.step,
-            sync_files=not self.config.checkpoint.sync_in_background,
+            sync_files=command.sync_files,
         )
         return pb.SaveResult(step=command.step, path=str(path))
 

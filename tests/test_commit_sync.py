@@ -1,0 +1,52 @@
+"""Who syncs a checkpoint's files (`RunDriver._commit`): the router's commit thread, while
+training goes on, for periodic and on-demand checkpoints; the workers as they write for those
+the run waits for (before a resize, at the end) and for every one with
+`checkpoint.sync_in_background=false`. The driver runs here without workers: the save commands
+it sends are recorded and each pool's part is a written directory."""
+
+from __future__ import annotations
+
+import pytest
+
+from dyad.data import make_dataset
+from dyad.router.driver import RunDriver
+from dyad.router.run import Run
+from dyad.wire import pb
+from tests.resilience import job_config
+
+
+def _driver(tmp_path, *overrides):
+    config = job_config(tmp_path, *overrides)
+    run = Run("r", config)
+    driver = RunDriver(run, launcher=None, router_address="", dataset=make_dataset(config.data))
+    saves = []
+
+    def send(command, pools=None):
+        if command.HasField("save"):
+            saves.append(command.save)
+            for pool in ("encoder", "llm"):
+                (tmp_path / "checkpoints" / f"step_{command.save.step:08d}" / pool).mkdir(parents=True)
+
+    run.send = send
+    driver._collect = lambda kind, matches: {}
+    driver._start_generation = lambda restarting, restore_all: 0.0
+    driver._metrics_file = open(tmp_path / "metrics.jsonl", "a")  # noqa: SIM115 - closed by the test's end
+    return driver, run, saves
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_the_workers_sync_what_the_run_waits_for_and_the_commit_thread_the_rest(tmp_path, background):
+    driver, run, saves = _driver(tmp_path, f"checkpoint.sync_in_background={str(background).lower()}")
+    driver.step = 2
+    run.checkpoint_requested.set()
+    driver._between_steps()  # an on-demand checkpoint
+    driver.step = 3
+    run.request_scale(pb.POOL_ENCODER, 2)
+    driver._between_steps()  # a resize
+    driver.step = 4
+    driver._commit(wait=True)  # as at the end of the run
+    driver.commits.close()
+    driver._metrics_file.close()
+    assert [(save.step, save.sync_files) for save in saves] == [(2, not background), (3, True), (4, True)]
+    assert driver.committed.step == 4 and (tmp_path / "checkpoints" / "step_00000002" / "manifest.json").exists()
+    assert run.pool_sizes["encoder"] == 2
