@@ -54,12 +54,13 @@ def commit(path: Path, *, run_id: str, step: int, cursor: Cursor, layouts: dict)
         os.fsync(f.fileno())
     os.replace(tmp, path / MANIFEST)
     _fsync(path)  # the rename itself
+    _fsync(path.parent)  # and the step's directory in checkpoints/
     return Committed(path, step, cursor, layouts)
 
 
 def sync_tree(root: Path) -> None:
-    """fsync every file under `root`, then every directory (their entries), `root` last. Files
-    written by other processes or pods are synced too: fsync flushes the file, whoever wrote it."""
+    """fsync every file under `root`, then every directory (their entries), `root` last. On one
+    host fsync flushes a file whoever wrote it; on a shared filesystem see docs/deploy.md."""
     directories = []
     for directory, _, files in os.walk(root):
         for name in files:
