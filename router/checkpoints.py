@@ -9,7 +9,6 @@ before committing) and is never loaded.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,7 +18,6 @@ from dyad.layout import POOLS
 from dyad.router.sampler import Cursor
 
 MANIFEST = "manifest.json"
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -107,10 +105,7 @@ class BackgroundCommits:
         return pending.result() if pending is not None else None
 
     def close(self) -> None:
-        try:
-            self.wait()
-        except Exception:  # the run is over; its last checkpoint stays uncommitted
-            log.exception("the last checkpoint could not be committed")
+        """Stops the thread once a commit still running is done (the driver waits for it before)."""
         self._thread.shutdown()
 
 
