@@ -43,6 +43,7 @@ from dyad.channels import open_channel
 from dyad.gc_pauses import GcPauses
 from dyad.pod import PULSE_FD_ENV, STUCK_EXIT_CODE
 from dyad.router.auth import load_token
+from dyad.startup import StartupTimeline
 from dyad.transport import UcxTransport
 from dyad.wire import POOL_ENUMS, pb, rpc
 
@@ -85,13 +86,16 @@ class WorkerRuntime:
         self.generation = 0
         self._stopped = threading.Event()
         self._gc = GcPauses()
+        self._startup = StartupTimeline()
 
     def run(self) -> None:
         with UcxTransport(host=os.environ.get("POD_IP", "127.0.0.1")) as transport:
+            self._startup.done("UCX listener")
             if self.run_id:
                 reply = self._register(transport.address, timeout_s=60.0)
             else:
                 reply = self._wait_for_a_run(transport.address)
+            self._startup.done("registration")
             self.run_id = reply.run_id
             config = config_lib.from_yaml(reply.config_yaml)
             self.dist_address = reply.dist_address
@@ -101,7 +105,10 @@ class WorkerRuntime:
                 daemon=True,
             ).start()
             self._join_pool(config, reply.dist_address)
+            self._startup.done("process group")
             service = self._built(config, transport, reply.generation)
+            self._startup.done("model and optimizer")
+            log.info("generation %d: %s", reply.generation, self._startup.summary())
             service.run_secret = reply.run_secret
             try:
                 while not self._execute(service):

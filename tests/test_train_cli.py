@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,9 @@ def test_dyad_train_default_learns_digits(tmp_path):
     checkpoint = out / "checkpoints" / "step_00000800"
     assert json.loads((checkpoint / "manifest.json").read_text())["step"] == 800
     assert all((checkpoint / pool / ".metadata").is_file() for pool in ("encoder", "llm"))  # DCP
+    for worker in ("encoder-0", "llm-0"):  # each says where its start went
+        log = (out / "logs" / f"{worker}.log").read_text()
+        assert re.search(r"generation 1: started in [\d.]+ s \(.*registration .*model and optimizer", log), log[-2000:]
 
 
 def test_dyad_verify_prints_both_losses_and_passes(tmp_path):
