@@ -198,7 +198,7 @@ def measure(config, timeline: Timeline, args, gpus: int) -> dict:
     }
 
 
-def print_result(result: dict, pools: dict) -> None:
+def print_result(result: dict, pools: dict, notices: list[dict]) -> None:
     if "error" in result:
         print(f"FAILED: {result['error'][:1000]}")
         return
@@ -212,6 +212,9 @@ def print_result(result: dict, pools: dict) -> None:
             f"{name:7s} {r['step_s']:7.3f} s/step {r['tokens_per_s']:9.0f} tokens/s "
             f"{r['tflops_per_gpu']:7.1f} TFLOP/s per GPU"
         )
+    for notice in notices:
+        if notice["kind"] == "resize":  # the restart's phases, as the router timed them
+            print(f"restart: {notice['message']}")
     print(
         f"resize: {cost['request_to_first_step_s']:.1f} s from the request to the first step after, "
         f"pause {cost['pause_s']:.1f} s + warm-up {cost['warmup_s']:.1f} s = {cost['steps_lost']:.1f} steps lost"
@@ -244,7 +247,7 @@ def main() -> None:
         run_id = client.start_run(config_lib.to_yaml(config)).run_id
         timeline = follow_with_resize(client, run_id, args.resize_after, scale_requests(pools))
     result = measure(config, timeline, args, gpus=len(set(devices[0]) | set(devices[1])))
-    print_result(result, pools)
+    print_result(result, pools, timeline.notices)
     if args.out:
         write_results(
             args.out,

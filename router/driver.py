@@ -11,6 +11,7 @@ import logging
 import math
 import queue
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dyad import config as config_lib
@@ -38,6 +39,25 @@ class RunAborted(RuntimeError):
 
 class WorkerLost(RuntimeError):
     """A worker died, hung, went silent or failed: the run can recover from a checkpoint."""
+
+
+@dataclass(frozen=True)
+class GenerationStart:
+    """How long a new generation of workers took to start, phase by phase."""
+
+    stopping_s: float  # the restarted pools' old workers told to stop, and gone
+    registering_s: float  # their successors started, and every worker registered
+    setting_up_s: float  # every worker set up: peers, and the checkpoint restored
+
+    @property
+    def total_s(self) -> float:
+        return self.stopping_s + self.registering_s + self.setting_up_s
+
+    def __str__(self) -> str:
+        return (
+            f"{self.total_s:.1f}s (stopping {self.stopping_s:.1f} s, starting and registering "
+            f"{self.registering_s:.1f} s, setting up and restoring {self.setting_up_s:.1f} s)"
+        )
 
 
 class RunDriver:
@@ -212,11 +232,13 @@ class RunDriver:
 
     # ------------------------------------------------------------------ generations
 
-    def _start_generation(self, restarting, restore_all: bool, timeout_s: float | None = None) -> float:
+    def _start_generation(
+        self, restarting, restore_all: bool, timeout_s: float | None = None
+    ) -> GenerationStart:
         """Stop the workers of the `restarting` pools, start them at the pools' current sizes,
         wait until every rank of both pools is registered, and set them up: peers, and the
-        committed checkpoint to restore (all pools, or only the restarted ones). Returns the
-        seconds it took."""
+        committed checkpoint to restore (all pools, or only the restarted ones). Returns how long
+        each phase took (also logged)."""
         started = time.perf_counter()
         restarting = tuple(restarting)
         # The new generation begins before the old workers are told to stop, so a worker
@@ -227,6 +249,7 @@ class RunDriver:
             for channel in leaving.values():
                 channel.commands.put(pb.WorkerCommand(stop=pb.StopCommand(reason="restart")))
             self.launcher.stop(restarting, timeout_s=self.config.router.stop_grace_s)
+        stopped = time.perf_counter()
         specs = [
             WorkerSpec(pool, rank) for pool in restarting for rank in range(self.run.pool_sizes[pool])
         ]
@@ -237,6 +260,7 @@ class RunDriver:
         if not self.run.wait_for_workers(timeout_s, self._check_stop_or_lost):
             missing = ", ".join(f"{pool}/{rank}" for pool, rank in self.run.missing())
             raise WorkerLost(f"worker(s) {missing} did not register within {timeout_s:g}s")
+        registered = time.perf_counter()
         peers = [
             pb.Peer(worker=pb.WorkerId(pool=POOL_ENUMS[pool], rank=rank), data_address=channel.address)
             for (pool, rank), channel in sorted(self.run.registered().items())
@@ -250,7 +274,9 @@ class RunDriver:
             )
             self.run.send(pb.WorkerCommand(setup=setup), [pool])
         self._collect("setup", lambda result: result.generation == generation)
-        return time.perf_counter() - started
+        timing = GenerationStart(stopped - started, registered - stopped, time.perf_counter() - registered)
+        log.info("run %s: generation %d started in %s", self.run.run_id, generation, timing)
+        return timing
 
     def _take_over_workers(self) -> None:
         """After a router restart: the run's workers register again and restore the last
@@ -306,9 +332,9 @@ class RunDriver:
         self.run.resize(config)
         self.planner = StepPlanner(config, self.dataset, self.planner.cursor)
         changed = [pool for pool in POOLS if before[pool] != self.run.pool_sizes[pool]]
-        seconds = self._start_generation(restarting=changed, restore_all=False)
+        timing = self._start_generation(restarting=changed, restore_all=False)
         sizes = ", ".join(f"{pool} {before[pool]} -> {self.run.pool_sizes[pool]}" for pool in changed)
-        self._notice("resize", f"{sizes or 'no change'} in {seconds:.1f}s")
+        self._notice("resize", f"{sizes or 'no change'} in {timing}")
 
     # ------------------------------------------------------------------ one step
 

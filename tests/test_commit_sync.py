@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from dyad.data import make_dataset
-from dyad.router.driver import RunDriver
+from dyad.router.driver import GenerationStart, RunDriver
 from dyad.router.run import Run
 from dyad.wire import pb
 from tests.resilience import job_config
@@ -29,7 +29,7 @@ def _driver(tmp_path, *overrides):
 
     run.send = send
     driver._collect = lambda kind, matches: {}
-    driver._start_generation = lambda restarting, restore_all: 0.0
+    driver._start_generation = lambda restarting, restore_all: GenerationStart(0.0, 0.0, 0.0)
     driver._metrics_file = open(tmp_path / "metrics.jsonl", "a")  # noqa: SIM115 - closed by the test's end
     return driver, run, saves
 

@@ -5,6 +5,7 @@ another layout, a truncated checkpoint, a router killed and started again — ea
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -158,6 +159,8 @@ def test_pools_resized_mid_run_keep_the_math(tmp_path, uninterrupted):
     resizes = [n for n in run.notices if n.kind == "resize"]
     assert [n.message.split(" in ")[0] for n in resizes] == [
         "encoder 1 -> 2", "encoder 2 -> 1", "llm 1 -> 2"], resizes
+    phases = r"in [\d.]+s \(stopping [\d.]+ s, starting and registering [\d.]+ s, setting up and restoring [\d.]+ s\)$"
+    assert all(re.search(phases, n.message) for n in resizes), resizes  # where each restart's time went
     assert run.info.llm_replicas == 2 and run.info.encoder_replicas == 1
     assert run.info.recoveries == 0
     _assert_same_training(tmp_path, run, uninterrupted)

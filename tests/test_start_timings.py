@@ -1,4 +1,5 @@
-"""A worker's start-up is logged as one line that says where its time went."""
+"""Where a start's time goes: a worker logs its start-up phases in one line, and the router
+times each phase of a new generation (reported in resize notices and its log)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 import pytest
 
 from dyad import startup
+from dyad.router.driver import GenerationStart
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process's age is read from Linux's /proc")
@@ -36,3 +38,11 @@ def test_without_the_process_age_the_summary_counts_only_the_phases(monkeypatch)
     timeline = startup.StartupTimeline()
     timeline.done("registration")
     assert timeline.summary() == "started in 1.0 s (registration 1.0 s)"
+
+
+def test_a_generation_start_adds_up_its_phases():
+    timing = GenerationStart(stopping_s=1.3, registering_s=15.0, setting_up_s=20.6)
+    assert timing.total_s == pytest.approx(36.9)
+    assert str(timing) == (
+        "36.9s (stopping 1.3 s, starting and registering 15.0 s, setting up and restoring 20.6 s)"
+    )
