@@ -16,13 +16,53 @@ _FAST_KERNEL = getattr(F, "grouped_mm", None)
 _ALIGN_BYTES = 16  # the kernel needs 16-byte-aligned base pointers and non-unit strides
 
 
-@torch.compiler.disable  # it reads the row counts on the host: traced, every new count would recompile
 def grouped_mm_reference(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """Rows offs[e-1]:offs[e] of x times w[e], one matmul per expert (offs[-1] == N)."""
+    return _blocks_times_experts(x_ND, w_EDF, offs_E)
+
+
+def _row_blocks(offs_E: torch.Tensor) -> list[slice]:
     ends = offs_E.tolist()
-    starts = [0] + ends[:-1]
-    blocks = [x_ND[start:end] @ w_EDF[e] for e, (start, end) in enumerate(zip(starts, ends))]
-    return torch.cat(blocks, dim=0)
+    return [slice(start, end) for start, end in zip([0] + ends[:-1], ends)]
+
+
+# The reference reads the row counts on the host, so traced by torch.compile every new count would
+# recompile: it is a custom op, which the compiler keeps whole and runs as it is. (Not
+# torch.compiler.disable, which imports torch._dynamo when this module is imported: 1.9 s of
+# every worker's start on a CPU.) Its gradients are the per-block matmuls autograd would make.
+@torch.library.custom_op("dyad::grouped_mm_blocks", mutates_args=())
+def _blocks_times_experts(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x_ND[rows] @ w_EDF[e] for e, rows in enumerate(_row_blocks(offs_E))], dim=0)
+
+
+@_blocks_times_experts.register_fake
+def _(x_ND, w_EDF, offs_E):
+    return x_ND.new_empty((x_ND.shape[0], w_EDF.shape[-1]))
+
+
+@torch.library.custom_op("dyad::grouped_mm_blocks_weight_grad", mutates_args=())
+def _weight_grads_of_blocks(x_ND: torch.Tensor, grad_NF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """Stacked x[rows of e]^T @ grad[rows of e] over the experts: the weights' gradient."""
+    return torch.stack([x_ND[rows].t() @ grad_NF[rows] for rows in _row_blocks(offs_E)])
+
+
+@_weight_grads_of_blocks.register_fake
+def _(x_ND, grad_NF, offs_E):
+    return x_ND.new_empty((offs_E.shape[0], x_ND.shape[1], grad_NF.shape[1]))
+
+
+def _keep_operands(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _blocks_backward(ctx, grad_NF):
+    x_ND, w_EDF, offs_E = ctx.saved_tensors
+    grad_x = _blocks_times_experts(grad_NF, w_EDF.transpose(-2, -1), offs_E) if ctx.needs_input_grad[0] else None
+    grad_w = _weight_grads_of_blocks(x_ND, grad_NF, offs_E) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+_blocks_times_experts.register_autograd(_blocks_backward, setup_context=_keep_operands)
 
 
 def _base_aligned(t: torch.Tensor) -> bool:

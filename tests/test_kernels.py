@@ -85,6 +85,42 @@ def test_grouped_mm_reference_is_per_expert_matmul():
     torch.testing.assert_close(y_NF[2:], x_ND[2:] @ w_EDF[2])
 
 
+def _per_block_autograd(x_ND, w_EDF, counts):
+    """What the reference was before it became a custom op: a loop of matmuls under autograd."""
+    ends = _offsets(counts).tolist()
+    return torch.cat([x_ND[start:end] @ w_EDF[e] for e, (start, end) in enumerate(zip([0] + ends[:-1], ends))])
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 2], [0, 0, 0, 0], [4, 1, 0, 0]])
+def test_the_reference_and_its_gradients_are_those_of_the_per_block_matmuls_bit_for_bit(counts):
+    torch.manual_seed(0)
+    x_ND, w_EDF = torch.randn(sum(counts), 6), torch.randn(len(counts), 6, 5)
+    results = []
+    for fn in (lambda x, w: grouped_mm_reference(x, w, _offsets(counts)), lambda x, w: _per_block_autograd(x, w, counts)):
+        x, w = x_ND.clone().requires_grad_(), w_EDF.clone().requires_grad_()
+        y = fn(x, w)
+        y.backward(torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape).cos())
+        results.append((y.detach(), x.grad, w.grad))
+    for got, expected in zip(*results):
+        assert torch.equal(got, expected)
+
+
+def test_compiled_the_reference_is_traced_once_for_any_row_counts():
+    """The counts are read on the host inside the custom op, so a new split of the same rows
+    neither recompiles nor breaks the graph, forward or backward (AOT autograd)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(grouped_mm_reference, backend=counter, fullgraph=True)
+    w_EDF = torch.randn(3, 4, 2, requires_grad=True)
+    for counts in ([2, 3, 1], [0, 6, 0], [6, 0, 0]):
+        x_ND = torch.randn(6, 4, requires_grad=True)
+        y = compiled(x_ND, w_EDF, _offsets(counts))
+        y.sum().backward()
+        torch.testing.assert_close(y, _per_block_autograd(x_ND, w_EDF, counts), rtol=0, atol=0)
+    assert counter.frame_count == 1
+
+
 def _check_permute_matches_reference(x_TD, expert_idx_TK, num_experts):
     x_sorted, order, counts = permute(x_TD, expert_idx_TK, num_experts)
     x_sorted_ref, order_ref, counts_ref = permute_reference(x_TD, expert_idx_TK, num_experts)
