@@ -27,9 +27,9 @@ def _row_blocks(offs_E: torch.Tensor) -> list[slice]:
 
 
 # The reference reads the row counts on the host, so traced by torch.compile every new count would
-# recompile: it is a custom op, which the compiler keeps whole and runs as it is. (Not
-# torch.compiler.disable, which imports torch._dynamo when this module is imported: 1.9 s of
-# every worker's start on a CPU.) Its gradients are the per-block matmuls autograd would make.
+# recompile: it is a custom op, which the compiler keeps whole in its graph and runs as it is (a
+# torch.compiler.disable'd function would break the graph there, and importing this module would
+# import torch._dynamo). Its gradients are the per-block matmuls autograd would make.
 @torch.library.custom_op("dyad::grouped_mm_blocks", mutates_args=())
 def _blocks_times_experts(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     return torch.cat([x_ND[rows] @ w_EDF[e] for e, rows in enumerate(_row_blocks(offs_E))], dim=0)
