@@ -1,6 +1,7 @@
 """Where a pool checkpoint's time goes, one process: `dyad.checkpoint.save_pool` with one writer
 thread (DCP's default) and with `--threads`, with `--threads` unsynced and then synced as the
-router's commit thread syncs it, `restore_pool` at several read batch sizes, and
+router's commit thread syncs it, `restore_pool` with one reader thread and with its default
+(`dyad.checkpoint.READER_THREADS`) at several read batch sizes, and
 beside them the parts: reading the files' bytes alone, and the save's copy of every full tensor
 to host memory alone (ordinary memory, page-locked memory, ordinary from four threads). Each
 restore starts from scrambled state and must bring back every tensor's sum and sum of squares.
@@ -35,7 +36,10 @@ from dyad.parallel.groups import ProcessGroups
 from dyad.router.checkpoints import sync_tree
 from dyad.router.launcher import free_ports
 
-RESTORE_BATCHES_MB = [1024, 256, 16384]
+# (batch MB, reader threads) of each restore: one thread (the restore before READER_THREADS),
+# then the default at three batch sizes.
+RESTORES = [(1024, 1), (1024, checkpoint.READER_THREADS), (256, checkpoint.READER_THREADS),
+            (4096, checkpoint.READER_THREADS)]
 
 
 def trained_model(layers: int, dim: int, device: str):
@@ -131,7 +135,7 @@ def main() -> None:
 
     def timed(name: str, fn) -> None:
         times[name] = seconds(fn, device)
-        print(f"{name:32s} {times[name]:7.2f} s", flush=True)
+        print(f"{name:48s} {times[name]:7.2f} s", flush=True)
 
     for threads in (1, args.threads):
         shutil.rmtree(work, ignore_errors=True)
@@ -149,14 +153,13 @@ def main() -> None:
     )
     timed("... then the router's sync", lambda: sync_tree(checkpoint.pool_dir(work, "llm")))
     saved = fingerprints(model, optimizer, groups)
-    for mb in RESTORE_BATCHES_MB:
+    for mb, threads in RESTORES:
         scramble(model, optimizer)  # so that each restore has to put every byte back
-        timed(
-            f"restore, {mb} MB batches",
-            partial(checkpoint.restore_pool, work, "llm", model, optimizer, groups, batch_bytes=mb << 20),
-        )
+        name = f"restore, {mb} MB batches, {threads} reader thread(s)"
+        timed(name, partial(checkpoint.restore_pool, work, "llm", model, optimizer, groups,
+                            batch_bytes=mb << 20, reader_threads=threads))
         if fingerprints(model, optimizer, groups) != saved:
-            raise SystemExit(f"the restore with {mb} MB batches did not bring back the saved state")
+            raise SystemExit(f"{name}: did not bring back the saved state")
     timed("read the files' bytes alone", lambda: read_bytes(work))
     timed("copy the tensors to host alone", lambda: copy_to_host(model, optimizer, groups))
     timed("... to pinned host memory", lambda: copy_to_pinned_host(model, optimizer, groups))

@@ -16,7 +16,8 @@ Saving gathers one sharded tensor at a time to its full shape (a collective) and
 host memory, only on the rank chosen to write it (the ranks take turns by bytes), so a rank
 holds about 1/world of the full state and the GPUs one full tensor beyond their own state.
 Restoring reads the full tensors in batches of bounded size, each tensor by one rank into its
-host memory (the ranks take turns by bytes, as in saving), broadcasts it to the other ranks, and
+host memory (the ranks take turns by bytes, as in saving; a rank reads its tensors of a batch
+with several threads), broadcasts it to the other ranks, and
 copies each rank's piece into its live model and AdamW state, cut by `local_part`: the inverse of
 the gather, written beside it and used by the parallel modules when they shard themselves, so
 no layout's slicing is written twice.
@@ -25,6 +26,7 @@ no layout's slicing is written twice.
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -41,6 +43,10 @@ RESTORE_BATCH_BYTES = 1 << 30  # full tensors read into host memory at a time, o
 # 29.9 s to save with DCP's one thread and 19.9 s with eight on an H100 host of 16 CPUs
 # (bench/checkpoint_io.py).
 WRITER_THREADS = 8
+# Threads each rank reads its tensors of a restore's batch with, each thread one DCP load of its
+# share of the bytes: DCP's FileSystemReader reads and deserializes one stored tensor after the
+# other, and that, not the disk, bounded a restore from the page cache (bench/checkpoint_io.py).
+READER_THREADS = 8
 
 
 def _dcp():
@@ -129,25 +135,29 @@ def restore_pool(
     groups: ProcessGroups,
     *,
     batch_bytes: int = RESTORE_BATCH_BYTES,
+    reader_threads: int = READER_THREADS,
 ) -> int:
     """Load the pool's checkpoint into the live `model` and `optimizer`, whatever layout wrote it.
 
     Each full tensor is read by one rank (the ranks take turns by bytes, as in saving), at most
-    `batch_bytes` a rank at a time (or one tensor, when it is larger), and broadcast to the
-    others, so the pool reads the checkpoint once; each rank copies its piece into place.
+    `batch_bytes` a rank at a time (or one tensor, when it is larger), with `reader_threads`
+    threads, and broadcast to the others, so the pool reads the checkpoint once; each rank copies
+    its piece into place.
     Collective over the pool's default process group. Zeroes the gradients, restores this rank's
     RNG states when the checkpoint holds them, and returns the saved step."""
     dcp = _dcp()
     path = pool_dir(directory, pool)
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    stored = metadata.state_dict_metadata
     targets = _restore_targets(model, optimizer)
     turns = _TurnsByBytes(dist.get_world_size())
     staging = _Staging(_device(model))
-    for batch in _batches(list(targets), stored, batch_bytes):
-        for key, full in _read_once_for_all(path, batch, stored, turns, staging):
-            module, name, destination = targets[key]
-            with torch.no_grad():
-                destination.copy_(local_part(module, name, full, groups))
+    with _ThreadedReader(path, metadata, reader_threads) as reader:
+        for batch in _batches(list(targets), stored, batch_bytes):
+            for key, full in _read_once_for_all(batch, stored, turns, staging, reader):
+                module, name, destination = targets[key]
+                with torch.no_grad():
+                    destination.copy_(local_part(module, name, full, groups))
     staging.release()
     small = _hyperparameters(optimizer) | {f"optimizer.{key}.step": torch.zeros(()) for key, *_ in owned_parameters(model)}
     small.update({k: v for k, v in _rng_states(dist.get_rank(), _device(model)).items() if k in stored})
@@ -182,14 +192,14 @@ def _restore_targets(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return targets
 
 
-def _read_once_for_all(path: Path, keys: list[str], stored: dict, turns: _TurnsByBytes, staging: _Staging):
+def _read_once_for_all(keys: list[str], stored: dict, turns: _TurnsByBytes, staging: _Staging, reader):
     """(key, full tensor on the staging's device) for each of `keys`, in order: each read from the
     checkpoint into `staging` by the rank whose turn it is and broadcast from it to the others.
     Collective."""
     owners = {key: turns.owner(_stored_bytes(stored[key])) for key in keys}
     rank = dist.get_rank()
     mine = staging.holders({key: stored[key] for key in keys if owners[key] == rank})
-    _dcp().load(mine, checkpoint_id=path)  # collective: every rank, each with its own keys
+    reader.load(mine)
     for key in keys:
         if owners[key] == rank:
             full = mine.pop(key).to(staging.device, non_blocking=True)
@@ -197,6 +207,56 @@ def _read_once_for_all(path: Path, keys: list[str], stored: dict, turns: _TurnsB
             full = _holder(stored[key], staging.device)
         dist.broadcast(full, src=owners[key])
         yield key, full
+
+
+class _ThreadedReader:
+    """Reads stored tensors into the tensors given for them, one DCP load per thread, each of
+    about an equal share of the bytes (a tensor is read whole, by one thread). Each load is this
+    rank's alone (`no_dist`: which rank reads what is decided by `_TurnsByBytes`), with the
+    checkpoint's metadata read once for all of them."""
+
+    def __init__(self, path: Path, metadata, threads: int):
+        if threads < 1:
+            raise ValueError(f"reader_threads must be at least 1, got {threads}")
+        self.path, self.metadata, self.threads = path, metadata, threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dyad-restore") if threads > 1 else None
+
+    def load(self, holders: dict[str, torch.Tensor]) -> None:
+        shares = [share for share in self._shares(holders) if share]
+        if self._pool is None or len(shares) < 2:
+            for share in shares:
+                self._load_share(share)
+            return
+        for done in [self._pool.submit(self._load_share, share) for share in shares]:
+            done.result()  # re-raises a thread's error here
+
+    def _shares(self, holders: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        turns, shares = _TurnsByBytes(self.threads), [{} for _ in range(self.threads)]
+        for key in sorted(holders, key=lambda k: -holders[k].nbytes):  # largest first: even shares
+            shares[turns.owner(holders[key].nbytes)][key] = holders[key]
+        return shares
+
+    def _load_share(self, share: dict[str, torch.Tensor]) -> None:
+        _dcp().load(share, storage_reader=_reader_with_metadata(self.path, self.metadata), no_dist=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
+def _reader_with_metadata(path: Path, metadata):
+    """DCP's FileSystemReader for `path`, handing out the metadata already read instead of reading
+    and unpickling the file again for every load."""
+    dcp = _dcp()
+
+    class KnownMetadataReader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            return metadata
+
+    return KnownMetadataReader(path)
 
 
 class _Staging:

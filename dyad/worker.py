@@ -210,8 +210,12 @@ class WorkerRuntime:
         return False
 
     def _report_failure(self, error: Exception) -> None:
-        """The traceback being handled, and whether a restart would fail the same way."""
-        self._report(error=traceback.format_exc(), error_repeats=would_repeat(error))
+        """The traceback being handled, and whether a restart would fail the same way; logged here
+        first, since the exception may never reach the interpreter's own report (cleaning up after
+        it can hang in a collective until the heartbeat thread ends the process)."""
+        text = traceback.format_exc()
+        log.error("failed (reported to the router): %s", text.rstrip())
+        self._report(error=text, error_repeats=would_repeat(error))
 
     def _report(self, **result) -> None:
         self.stub.ReportResult(

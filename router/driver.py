@@ -442,7 +442,7 @@ def _raise_failure(key: tuple[str, int], result: pb.WorkerResult, during: str) -
             f"microbatch: raise train.microbatches; or more GPUs, ep or tp for the pool): "
             f"{_last_line(result.error)}"
         )
-    raise WorkerLost(f"worker {key[0]}/{key[1]} failed: {result.error}")
+    raise WorkerLost(f"worker {key[0]}/{key[1]} failed: {_last_line(result.error)}\n{result.error}")
 
 
 def _last_line(text: str) -> str:

@@ -256,6 +256,35 @@ def test_a_restore_batch_is_read_into_one_reused_buffer_cut_into_aligned_tensors
     assert staging._buffer.numel() == 0
 
 
+def _stored(tmp_path, tensors: dict) -> tuple:
+    path = tmp_path / "stored"
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, thread_count=2), no_dist=True)
+    return path, dcp.FileSystemReader(path).read_metadata()
+
+
+def test_a_rank_reads_its_tensors_of_a_batch_with_threads_each_tensor_once(tmp_path):
+    tensors = {f"t{i}": torch.randn(10 + 7 * i) for i in range(7)}
+    path, metadata = _stored(tmp_path, tensors)
+    with checkpoint._ThreadedReader(path, metadata, threads=3) as reader:
+        shares = reader._shares({key: torch.empty_like(t) for key, t in tensors.items()})
+        assert sorted(key for share in shares for key in share) == sorted(tensors)  # each once
+        share_bytes = [sum(t.nbytes for t in share.values()) for share in shares]
+        assert max(share_bytes) - min(share_bytes) <= max(t.nbytes for t in tensors.values())
+        holders = {key: torch.zeros_like(t) for key, t in tensors.items()}
+        reader.load(holders)
+    assert all(torch.equal(holders[key], tensors[key]) for key in tensors)
+
+
+def test_a_failed_read_in_a_reader_thread_fails_the_restore_and_no_threads_is_refused(tmp_path):
+    path, metadata = _stored(tmp_path, {"a": torch.ones(4), "b": torch.ones(5)})
+    reader = checkpoint._ThreadedReader(path, metadata, threads=2)
+    with reader, pytest.raises(dcp.api.CheckpointException) as failed:
+        reader.load({"a": torch.empty(4), "missing": torch.empty(3)})
+    assert "missing" in str(next(iter(failed.value.failures.values())))
+    with pytest.raises(ValueError, match="reader_threads"):
+        checkpoint._ThreadedReader(path, metadata, threads=0)
+
+
 def _cuda_round_trip_body(rank, world_size, tmp):
     dims = [96 + 8 * i for i in range(9)]  # sizes that do not fill the buffer evenly
     model = torch.nn.Sequential(*[torch.nn.Linear(a, b, bias=False) for a, b in itertools.pairwise(dims)]).cuda()

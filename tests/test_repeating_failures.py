@@ -5,6 +5,7 @@ Any other failure stays a recovery."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -60,13 +61,16 @@ def _runtime() -> WorkerRuntime:
 
 
 @pytest.mark.parametrize("error, repeats", [(OUT_OF_MEMORY, True), (RuntimeError("a peer died"), False)])
-def test_the_worker_reports_whether_its_failure_would_repeat(error, repeats):
+def test_the_worker_reports_whether_its_failure_would_repeat_and_logs_it(error, repeats, caplog):
     runtime = _runtime()
-    with pytest.raises(type(error)):
+    with pytest.raises(type(error)), caplog.at_level(logging.ERROR, logger="dyad.worker"):
         runtime._execute(_Service(error))
     [report] = runtime.stub.reports
     assert report.WhichOneof("result") == "error" and type(error).__name__ in report.error
     assert report.error_repeats is repeats
+    # Its own log names it too: cleaning up after it may hang before the interpreter prints it.
+    [logged] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert logged.startswith("failed (reported to the router): Traceback") and logged.endswith(str(error))
 
 
 def test_a_worker_that_cannot_build_its_service_reports_it_for_the_generation_it_joined(monkeypatch):
@@ -119,9 +123,12 @@ def test_the_router_ends_the_run_on_a_failure_that_would_repeat_and_says_what_to
     assert message.endswith("torch.OutOfMemoryError: CUDA out of memory."), message
 
 
-def test_any_other_failure_is_still_a_recovery():
-    with pytest.raises(WorkerLost, match="worker llm/0 failed"):
+def test_any_other_failure_is_still_a_recovery_named_by_its_exception_before_the_traceback():
+    with pytest.raises(WorkerLost) as lost:
         _driver_with(_failure(repeats=False))._collect("step", lambda result: True)
+    headline, traceback = str(lost.value).split("\n", 1)
+    assert headline == "worker llm/0 failed: torch.OutOfMemoryError: CUDA out of memory."
+    assert traceback.startswith("Traceback (most recent call last):")
 
 
 def test_a_worker_that_exited_after_reporting_a_repeating_failure_ends_the_run():
