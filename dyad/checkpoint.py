@@ -223,12 +223,16 @@ class _ThreadedReader:
 
     def load(self, holders: dict[str, torch.Tensor]) -> None:
         shares = [share for share in self._shares(holders) if share]
-        if self._pool is None or len(shares) < 2:
-            for share in shares:
-                self._load_share(share)
-            return
-        for done in [self._pool.submit(self._load_share, share) for share in shares]:
-            done.result()  # re-raises a thread's error here
+        # DCP warns on every load of one process's own, even when asked for one. The filter is the
+        # process's: set here, around the threads' loads, while this thread waits for them.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            if self._pool is None or len(shares) < 2:
+                for share in shares:
+                    self._load_share(share)
+                return
+            for done in [self._pool.submit(self._load_share, share) for share in shares]:
+                done.result()  # re-raises a thread's error here
 
     def _shares(self, holders: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         turns, shares = _TurnsByBytes(self.threads), [{} for _ in range(self.threads)]
