@@ -35,9 +35,14 @@ log = logging.getLogger(__name__)
 _POOL_SEED_OFFSET = {"encoder": 1, "llm": 2}
 
 
-def build_model(config: RunConfig, pool: str, device: str | torch.device | None = None) -> nn.Module:
+def build_model(
+    config: RunConfig, pool: str, device: str | torch.device | None = None, *, initialize: bool = True
+) -> nn.Module:
     """The pool's single-device model with its layout-independent initial weights, built on
-    `device` (default the run's): no full copy of it passes through host memory."""
+    `device` (default the run's): no full copy of it passes through host memory. Without
+    `initialize` its parameters keep the values the modules were built with: for a model a
+    checkpoint is restored into, which overwrites every one (drawing the initial weights of a
+    model of billions of parameters takes seconds of CPU)."""
     with torch.device(device or config.train.device):
         if pool == "encoder":
             from dyad.encoder_service.model import VisionEncoder
@@ -50,7 +55,8 @@ def build_model(config: RunConfig, pool: str, device: str | torch.device | None 
             model = MoELM(config.llm)
             if config.llm.fp8:
                 convert_to_fp8(model)
-    init_parameters(model, config.seed * 10 + _POOL_SEED_OFFSET[pool])
+    if initialize:
+        init_parameters(model, config.seed * 10 + _POOL_SEED_OFFSET[pool])
     return model
 
 
@@ -81,7 +87,9 @@ class PoolService(ABC):
 
     pool = ""
 
-    def __init__(self, config: RunConfig, transport: Transport, rank: int, run_id: str):
+    def __init__(self, config: RunConfig, transport: Transport, rank: int, run_id: str, *, initialize: bool = True):
+        """`initialize`: draw the model's initial weights; without, the first setup must restore a
+        checkpoint (the router says so when the worker registers: `RegisterReply.restores`)."""
         self.config = config
         self.transport = transport
         self.rank = rank
@@ -90,7 +98,8 @@ class PoolService(ABC):
         self.dataset = make_dataset(config.data)
         self.layout = getattr(config.parallel, self.pool)
         self.groups = ProcessGroups.build(self.layout)
-        self.model = build_model(config, self.pool, self.device)
+        self.model = build_model(config, self.pool, self.device, initialize=initialize)
+        self.awaits_restore = not initialize
         self.gradient_plan = self.parallelize(self.model, self.groups)
         self.working_weights = WorkingWeights(self.model) if config.train.working_weights else None
         self.reduction = GradientReduction(
@@ -130,9 +139,15 @@ class PoolService(ABC):
             {p.data_address for p in command.peers if p.worker.pool != POOL_ENUMS[self.pool]},
         )
         restored = -1
+        if self.awaits_restore and not command.restore_path:
+            raise RuntimeError(
+                f"generation {command.generation}: this {self.pool} worker was built without initial weights "
+                "because the router said its setup would restore a checkpoint, and the setup names none"
+            )
         if command.restore_path:
             log.info("generation %d: restoring %s", command.generation, command.restore_path)
             restored = self.restore(command.restore_path)
+            self.awaits_restore = False
         log.info("generation %d: set up in %.1fs (restored step %d)", command.generation,
                  time.perf_counter() - started, restored)
         return pb.SetupResult(

@@ -106,9 +106,10 @@ class WorkerRuntime:
             ).start()
             self._join_pool(config, reply.dist_address)
             self._startup.done("process group")
-            service = self._built(config, transport, reply.generation)
+            service = self._built(config, transport, reply.generation, initialize=not reply.restores)
             self._startup.done("model and optimizer")
-            log.info("generation %d: %s", reply.generation, self._startup.summary())
+            log.info("generation %d: %s%s", reply.generation, self._startup.summary(),
+                     ", no initial weights drawn (a checkpoint is restored)" if reply.restores else "")
             service.run_secret = reply.run_secret
             try:
                 while not self._execute(service):
@@ -119,11 +120,12 @@ class WorkerRuntime:
                 service.close()
                 dist.destroy_process_group()
 
-    def _built(self, config, transport, generation: int):
-        """The pool's service. A failure to build it (e.g. the model does not fit on the GPU) is
-        reported to the router as one of `generation`, the generation joined, then raised."""
+    def _built(self, config, transport, generation: int, initialize: bool = True):
+        """The pool's service (`initialize`: with its initial weights drawn, which a restore would
+        overwrite). A failure to build it (e.g. the model does not fit on the GPU) is reported to
+        the router as one of `generation`, the generation joined, then raised."""
         try:
-            return _service_class(self.pool)(config, transport, self.rank, self.run_id)
+            return _service_class(self.pool)(config, transport, self.rank, self.run_id, initialize=initialize)
         except Exception as error:  # noqa: BLE001 - reported to the router, then this worker exits
             self.generation = generation
             self._report_failure(error)

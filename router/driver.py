@@ -244,7 +244,9 @@ class RunDriver:
         # The new generation begins before the old workers are told to stop, so a worker
         # restarted quickly (a pod's container) registers into it, never into the old one.
         leaving = self.run.registered(restarting)
-        generation = self.run.new_generation(restarting, self.launcher.rendezvous(restarting))
+        generation = self.run.new_generation(
+            restarting, self.launcher.rendezvous(restarting), restores=self.committed is not None
+        )
         if restarting:
             for channel in leaving.values():
                 channel.commands.put(pb.WorkerCommand(stop=pb.StopCommand(reason="restart")))

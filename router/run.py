@@ -66,6 +66,7 @@ class Run:
         self.secret = secrets.token_bytes(32)
         self.rendezvous: dict[str, str] = {}
         self.formed_at: dict[str, int] = {}  # pool -> the generation its processes joined
+        self.restores = False  # the current generation's setup restores a checkpoint
         self.pids: dict[str, int] = {}
         self.results: queue.Queue[pb.WorkerResult] = queue.Queue()
         # Each worker's last reported failure: why a worker that then exits did (see failure_of).
@@ -233,12 +234,15 @@ class Run:
 
     # ------------------------------------------------------------------ generations and workers
 
-    def new_generation(self, restarting: Iterable[str], rendezvous: dict[str, str]) -> int:
+    def new_generation(self, restarting: Iterable[str], rendezvous: dict[str, str], restores: bool = False) -> int:
         """Start the next generation: workers of `restarting` pools must register again (at
-        the pools' current sizes); every worker's pending commands are dropped."""
+        the pools' current sizes); every worker's pending commands are dropped. `restores`: its
+        setup will restore a committed checkpoint into the restarted pools (their workers are
+        told so when they register, and skip drawing initial weights)."""
         restarting = set(restarting)
         with self._lock:
             self._info.generation += 1
+            self.restores = restores
             self.rendezvous.update(rendezvous)
             for pool in restarting:
                 self.formed_at[pool] = self._info.generation
@@ -296,6 +300,7 @@ class Run:
                 dist_address=self.rendezvous[key[0]],
                 run_secret=self.secret,
                 run_id=self.run_id,
+                restores=self.restores,
             )
             self._lock.notify_all()
         self.persist()

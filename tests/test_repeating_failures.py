@@ -75,7 +75,7 @@ def test_the_worker_reports_whether_its_failure_would_repeat_and_logs_it(error, 
 
 def test_a_worker_that_cannot_build_its_service_reports_it_for_the_generation_it_joined(monkeypatch):
     class _DoesNotFit:
-        def __init__(self, *args):
+        def __init__(self, *args, **kwargs):
             raise OUT_OF_MEMORY
 
     monkeypatch.setattr("dyad.worker._service_class", lambda pool: _DoesNotFit)

@@ -106,6 +106,12 @@ def test_a_killed_worker_is_recovered_from_the_last_checkpoint(tmp_path, uninter
     assert kinds[1] == ("recovery", on_demand[1]), kinds
     assert run.info.recoveries == 1 and run.info.generation == 2
     assert '"event": "recovery"' in (tmp_path / "metrics.jsonl").read_text()
+    # The restarted workers, told that they restore the checkpoint, drew no initial weights; the
+    # same training shows that the restore left nothing of what they were built with.
+    for worker in ("encoder-0", "llm-0"):
+        starts = re.findall(r"generation \d: started in .*", (tmp_path / "logs" / f"{worker}.log").read_text())
+        assert [line.endswith("no initial weights drawn (a checkpoint is restored)") for line in starts] == [
+            False, True], starts
     _assert_same_training(tmp_path, run, uninterrupted)
 
 

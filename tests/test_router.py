@@ -223,3 +223,16 @@ def test_a_process_of_a_pool_that_reformed_cannot_register_into_the_new_generati
     assert run.register(llm1, "127.0.0.1:9", pid=2, generation=0).dist_address == "h:3"  # a new process
     encoder = pb.WorkerId(pool=pb.POOL_ENCODER, rank=0)
     assert run.register(encoder, "127.0.0.1:8", pid=3, generation=1).generation == 2  # kept pool
+
+
+def test_workers_registering_into_a_generation_that_restores_a_checkpoint_are_told_so():
+    """They then skip drawing initial weights that the restore overwrites (dyad.service)."""
+    from dyad import config as config_lib
+    from dyad.router.run import Run
+
+    run = Run("r", config_lib.load(None, []))
+    encoder = pb.WorkerId(pool=pb.POOL_ENCODER, rank=0)
+    run.new_generation(["encoder", "llm"], {"encoder": "h:1", "llm": "h:2"})  # a fresh start
+    assert not run.register(encoder, "127.0.0.1:8", pid=1).restores
+    run.new_generation(["encoder"], {"encoder": "h:3"}, restores=True)  # a recovery or a resize
+    assert run.register(encoder, "127.0.0.1:8", pid=2).restores
