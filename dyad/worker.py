@@ -66,10 +66,19 @@ def _service_class(pool: str):
     return LLMWorker
 
 
+# How running out of GPU memory reads where it is not torch's allocator that fails: NCCL's own
+# allocations (a DistBackendError, e.g. in a gradient all-reduce: seen on two H100s, LLM ranks
+# sharing a GPU with the encoder), a CUDA call torch checks, and cuBLAS creating its workspace.
+_OUT_OF_MEMORY_MARKERS = ("Cuda failure 2 'out of memory'", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
 def would_repeat(error: BaseException) -> bool:
     """Whether the same command would fail again after a restart from the checkpoint: running
     out of GPU memory does (same model, same batch, same layout), a lost peer does not."""
-    return isinstance(error, torch.OutOfMemoryError)
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return any(marker in text for marker in _OUT_OF_MEMORY_MARKERS)
 
 
 class RouterLost(RuntimeError):

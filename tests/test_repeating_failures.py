@@ -29,6 +29,20 @@ def test_only_running_out_of_gpu_memory_would_repeat():
     assert not would_repeat(ConnectionError("recv of a tag from a peer failed"))
 
 
+@pytest.mark.parametrize("error", [
+    # NCCL's own allocation in an all-reduce, as a worker reported it on two H100s
+    torch.distributed.DistBackendError(
+        "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3780, unhandled cuda error "
+        "(run with NCCL_DEBUG=INFO for details), NCCL version 2.28.9\nncclUnhandledCudaError: Call to CUDA "
+        "function failed.\nLast error:\nCuda failure 2 'out of memory'"),
+    RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+    RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+])
+def test_running_out_of_gpu_memory_outside_torchs_allocator_would_repeat_too(error):
+    assert would_repeat(error)
+    assert not would_repeat(torch.distributed.DistBackendError("NCCL error: unhandled system error, remote process exited"))
+
+
 class _Stub:
     """The router's side of a worker's command stream: one step command, then the reports."""
 
