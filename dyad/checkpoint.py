@@ -25,6 +25,7 @@ no layout's slicing is written twice.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -241,7 +242,7 @@ class _ThreadedReader:
         return shares
 
     def _load_share(self, share: dict[str, torch.Tensor]) -> None:
-        _dcp().load(share, storage_reader=_reader_with_metadata(self.path, self.metadata), no_dist=True)
+        _dcp().load(share, storage_reader=_known_metadata_reader()(self.path, self.metadata), no_dist=True)
 
     def __enter__(self):
         return self
@@ -251,16 +252,21 @@ class _ThreadedReader:
             self._pool.shutdown()
 
 
-def _reader_with_metadata(path: Path, metadata):
-    """DCP's FileSystemReader for `path`, handing out the metadata already read instead of reading
-    and unpickling the file again for every load."""
-    dcp = _dcp()
+@functools.cache
+def _known_metadata_reader() -> type:
+    """DCP's FileSystemReader, made with the checkpoint's metadata already read, which it hands out
+    instead of reading and unpickling the file again for every load (a class made once, when DCP
+    is first needed: see `_dcp`)."""
 
-    class KnownMetadataReader(dcp.FileSystemReader):
+    class KnownMetadataReader(_dcp().FileSystemReader):
+        def __init__(self, path: Path, metadata):
+            super().__init__(path)
+            self._metadata = metadata
+
         def read_metadata(self, *args, **kwargs):
-            return metadata
+            return self._metadata
 
-    return KnownMetadataReader(path)
+    return KnownMetadataReader
 
 
 class _Staging:
