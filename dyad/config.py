@@ -137,12 +137,16 @@ class RouterConfig:
     step_timeout_s: float = 900.0  # a step with no result from some worker this long: hung
     reconnect_timeout_s: float = 300.0  # a worker that cannot reach its router this long exits
     stop_grace_s: float = 10.0  # workers told to stop get this long before they are killed
+    # ... except when they are stopped to recover from a failure: their step cannot finish, and
+    # one waiting for the dead peer may never return (local processes; on Kubernetes a container
+    # left waiting exits stop_grace_s after its release)
+    abort_grace_s: float = 1.0
     max_recoveries: int = 3  # recoveries from lost workers before the run fails
 
     def __post_init__(self) -> None:
         for name in (
             "heartbeat_interval_s", "worker_timeout_s", "start_timeout_s", "step_timeout_s",
-            "reconnect_timeout_s", "stop_grace_s",
+            "reconnect_timeout_s", "stop_grace_s", "abort_grace_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"router.{name} must be > 0, got {getattr(self, name)}")

@@ -233,12 +233,13 @@ class RunDriver:
     # ------------------------------------------------------------------ generations
 
     def _start_generation(
-        self, restarting, restore_all: bool, timeout_s: float | None = None
+        self, restarting, restore_all: bool, timeout_s: float | None = None, stop_grace_s: float | None = None
     ) -> GenerationStart:
-        """Stop the workers of the `restarting` pools, start them at the pools' current sizes,
-        wait until every rank of both pools is registered, and set them up: peers, and the
-        committed checkpoint to restore (all pools, or only the restarted ones). Returns how long
-        each phase took (also logged)."""
+        """Stop the workers of the `restarting` pools (waiting `stop_grace_s` for them to exit, by
+        default router.stop_grace_s), start them at the pools' current sizes, wait until every
+        rank of both pools is registered, and set them up: peers, and the committed checkpoint to
+        restore (all pools, or only the restarted ones). Returns how long each phase took (also
+        logged)."""
         started = time.perf_counter()
         restarting = tuple(restarting)
         # The new generation begins before the old workers are told to stop, so a worker
@@ -250,7 +251,7 @@ class RunDriver:
         if restarting:
             for channel in leaving.values():
                 channel.commands.put(pb.WorkerCommand(stop=pb.StopCommand(reason="restart")))
-            self.launcher.stop(restarting, timeout_s=self.config.router.stop_grace_s)
+            self.launcher.stop(restarting, timeout_s=stop_grace_s or self.config.router.stop_grace_s)
         stopped = time.perf_counter()
         specs = [
             WorkerSpec(pool, rank) for pool in restarting for rank in range(self.run.pool_sizes[pool])
@@ -309,7 +310,9 @@ class RunDriver:
                         self.run.run_id, used, limit, self.step, lost)
             self._notice("recovery", f"attempt {used}/{limit}: {lost}")
             try:
-                self._start_generation(restarting=POOLS, restore_all=True)
+                self._start_generation(
+                    restarting=POOLS, restore_all=True, stop_grace_s=self.config.router.abort_grace_s
+                )
                 return
             except WorkerLost as again:
                 lost = again
