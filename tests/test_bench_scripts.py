@@ -31,6 +31,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         ("ep_alltoall.py", ["--iters", "2"]),
         ("e2e_8gpu.py", []),
         ("resize.py", []),
+        ("recovery.py", []),
         ("fp8_convergence.py", []),
         ("worker_threads.py", []),
         ("checkpoint_io.py", []),
