@@ -12,28 +12,19 @@ from dyad import config as config_lib
 from dyad.data import make_dataset
 from dyad.layout import POOLS
 from dyad.router.driver import RunDriver, WorkerLost
-from dyad.router.launcher import Launcher
 from dyad.router.run import Run
 from dyad.wire import pb
 from tests.resilience import job_config
+from tests.test_router import NoWorkers
 
 
 class _Stopped(Exception):
     """Raised by the launcher once it has recorded a stop: the restart goes no further."""
 
 
-class _RecordsStops(Launcher):
+class _RecordsStops(NoWorkers):
     def __init__(self):
         self.stops: list[tuple[tuple[str, ...], float]] = []
-
-    def rendezvous(self, pools):
-        return {pool: "127.0.0.1:1" for pool in pools}
-
-    def start(self, run_id, router_address, workers, log_dir, env=None):
-        pass
-
-    def dead(self):
-        return []
 
     def stop(self, pools=None, timeout_s=10.0):
         self.stops.append((tuple(pools), timeout_s))
