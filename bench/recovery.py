@@ -8,8 +8,9 @@ and restoring), and how long until the run was back at the step it had reached.
     python bench/recovery.py --toy       # CPU, tiny, gloo (CI)
 
 The job: bench/e2e_hetero.py's vit-l-224 workload on two GPUs, both pools data-parallel over
-both (dp2: rank r of each pool on GPU r), so the killed rank's pool peer is left in a collective
-waiting for it (with NCCL it waits; gloo notices the closed connection), checkpoints every
+both (dp2: rank r of each pool on GPU r), so the killed rank's peers are left mid-step waiting
+for it (on two H200s one waited until it was ended; on CPUs gloo and UCX notice the closed
+connection within about a second), checkpoints every
 `--interval` steps (a checkpoint holds the steps before it: steps 0-3 for the one of step 4). The
 kill comes when step `--kill-after` is reported, while the next step is in flight: the steps
 after the last checkpoint are trained again. That checkpoint must be committed by then (else the
