@@ -31,6 +31,7 @@ Measured on this side, from the kill (arrival times of the run's events):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 import signal
@@ -60,7 +61,7 @@ class Timeline:
 
 def worker_pid(run_id: str, pool: str, rank: int) -> int:
     """The local worker process of `run_id`'s `pool` rank (found by its command line)."""
-    wanted = ["--run-id", run_id, "--pool", pool, "--rank", str(rank)]
+    wanted = {"--run-id": run_id, "--pool": pool, "--rank": str(rank)}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -68,13 +69,10 @@ def worker_pid(run_id: str, pool: str, rank: int) -> int:
             argv = (proc / "cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
-        if "dyad.worker" in argv and all(wanted[i : i + 2] in _pairs(argv) for i in range(0, len(wanted), 2)):
+        flags = dict(itertools.pairwise(argv))  # each flag -> the word after it
+        if "dyad.worker" in argv and all(flags.get(flag) == value for flag, value in wanted.items()):
             return int(proc.name)
     raise RuntimeError(f"no worker process of run {run_id} is {pool}/{rank}")
-
-
-def _pairs(argv: list[str]) -> list[list[str]]:
-    return [argv[i : i + 2] for i in range(len(argv) - 1)]
 
 
 def follow_with_kill(client: RouterClient, run_id: str, kill_after: int, victim: tuple[str, int]) -> Timeline:
@@ -115,7 +113,7 @@ def recovery_cost(timeline: Timeline, kill_after: int, skip: int) -> dict:
     return {
         "noticed_s": noticed - killed,
         "back_s": back_s - killed,
-        "steps_redone": len([1 for t, _ in again if t <= back_s]),
+        "steps_redone": sum(1 for t, _ in again if t <= back_s),
         "redone_s": redone_s,
         "lost_s": lost_s,
         "steady_step_s": steady_s,
