@@ -14,7 +14,8 @@ patches per image, 2 x 2 patches merged into each of 256 LLM tokens), where the 
 of the work is about the LLM's (on two H200s the LLM's GPU time was about 1.3x the encoder's);
 `vit-l-672-merge2` (Qwen2-VL-like native resolution: 672 pixels, 2,304 patches, 576 LLM tokens an
 image, sequences up to 2,048 tokens), where the encoder's attention over more patches shifts the
-work towards it; `vit-l-224` (256 patches, all sent to the LLM), where the LLM does three
+work towards it; `vit-l-560-merge2` (560 pixels, 1,600 patches, 400 LLM tokens an image), between
+the two; `vit-l-224` (256 patches, all sent to the LLM), where the LLM does three
 quarters of it.
 
     python bench/e2e_hetero.py --out $OUT/e2e.json --work $OUT/runs
@@ -67,7 +68,15 @@ VIT_L_448_MERGE2 = [*COMMON, "data.image_size=448", "encoder.image_size=448", "e
 VIT_L_672_MERGE2 = [
     *COMMON, "data.image_size=672", "encoder.image_size=672", "encoder.spatial_merge=2", "llm.max_seq_len=2048"
 ]
-WORKLOADS = {"vit-l-448-merge2": VIT_L_448_MERGE2, "vit-l-672-merge2": VIT_L_672_MERGE2, "vit-l-224": VIT_L_224}
+VIT_L_560_MERGE2 = [
+    *COMMON, "data.image_size=560", "encoder.image_size=560", "encoder.spatial_merge=2", "llm.max_seq_len=2048"
+]
+WORKLOADS = {
+    "vit-l-448-merge2": VIT_L_448_MERGE2,
+    "vit-l-560-merge2": VIT_L_560_MERGE2,
+    "vit-l-672-merge2": VIT_L_672_MERGE2,
+    "vit-l-224": VIT_L_224,
+}
 TOY = ["train.global_batch=8", "train.device=cpu"]
 
 SAMPLES_PER_MICROBATCH = 8  # every layout's LLM microbatch, whatever the global batch: the same math
