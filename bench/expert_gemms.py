@@ -11,6 +11,10 @@ them) on balanced routing, computed several ways on one GPU, and the pieces arou
   both up-projections forward, one input-gradient GEMM over both (no add of two), the gate
   reading the two halves in place and writing both halves' gradients into one buffer (an
   experiment: the layer keeps w1 and w3 apart);
+- `grouped-fresh-compiled` / `grouped-fresh-autotuned-compiled`: `grouped-fresh` compiled whole
+  by inductor, the GEMMs left to PyTorch's grouped GEMM (CUTLASS), or with max-autotune, which
+  times inductor's Triton grouped-GEMM template in every configuration it has against it and
+  keeps the fastest for each GEMM (and may fuse the gate into a Triton GEMM's epilogue);
 - `looped-fresh`: one cuBLAS `torch.mm` per expert and GEMM, each expert's weights their own
   tensor (no indexing in the graph), `.grad` cleared;
 - `dense-fresh`: one `torch.mm` over all rows with one weight of one expert's shape, `.grad`
@@ -20,6 +24,7 @@ them) on balanced routing, computed several ways on one GPU, and the pieces arou
   (`kernels/swiglu.py`, what the layer runs on CUDA), and compiled by inductor.
 
     python bench/expert_gemms.py --out $OUT/expert_gemms.json
+    python bench/expert_gemms.py --shapes mixtral-like --methods grouped-fresh-compiled,grouped-fresh-autotuned-compiled
     python bench/expert_gemms.py --toy                            # CPU, tiny (CI)
 """
 
@@ -36,7 +41,12 @@ from dyad.kernels.expert_weight_grads import expert_grouped_mm
 from dyad.kernels.grouped_mm import grouped_mm
 from dyad.kernels.swiglu import swiglu as fused_swiglu
 
-METHODS = ["grouped", "grouped-fresh", "grouped-into-grad", "w13-into-grad", "looped-fresh", "dense-fresh", "swiglu", "swiglu-fused", "swiglu-compiled"]
+METHODS = [
+    "grouped", "grouped-fresh", "grouped-into-grad", "w13-into-grad",
+    "grouped-fresh-compiled", "grouped-fresh-autotuned-compiled",
+    "looped-fresh", "dense-fresh", "swiglu", "swiglu-fused", "swiglu-compiled",
+]
+COMPILE_MODES = {"grouped-fresh-compiled": None, "grouped-fresh-autotuned-compiled": "max-autotune-no-cudagraphs"}
 
 
 def swiglu(h1, h3):
@@ -45,6 +55,11 @@ def swiglu(h1, h3):
 
 def swiglu_experts(mm, x_ND, w1, w3, w2):
     return mm(swiglu(mm(x_ND, w1), mm(x_ND, w3)), w2)
+
+
+def grouped_swiglu_experts(x_ND, w1, w3, w2, offs_E):
+    """The three expert GEMMs as PyTorch's grouped GEMM, for torch.compile to trace whole."""
+    return swiglu_experts(lambda a, w: F.grouped_mm(a, w, offs=offs_E), x_ND, w1, w3, w2)
 
 
 class _HalvesGate(torch.autograd.Function):
@@ -87,6 +102,12 @@ def expert_step(method, shape, device, dtype):
         ws = [_leaf(experts, *s, device=device, dtype=dtype, scale=0.02) for s in shapes]
         mm = expert_grouped_mm if method == "grouped-into-grad" else grouped_mm
         run = lambda: swiglu_experts(lambda a, w: mm(a, w, offs), x, *ws)  # noqa: E731
+        leaves = ws + [x]
+    elif method in COMPILE_MODES:
+        offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+        ws = [_leaf(experts, *s, device=device, dtype=dtype, scale=0.02) for s in shapes]
+        compiled = torch.compile(grouped_swiglu_experts, mode=COMPILE_MODES[method], dynamic=False)
+        run = lambda: compiled(x, *ws, offs)  # noqa: E731
         leaves = ws + [x]
     elif method == "w13-into-grad":
         offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
@@ -150,10 +171,13 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out")
     parser.add_argument("--methods", help="comma-separated names from METHODS (default: all)")
+    parser.add_argument("--shapes", help="comma-separated names from moe_layer.SHAPES (default: all)")
     args = parser.parse_args()
     device = bench_device(args.toy)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = TOY if device == "cpu" else SHAPES
+    if args.shapes and device == "cuda":
+        shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     methods = args.methods.split(",") if args.methods else METHODS
     methods = [m for m in methods if device == "cuda" or not m.endswith("compiled")]  # Triton: GPUs
     results = {**run_header(device), "shapes": {}}
