@@ -138,8 +138,9 @@ class RouterConfig:
     reconnect_timeout_s: float = 300.0  # a worker that cannot reach its router this long exits
     stop_grace_s: float = 10.0  # workers told to stop get this long before they are killed
     # ... except when they are stopped to recover from a failure: their step cannot finish, and
-    # one waiting for the dead peer may never return (local processes; on Kubernetes a container
-    # left waiting exits stop_grace_s after its release)
+    # one waiting for the dead peer may never return (local processes are killed then; on
+    # Kubernetes a worker left waiting ends itself this long after its release, which the
+    # router's heartbeat replies tell it)
     abort_grace_s: float = 1.0
     max_recoveries: int = 3  # recoveries from lost workers before the run fails
 

@@ -18,7 +18,9 @@ A process that cannot obey a stop, its main thread stuck (in a collective whose 
 or waiting for a rendezvous that never comes), exits by itself: its heartbeat thread sees that
 the router has released it (a heartbeat answered `stop`, or refused because the process is no
 longer one of its pool's), and `router.stop_grace_s` later ends the process with
-STUCK_EXIT_CODE. In a pod (`$DYAD_PULSE_FD` set, dyad/pod.py) the heartbeat thread also writes a
+STUCK_EXIT_CODE; sooner where the router's answer says so: a process whose pool re-formed to
+recover from a failure gets `router.abort_grace_s`, since its replacement (in a pod, the same
+container) waits for it. In a pod (`$DYAD_PULSE_FD` set, dyad/pod.py) the heartbeat thread also writes a
 byte to that pipe on every beat: the pod's supervisor stops a worker whose pulses stop (a process
 frozen whole, its heartbeat thread included).
 """
@@ -106,6 +108,7 @@ class WorkerRuntime:
                 reply = self._wait_for_a_run(transport.address)
             self._startup.done("registration")
             self.run_id = reply.run_id
+            self.generation = reply.generation  # joined; its setup may name a later one
             config = config_lib.from_yaml(reply.config_yaml)
             self.dist_address = reply.dist_address
             threading.Thread(
@@ -115,7 +118,7 @@ class WorkerRuntime:
             ).start()
             self._join_pool(config, reply.dist_address)
             self._startup.done("process group")
-            service = self._built(config, transport, reply.generation, initialize=not reply.restores)
+            service = self._built(config, transport, initialize=not reply.restores)
             self._startup.done("model and optimizer")
             log.info("generation %d: %s%s", reply.generation, self._startup.summary(),
                      ", no initial weights drawn (a checkpoint is restored)" if reply.restores else "")
@@ -129,14 +132,13 @@ class WorkerRuntime:
                 service.close()
                 dist.destroy_process_group()
 
-    def _built(self, config, transport, generation: int, initialize: bool = True):
+    def _built(self, config, transport, initialize: bool = True):
         """The pool's service (`initialize`: with its initial weights drawn, which a restore would
         overwrite). A failure to build it (e.g. the model does not fit on the GPU) is reported to
-        the router as one of `generation`, the generation joined, then raised."""
+        the router as one of the generation joined, then raised."""
         try:
             return _service_class(self.pool)(config, transport, self.rank, self.run_id, initialize=initialize)
         except Exception as error:  # noqa: BLE001 - reported to the router, then this worker exits
-            self.generation = generation
             self._report_failure(error)
             raise
 
@@ -238,21 +240,23 @@ class WorkerRuntime:
 
     def _heartbeat(self, interval_s: float, grace_s: float) -> None:
         """Beat while the process lives; end it if it is still here `grace_s` after the router
-        released it, or after its main thread began to clean up (see the module's docstring)."""
-        request = pb.HeartbeatRequest(run_id=self.run_id, worker=self.worker)
+        released it (or as long as the router's release named, if shorter), or after its main
+        thread began to clean up (see the module's docstring)."""
         pulse = _Pulse(os.environ.get(PULSE_FD_ENV))
         released_at = None
         while True:
             pulse()
             time.sleep(interval_s)
             ending = self._stopped.is_set()
-            released = ending or self._released(request, timeout_s=interval_s * 5)
+            released, exit_within_s = (True, 0.0) if ending else self._released(timeout_s=interval_s * 5)
             now = time.monotonic()
             if not released:
                 released_at = None
-            elif released_at is None:
-                released_at = now
-            elif now - released_at > grace_s:
+                continue
+            if released_at is None:
+                released_at, allowed_s = now, grace_s
+            allowed_s = min(allowed_s, exit_within_s or grace_s)
+            if now - released_at > allowed_s:
                 log.error(
                     "%s %.0fs ago and still running (stuck?): exiting",
                     "stopped" if ending else "released by the router", now - released_at,
@@ -260,13 +264,16 @@ class WorkerRuntime:
                 logging.shutdown()
                 os._exit(STUCK_EXIT_CODE)  # the main thread cannot be interrupted
 
-    def _released(self, request: pb.HeartbeatRequest, timeout_s: float) -> bool:
-        """One heartbeat: whether the router no longer counts on this process."""
+    def _released(self, timeout_s: float) -> tuple[bool, float]:
+        """One heartbeat: whether the router no longer counts on this process, and how long it
+        gave the process to end (0: router.stop_grace_s)."""
+        request = pb.HeartbeatRequest(run_id=self.run_id, worker=self.worker, generation=self.generation)
         try:
-            return self.stub.Heartbeat(request, timeout=timeout_s).stop
+            reply = self.stub.Heartbeat(request, timeout=timeout_s)
         except grpc.RpcError as error:
             log.debug("heartbeat failed: %s", error.code())
-            return error.code() in _RELEASED
+            return error.code() in _RELEASED, 0.0
+        return reply.stop, reply.exit_within_s
 
 
 def _log_gc_pauses(kind: str, pauses) -> None:

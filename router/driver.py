@@ -246,7 +246,8 @@ class RunDriver:
         # restarted quickly (a pod's container) registers into it, never into the old one.
         leaving = self.run.registered(restarting)
         generation = self.run.new_generation(
-            restarting, self.launcher.rendezvous(restarting), restores=self.committed is not None
+            restarting, self.launcher.rendezvous(restarting), restores=self.committed is not None,
+            exit_within_s=stop_grace_s or 0.0,
         )
         if restarting:
             for channel in leaving.values():

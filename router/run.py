@@ -66,6 +66,9 @@ class Run:
         self.secret = secrets.token_bytes(32)
         self.rendezvous: dict[str, str] = {}
         self.formed_at: dict[str, int] = {}  # pool -> the generation its processes joined
+        # pool -> how long the processes it replaced at its last re-forming may take to end (0:
+        # router.stop_grace_s); not persisted: after a router restart, 0
+        self.exit_within_s: dict[str, float] = {}
         self.restores = False  # the current generation's setup restores a checkpoint
         self.pids: dict[str, int] = {}
         self.results: queue.Queue[pb.WorkerResult] = queue.Queue()
@@ -234,11 +237,16 @@ class Run:
 
     # ------------------------------------------------------------------ generations and workers
 
-    def new_generation(self, restarting: Iterable[str], rendezvous: dict[str, str], restores: bool = False) -> int:
+    def new_generation(
+        self, restarting: Iterable[str], rendezvous: dict[str, str], restores: bool = False,
+        exit_within_s: float = 0.0,
+    ) -> int:
         """Start the next generation: workers of `restarting` pools must register again (at
         the pools' current sizes); every worker's pending commands are dropped. `restores`: its
         setup will restore a committed checkpoint into the restarted pools (their workers are
-        told so when they register, and skip drawing initial weights)."""
+        told so when they register, and skip drawing initial weights). `exit_within_s`: how long
+        the processes replaced may take to end, told to them by `heartbeat` (0:
+        router.stop_grace_s)."""
         restarting = set(restarting)
         with self._lock:
             self._info.generation += 1
@@ -246,6 +254,7 @@ class Run:
             self.rendezvous.update(rendezvous)
             for pool in restarting:
                 self.formed_at[pool] = self._info.generation
+                self.exit_within_s[pool] = exit_within_s
             for key in list(self._workers):
                 if key[0] in restarting or key[1] >= self.pool_sizes[key[0]]:
                     del self._workers[key]
@@ -341,9 +350,16 @@ class Run:
                 self._lock.wait(0.2)
         return True
 
-    def heartbeat(self, worker: pb.WorkerId) -> bool:
+    def heartbeat(self, worker: pb.WorkerId, generation: int = 0) -> tuple[bool, float]:
+        """(stop, exit_within_s) for one beat of `worker`, a process of `generation` (0: not
+        said). A process of a pool that has re-formed since is told to stop, within what the
+        re-forming allowed, and leaves its replacement's channel alone."""
+        pool, _ = self._check_worker(worker)
+        with self._lock:
+            if 0 < generation < self.formed_at.get(pool, 0):
+                return True, self.exit_within_s.get(pool, 0.0)
         self.channel(worker).last_seen = time.monotonic()
-        return self.finished or self.stop_requested.is_set()
+        return self.finished or self.stop_requested.is_set(), 0.0
 
     def send(self, command: pb.WorkerCommand, pools: Iterable[str] | None = None) -> None:
         for channel in self.registered(pools).values():

@@ -164,7 +164,8 @@ class CoordinatorService(rpc.CoordinatorServicer):
         return run.register(request.worker, request.data_address, request.pid, request.generation)
 
     def Heartbeat(self, request, context):
-        return pb.HeartbeatReply(stop=self.state.get(request.run_id).heartbeat(request.worker))
+        stop, exit_within_s = self.state.get(request.run_id).heartbeat(request.worker, request.generation)
+        return pb.HeartbeatReply(stop=stop, exit_within_s=exit_within_s)
 
     def Commands(self, request, context):
         yield from self.state.get(request.run_id).commands_for(request.worker, context.is_active)

@@ -144,12 +144,13 @@ def test_a_frozen_worker_is_killed_and_the_pod_stops_serving(pod_under_test):
 
 def test_a_released_worker_whose_main_thread_is_stuck_exits(pod_under_test):
     """The pod's workers register, then block in the pool's rendezvous (the router's launcher
-    starts no rank 0). The router gives up on that generation and starts another without them;
-    their heartbeats are refused from then on, and router.stop_grace_s later they exit."""
+    starts no rank 0). The router gives up on that generation and recovers with another without
+    them; from then on their heartbeats are answered `stop`, and router.abort_grace_s later
+    (1 s), not router.stop_grace_s (60 s here), they exit."""
     # Long enough for the pod's workers to start and register on a loaded 2-core CI machine
     # (with 3 s they once registered after the router had already given up on the generation).
     pod = pod_under_test(
-        "router.start_timeout_s=10", "router.stop_grace_s=1", "router.max_recoveries=100",
+        "router.start_timeout_s=10", "router.stop_grace_s=60", "router.max_recoveries=100",
     )
     pod.wait_registered()
     registered = time.monotonic()

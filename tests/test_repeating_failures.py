@@ -94,8 +94,9 @@ def test_a_worker_that_cannot_build_its_service_reports_it_for_the_generation_it
 
     monkeypatch.setattr("dyad.worker._service_class", lambda pool: _DoesNotFit)
     runtime = _runtime()
+    runtime.generation = 4  # what registering into generation 4 sets (WorkerRuntime.run)
     with pytest.raises(torch.OutOfMemoryError):
-        runtime._built(config=None, transport=None, generation=4)
+        runtime._built(config=None, transport=None)
     [report] = runtime.stub.reports
     assert report.generation == 4 and report.error_repeats and "OutOfMemoryError" in report.error
 
