@@ -9,10 +9,13 @@ from __future__ import annotations
 import pytest
 
 from dyad.data import make_dataset
-from dyad.router.driver import GenerationStart, RunDriver
+from dyad.router.checkpoints import Committed, checkpoint_dir
+from dyad.router.driver import GenerationStart, RunDriver, WorkerLost
 from dyad.router.run import Run
+from dyad.router.sampler import Cursor
 from dyad.wire import pb
 from tests.resilience import job_config
+from tests.test_router import NoWorkers
 
 
 def _driver(tmp_path, *overrides):
@@ -50,3 +53,53 @@ def test_the_workers_sync_what_the_run_waits_for_and_the_commit_thread_the_rest(
     assert [(save.step, save.sync_files) for save in saves] == [(2, not background), (3, True), (4, True)]
     assert driver.committed.step == 4 and (tmp_path / "checkpoints" / "step_00000002" / "manifest.json").exists()
     assert run.pool_sizes["encoder"] == 2
+
+
+class _SyncingAtTheFailure:
+    """The commit thread with step 4's checkpoint still syncing: `wait` records when it is
+    called and returns it committed."""
+
+    def __init__(self, tmp_path, events: list[str]):
+        self.events = events
+        self.syncing = Committed(checkpoint_dir(tmp_path, 4), 4, Cursor(), {})
+
+    def finished(self):
+        return None
+
+    def wait(self):
+        self.events.append("commit waited for")
+        syncing, self.syncing = self.syncing, None
+        return syncing
+
+    def close(self):
+        pass
+
+
+def test_a_recovery_restarts_the_workers_while_the_last_checkpoint_syncs_then_restores_it(tmp_path):
+    """A worker dies while step 4's checkpoint syncs in the background: the workers are stopped
+    and started at once, the commit is waited for only before their setup, and the setup
+    restores step 4 (not step 2, the last one committed when the failure came)."""
+    events: list[str] = []
+
+    class _Records(NoWorkers):
+        def stop(self, pools=None, timeout_s=10.0):
+            events.append("workers stopped")
+
+        def start(self, run_id, router_address, workers, log_dir, env=None):
+            events.append("workers started")
+
+    config = job_config(tmp_path)
+    run = Run("r", config)
+    driver = RunDriver(run, launcher=_Records(), router_address="", dataset=make_dataset(config.data))
+    driver.committed = Committed(checkpoint_dir(tmp_path, 2), 2, Cursor(), {})
+    driver.step = 5
+    driver.commits = _SyncingAtTheFailure(tmp_path, events)
+    run.wait_for_workers = lambda timeout_s, check: True
+    setups = []
+    run.send = lambda command, pools=None: setups.append(command.setup) if command.HasField("setup") else None
+    driver._collect = lambda kind, matches: {}
+    with open(tmp_path / "metrics.jsonl", "a") as driver._metrics_file:
+        driver._recover(WorkerLost("worker llm/1 exited with code -9"))
+    assert events == ["workers stopped", "workers started", "commit waited for"]
+    assert {setup.restore_path for setup in setups} == {str(checkpoint_dir(tmp_path, 4))}
+    assert driver.step == 4 and run.info().last_checkpoint == str(checkpoint_dir(tmp_path, 4))
