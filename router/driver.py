@@ -308,8 +308,11 @@ class RunDriver:
             if self.run.info().recoveries >= limit:  # RunInfo.recoveries never exceeds the bound
                 raise RunAborted(f"gave up after router.max_recoveries={limit}: {lost}")
             used = self.run.count_recovery()
-            log.warning("run %s: recovering (%d/%d): %s", self.run.run_id, used, limit, lost)
-            self._notice("recovery", f"attempt {used}/{limit}: {lost}")
+            # The step it goes back to: the newest checkpoint written, committed by the setup (its
+            # sync's failure would end the run).
+            back_to = self.written.step if self.written else 0
+            log.warning("run %s: recovering (%d/%d) to step %d: %s", self.run.run_id, used, limit, back_to, lost)
+            self._notice("recovery", f"attempt {used}/{limit}: {lost}", step=back_to)
             try:
                 self._start_generation(
                     restarting=POOLS, restore_all=True, stop_grace_s=self.config.router.abort_grace_s,
@@ -327,8 +330,8 @@ class RunDriver:
         self._wait_for_commit()
         waited = time.perf_counter() - waited
         self._continue_from(self.committed)
-        log.warning("run %s: recovering from step %d (%.1fs waited for its checkpoint's commit)",
-                    self.run.run_id, self.step, waited)
+        log.info("run %s: back at step %d (%.1fs waited for its checkpoint's commit)",
+                 self.run.run_id, self.step, waited)
 
     def _between_steps(self) -> None:
         """Requests that wait for a step boundary: resizes, then an on-demand checkpoint. A

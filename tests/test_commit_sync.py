@@ -6,6 +6,8 @@ it sends are recorded and each pool's part is a written directory."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dyad.data import make_dataset
@@ -94,6 +96,7 @@ def test_a_recovery_restarts_the_workers_while_the_last_checkpoint_syncs_then_re
     driver.committed = Committed(checkpoint_dir(tmp_path, 2), 2, Cursor(), {})
     driver.step = 5
     driver.commits = _SyncingAtTheFailure(tmp_path, events)
+    driver.written = driver.commits.syncing
     run.wait_for_workers = lambda timeout_s, check: True
     setups = []
     run.send = lambda command, pools=None: setups.append(command.setup) if command.HasField("setup") else None
@@ -103,3 +106,5 @@ def test_a_recovery_restarts_the_workers_while_the_last_checkpoint_syncs_then_re
     assert events == ["workers stopped", "workers started", "commit waited for"]
     assert {setup.restore_path for setup in setups} == {str(checkpoint_dir(tmp_path, 4))}
     assert driver.step == 4 and run.info().last_checkpoint == str(checkpoint_dir(tmp_path, 4))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in records if "event" in r] == [("recovery", 4), ("checkpoint", 4)]
