@@ -20,9 +20,9 @@ the router has released it (a heartbeat answered `stop`, or refused because the 
 longer one of its pool's), and `router.stop_grace_s` later ends the process with
 STUCK_EXIT_CODE; sooner where the router's answer says so: a process whose pool re-formed to
 recover from a failure gets `router.abort_grace_s`, since its replacement (in a pod, the same
-container) waits for it. In a pod (`$DYAD_PULSE_FD` set, dyad/pod.py) the heartbeat thread also writes a
-byte to that pipe on every beat: the pod's supervisor stops a worker whose pulses stop (a process
-frozen whole, its heartbeat thread included).
+container) waits for it. In a pod (`$DYAD_PULSE_FD` set, dyad/pod.py) the heartbeat thread also
+writes a byte to that pipe on every beat: the pod's supervisor stops a worker whose pulses stop (a
+process frozen whole, its heartbeat thread included).
 """
 
 from __future__ import annotations

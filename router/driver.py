@@ -311,7 +311,8 @@ class RunDriver:
             # The step it goes back to: the newest checkpoint written, committed by the setup (its
             # sync's failure would end the run).
             back_to = self.written.step if self.written else 0
-            log.warning("run %s: recovering (%d/%d) to step %d: %s", self.run.run_id, used, limit, back_to, lost)
+            log.warning("run %s: recovering (%d/%d) to step %d: %s",
+                        self.run.run_id, used, limit, back_to, lost)
             self._notice("recovery", f"attempt {used}/{limit}: {lost}", step=back_to)
             try:
                 self._start_generation(

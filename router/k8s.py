@@ -11,8 +11,9 @@ restarts a pod's container whenever its workers exit, which is how a worker the 
 stop comes back for the next generation. A worker that does not stop (stuck in a collective, or
 frozen) is never deleted by the router: it exits by itself once the router has released it for
 router.abort_grace_s (a recovery) or router.stop_grace_s (dyad/worker.py), or its pod's
-supervisor stops it when it goes silent (dyad/pod.py); its container restarts like any other. A container restart the router did not
-ask for, or a pod deleted, replaced or failed, is a dead worker.
+supervisor stops it when it goes silent (dyad/pod.py); its container restarts like any other.
+A container restart the router did not ask for, or a pod deleted, replaced or failed, is a dead
+worker.
 
 Pods are followed with the API's list-then-watch protocol: list, watch from the list's
 resourceVersion; on 410 Gone (the server no longer has that history) list again; when the stream
@@ -237,8 +238,7 @@ class KubernetesLauncher(Launcher):
         wait up to `timeout_s` for that. A container that has not exited by then restarts later
         (its workers exit once released for the grace the new generation gave them, or its
         supervisor stops them; the next generation waits for them to register); nothing is
-        deleted. `pools=None`, the
-        end of the run: scale every pool to 0 and stop watching."""
+        deleted. `pools=None`, the end of the run: scale every pool to 0 and stop watching."""
         if pools is None:
             self._end()
             return
