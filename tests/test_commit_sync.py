@@ -73,9 +73,6 @@ class _SyncingAtTheFailure:
         syncing, self.syncing = self.syncing, None
         return syncing
 
-    def close(self):
-        pass
-
 
 def test_a_recovery_restarts_the_workers_while_the_last_checkpoint_syncs_then_restores_it(tmp_path):
     """A worker dies while step 4's checkpoint syncs in the background: the workers are stopped
