@@ -31,7 +31,7 @@ from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)  # modules whose `weight` a matmul reads
 FLOAT32_SUBMODULES = ("router",)  # modules that compute in float32 under autocast: not cast
-_EXPERT_WEIGHTS = ("w1_EDF", "w3_EDF", "w2_EFD")
+_EXPERT_WEIGHTS = ("w1_EDF", "w3_EDF", "w13_ED2F", "w2_EFD")
 
 _MASTER = "_dyad_master"  # the attribute of a working weight that holds its master
 _WORKING = "_dyad_working"  # and of a master, its working weight

@@ -32,8 +32,8 @@ def convert_to_fp8(model: nn.Module) -> nn.Module:
     """Swap the model's attention and feed-forward matmuls for float8 ones, in place."""
     for module in list(model.modules()):
         if isinstance(module, MoELayer):
-            _check_aligned(module, "w1_EDF", module.w1_EDF.shape[1:])
-            _check_aligned(module, "w2_EFD", module.w2_EFD.shape[1:])
+            for name in module.expert_weight_names():
+                _check_aligned(module, name, getattr(module, name).shape[1:])
             module.expert_matmul = fp8_grouped_mm
         if isinstance(module, (Attention, SwiGLU)):
             for name, child in list(module.named_children()):

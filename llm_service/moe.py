@@ -24,7 +24,9 @@ Padding (valid_T False) is still routed, but is left out of the load-balancing s
 z-loss and the expert counts. Each assignment is computed: copies of the tokens are permuted to
 expert-major order, run through the stacked expert weights with one grouped matmul per
 projection, and summed back weighted by the gates (`routed_experts`, the seam that expert
-parallelism overrides).
+parallelism overrides). With gate_up "interleaved", w1 and w3 are one weight of (gate, up) column
+pairs, w13_ED2F, and one grouped matmul computes both up-projections; on Hopper GPUs with QuACK
+installed, SwiGLU then runs in the expert GEMMs' epilogues (kernels/gated_experts.py).
 
 Expert bias: training forwards (grad enabled) add their real tokens' assignments to
 `expert_counts_E`; `update_expert_biases(model, group)`, once per global batch before the
@@ -54,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dyad.kernels.expert_weight_grads import expert_grouped_mm
+from dyad.kernels.gated_experts import gated_experts, gated_experts_reference
 from dyad.kernels.moe_permute import expert_counts, permute, unpermute
 from dyad.kernels.moe_router import router_logits, softmax_topk
 from dyad.kernels.swiglu import swiglu
@@ -64,6 +67,7 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSSES = ("micro_batch", "seq", "none")
 DROP_POLICIES = ("probs", "position")
 DISPATCHER_NAMES = ("alltoall", "allgather")  # token dispatchers under expert parallelism
+GATE_UP_LAYOUTS = ("separate", "interleaved")  # w1 and w3 as two weights, or as one (w13)
 
 
 @dataclass(kw_only=True)
@@ -85,6 +89,10 @@ class MoEConfig:
     capacity_factor: float | None = None  # None: dropless
     drop_policy: str = "probs"
     dispatcher: str = "alltoall"  # how tokens reach experts on other ranks (ep > 1)
+    # "interleaved": w1 and w3 as one [E, D, 2F] weight (w13_ED2F) of (gate, up) column pairs, so
+    # that on Hopper GPUs with QuACK installed SwiGLU runs in the expert GEMMs' epilogues
+    # (kernels/gated_experts.py). The same function, another parameter layout.
+    gate_up: str = "separate"
 
     def __post_init__(self):
         if self.num_experts < 1:
@@ -103,6 +111,7 @@ class MoEConfig:
             ("aux_loss", AUX_LOSSES),
             ("drop_policy", DROP_POLICIES),
             ("dispatcher", DISPATCHER_NAMES),
+            ("gate_up", GATE_UP_LAYOUTS),
         )
         for name, options in choices:
             if getattr(self, name) not in options:
@@ -292,10 +301,13 @@ class MoELayer(nn.Module):
         self.cfg = cfg
         E, ffn_dim = cfg.num_experts, cfg.expert_dim
         self.router = nn.Linear(dim, E, bias=False)
-        self.w1_EDF = nn.Parameter(torch.empty(E, dim, ffn_dim))
-        self.w3_EDF = nn.Parameter(torch.empty(E, dim, ffn_dim))
+        if cfg.gate_up == "interleaved":
+            self.w13_ED2F = nn.Parameter(torch.empty(E, dim, 2 * ffn_dim))
+        else:
+            self.w1_EDF = nn.Parameter(torch.empty(E, dim, ffn_dim))
+            self.w3_EDF = nn.Parameter(torch.empty(E, dim, ffn_dim))
         self.w2_EFD = nn.Parameter(torch.empty(E, ffn_dim, dim))
-        for w in (self.w1_EDF, self.w3_EDF, self.w2_EFD):
+        for w in self.expert_weights():
             nn.init.normal_(w, std=0.02)
         self.shared_expert = SwiGLU(dim, cfg.shared_expert_dim) if cfg.shared_expert_dim > 0 else None
         # Aux-loss-free balancing: a selection-only bias (checkpointed) and this global batch's
@@ -307,6 +319,14 @@ class MoELayer(nn.Module):
         self.stats_group = None  # set from outside: ranks holding different tokens of one microbatch
         self.expert_matmul = expert_grouped_mm  # llm_service/fp8.py swaps in the float8 one
         self.last_expert_counts_E: torch.Tensor | None = None
+
+    def expert_weight_names(self) -> list[str]:
+        if self.cfg.gate_up == "interleaved":
+            return ["w13_ED2F", "w2_EFD"]
+        return ["w1_EDF", "w3_EDF", "w2_EFD"]
+
+    def expert_weights(self) -> list[nn.Parameter]:
+        return [getattr(self, name) for name in self.expert_weight_names()]
 
     def router_logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         return router_logits(x_TD, self.router.weight)
@@ -355,6 +375,9 @@ class MoELayer(nn.Module):
 
     def experts(self, x_sorted_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        if self.cfg.gate_up == "interleaved":  # the fused GEMMs where they apply, for bf16 experts
+            experts = gated_experts if self.expert_matmul is expert_grouped_mm else gated_experts_reference
+            return experts(x_sorted_ND, self.w13_ED2F, self.w2_EFD, offs_E, self.expert_matmul)
         h1_NF = self.expert_matmul(x_sorted_ND, self.w1_EDF, offs_E)
         h3_NF = self.expert_matmul(x_sorted_ND, self.w3_EDF, offs_E)
         return self.expert_matmul(swiglu(h1_NF, h3_NF), self.w2_EFD, offs_E)

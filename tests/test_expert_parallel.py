@@ -13,6 +13,7 @@ One spawn per world size: starting ranks, not the checks, dominates the time.
 """
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -34,6 +35,7 @@ from tests.distributed import run_distributed
 GRIDS = {4: [(4, 1), (2, 2), (2, 1)], 8: [(8, 1), (4, 2), (2, 2)]}  # (ep, etp)
 DIM, NUM_EXPERTS = 8, 8
 CFG = MoEConfig(num_experts=NUM_EXPERTS, top_k=2, expert_dim=16, shared_expert_dim=8)
+INTERLEAVED_CFG = dataclasses.replace(CFG, gate_up="interleaved")
 ROUTINGS = ("router", "one_expert", "k1", "kE")  # "router": the layer routes (top_k=2)
 TOP_K = {"one_expert": 1, "k1": 1, "kE": NUM_EXPERTS}
 
@@ -60,11 +62,11 @@ def _randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _full_layer() -> MoELayer:
+def _full_layer(cfg: MoEConfig = CFG) -> MoELayer:
     """The same weights on every rank; larger than the default init so that the routed experts,
     not the shared expert, dominate outputs and gradients."""
     torch.manual_seed(0)
-    layer = MoELayer(DIM, CFG)
+    layer = MoELayer(DIM, cfg)
     with torch.no_grad():
         for param in layer.parameters():
             param.normal_(std=0.5)
@@ -242,6 +244,22 @@ def _check_token_split(grid: Grid, split_axis: str, rank: int) -> None:
         _check_grads(par, full, grid, 2, what)
 
 
+def _check_interleaved_gate_up(grid: Grid, rank: int, world: int) -> None:
+    """w1 and w3 as one interleaved weight: etp's column slices keep every (gate, up) pair whole."""
+    full = _full_layer(INTERLEAVED_CFG)
+    y_ref, x_grad_ref, _ = _forward_backward(full, "router", *_global_inputs("router", world))
+    what = f"ep{grid.ep} etp{grid.etp} interleaved gate-up"
+    par = copy.deepcopy(full)
+    par.zero_grad(set_to_none=True)
+    parallelize_moe(par, ep_group=grid.ep_group, etp_group=grid.etp_group)
+    assert par.w13_ED2F.shape == (NUM_EXPERTS // grid.ep, DIM, 2 * CFG.expert_dim // grid.etp), what
+    x_TD, gates_TK, expert_idx_TK, upstream_TD = (t[_token_rows(rank)] for t in _global_inputs("router", world))
+    y_TD, x_grad, _ = _forward_backward(par, "router", x_TD, gates_TK, expert_idx_TK, upstream_TD)
+    _close(y_TD, y_ref[_token_rows(rank)], f"{what}: output")
+    _close(x_grad, x_grad_ref[_token_rows(rank)], f"{what}: input grad")
+    _check_grads(par, full, grid, 1, what)
+
+
 def _check_config_errors(grids: dict) -> None:
     with pytest.raises(ValueError, match=r"num_experts \(6\) must be divisible by ep \(4\)"):
         parallelize_moe(MoELayer(DIM, MoEConfig(num_experts=6)), ep_group=grids[4, 1].ep_group)
@@ -265,6 +283,7 @@ def _all_checks(rank: int, world: int) -> None:
     if world == 4:
         _check_token_split(grids[2, 1], "ep", rank)
         _check_token_split(grids[2, 2], "etp", rank)
+        _check_interleaved_gate_up(grids[2, 2], rank, world)
         _check_config_errors(grids)
 
 
@@ -292,3 +311,5 @@ def test_expert_param_names():
     names = expert_param_names(model)
     assert names == {f"blocks.{i}.{n}" for i in range(2) for n in ("w1_EDF", "w3_EDF", "w2_EFD")}
     assert names <= dict(model.named_parameters()).keys()
+    interleaved = nn.ModuleDict({"moe": _full_layer(INTERLEAVED_CFG)})
+    assert expert_param_names(interleaved) == {"moe.w13_ED2F", "moe.w2_EFD"}

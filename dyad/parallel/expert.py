@@ -29,8 +29,9 @@ from dyad.kernels.moe_dispatch import (
 from dyad.llm_service.moe import MoELayer
 from dyad.parallel.collectives import all_gather_cat
 
-# The dim each expert weight is sliced on over etp: w1/w3 column-wise, w2 row-wise.
-EXPERT_TP_DIM = {"w1_EDF": 2, "w3_EDF": 2, "w2_EFD": 1}
+# The dim each expert weight is sliced on over etp: w1/w3 column-wise, w2 row-wise. Interleaved,
+# w13's columns come in (gate, up) pairs, so a column slice of F/etp pairs keeps them together.
+EXPERT_TP_DIM = {"w1_EDF": 2, "w3_EDF": 2, "w13_ED2F": 2, "w2_EFD": 1}
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
 
 
@@ -51,7 +52,7 @@ def parallelize_moe(
     if ffn_dim % etp:
         raise ValueError(f"expert_dim ({ffn_dim}) must be divisible by etp ({etp})")
     ep_rank, etp_rank = group_rank(ep_group), group_rank(etp_group)
-    for name in EXPERT_TP_DIM:
+    for name in layer.expert_weight_names():
         full = getattr(layer, name)
         local = local_expert_shard(full.detach(), name, ep_rank, group_size(ep_group), etp_rank, etp)
         setattr(layer, name, nn.Parameter(local.clone(), requires_grad=full.requires_grad))
@@ -83,7 +84,7 @@ def expert_param_names(model: nn.Module) -> set[str]:
         f"{prefix}.{name}" if prefix else name
         for prefix, module in model.named_modules()
         if isinstance(module, MoELayer)
-        for name in EXPERT_TP_DIM
+        for name in module.expert_weight_names()
     }
 
 

@@ -1,0 +1,97 @@
+"""The interleaved gate-up layout (`llm.moe.gate_up: interleaved`) computes the separate layout's
+function, and its fused GEMMs (kernels/gated_experts.py, QuACK on Hopper GPUs) agree with the
+plain path."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from dyad.kernels.gated_experts import gate_up_pairs, gated_experts, gated_experts_reference, interleave_gate_up
+from dyad.kernels.grouped_mm import grouped_mm
+from dyad.llm_service.moe import MoEConfig, MoELayer
+
+CFG = MoEConfig(num_experts=4, top_k=2, expert_dim=24, aux_loss_coef=0.01)
+DIM = 16
+
+
+def _layers(cfg: MoEConfig = CFG) -> tuple[MoELayer, MoELayer]:
+    """A separate-layout layer and an interleaved one with the same weights."""
+    torch.manual_seed(0)
+    separate = MoELayer(DIM, cfg)
+    interleaved = MoELayer(DIM, dataclasses.replace(cfg, gate_up="interleaved"))
+    with torch.no_grad():
+        interleaved.router.weight.copy_(separate.router.weight)
+        interleaved.w13_ED2F.copy_(interleave_gate_up(separate.w1_EDF, separate.w3_EDF))
+        interleaved.w2_EFD.copy_(separate.w2_EFD)
+    return separate, interleaved
+
+
+def _step(layer: MoELayer, x_TD: torch.Tensor, upstream_TD: torch.Tensor):
+    x_TD = x_TD.clone().requires_grad_()
+    y_TD, aux = layer(x_TD)
+    ((y_TD * upstream_TD).sum() + aux).backward()
+    return y_TD.detach(), aux.detach(), x_TD.grad
+
+
+def test_interleaved_weights_compute_the_separate_layers_function():
+    separate, interleaved = _layers()
+    x_TD, upstream_TD = torch.randn(40, DIM), torch.randn(40, DIM)
+    for got, want in zip(_step(interleaved, x_TD, upstream_TD), _step(separate, x_TD, upstream_TD)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    gate_grad, up_grad = gate_up_pairs(interleaved.w13_ED2F.grad)
+    torch.testing.assert_close(gate_grad, separate.w1_EDF.grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(up_grad, separate.w3_EDF.grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(interleaved.w2_EFD.grad, separate.w2_EFD.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_the_interleaved_layer_names_its_expert_weights():
+    _, interleaved = _layers()
+    assert interleaved.expert_weight_names() == ["w13_ED2F", "w2_EFD"]
+    assert interleaved.w13_ED2F.shape == (4, DIM, 48)
+    assert not hasattr(interleaved, "w1_EDF")
+
+
+def test_an_unknown_gate_up_layout_names_the_field():
+    with pytest.raises(ValueError, match=r"llm.moe.gate_up \('concat'\) must be one of separate, interleaved"):
+        MoEConfig(gate_up="concat")
+
+
+def _fused_available() -> str | None:
+    """Why the fused GEMMs cannot run here, or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return "QuACK's fused GEMMs are used on Hopper (sm90) GPUs only"
+    try:
+        import quack.gemm_interface  # noqa: F401
+    except ImportError as err:
+        return f"QuACK is not installed ({err})"
+    return None
+
+
+@pytest.mark.skipif(_fused_available() is not None, reason=str(_fused_available()))
+def test_cuda_fused_gate_gemms_agree_with_the_plain_path():
+    """Output, input and weight gradients of the fused path and of the plain bf16 path, each
+    against float32 math of the same bf16 values: both within bf16's error."""
+    torch.manual_seed(0)
+    E, D, F, counts = 4, 256, 384, [300, 0, 129, 211]
+    offs_E = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    x = torch.randn(sum(counts), D, device="cuda", dtype=torch.bfloat16)
+    w13 = (torch.randn(E, D, 2 * F, device="cuda") * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(E, F, D, device="cuda") * 0.05).to(torch.bfloat16)
+    upstream = torch.randn(sum(counts), D, device="cuda", dtype=torch.bfloat16)
+
+    def run(fn, dtype):
+        xi, w13i, w2i = (t.to(dtype).clone().requires_grad_() for t in (x, w13, w2))
+        y = fn(xi, w13i, w2i, offs_E, grouped_mm)
+        y.backward(upstream.to(dtype))
+        torch.cuda.synchronize()
+        return [t.float() for t in (y, xi.grad, w13i.grad, w2i.grad)]
+
+    exact = run(gated_experts_reference, torch.float32)
+    fused, plain = run(gated_experts, torch.bfloat16), run(gated_experts_reference, torch.bfloat16)
+    for name, f, p, e in zip(("output", "input grad", "w13 grad", "w2 grad"), fused, plain, exact):
+        fused_err, plain_err = ((f - e).norm() / e.norm()).item(), ((p - e).norm() / e.norm()).item()
+        assert fused_err < 1e-2 and plain_err < 1e-2, f"{name}: fused {fused_err:.2e}, plain {plain_err:.2e}"
+        assert fused_err < 2 * plain_err, f"{name}: fused {fused_err:.2e} against plain {plain_err:.2e}"
