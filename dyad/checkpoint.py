@@ -151,6 +151,7 @@ def restore_pool(
     metadata = dcp.FileSystemReader(path).read_metadata()
     stored = metadata.state_dict_metadata
     targets = _restore_targets(model, optimizer)
+    _check_holds(stored, targets, path)
     turns = _TurnsByBytes(dist.get_world_size())
     staging = _Staging(_device(model))
     with _ThreadedReader(path, metadata, reader_threads) as reader:
@@ -173,6 +174,16 @@ def restore_pool(
     optimizer.zero_grad(set_to_none=True)
     _set_rng_states({k: v for k, v in small.items() if k.startswith("rng.")}, dist.get_rank(), _device(model))
     return int(small["step"])
+
+
+def _check_holds(stored: dict, targets: dict, path: Path) -> None:
+    absent = [key for key in targets if key not in stored]
+    if absent:
+        raise ValueError(
+            f"checkpoint {path} has no {', '.join(absent[:3])}{' ...' if len(absent) > 3 else ''} "
+            f"({len(absent)} of the model's {len(targets)} tensors): it was written for another model "
+            "(e.g. llm.moe.gate_up 'separate' keeps w1_EDF and w3_EDF, 'interleaved' one w13_ED2F)"
+        )
 
 
 def _restore_targets(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -26,7 +26,7 @@ from dyad.checkpoint import full_pool_state, load_pool_state, pool_dir, restore_
 from dyad.data import collate, make_dataset
 from dyad.encoder_service.parallelize import parallelize_encoder
 from dyad.layout import EncoderLayout, LLMLayout
-from dyad.llm_service.moe import update_expert_biases
+from dyad.llm_service.moe import MoEConfig, MoELayer, update_expert_biases
 from dyad.llm_service.parallelize import parallelize_llm
 from dyad.llm_service.sharding import shard_microbatch
 from dyad.llm_service.step import microbatch_loss
@@ -301,6 +301,22 @@ def _cuda_round_trip_body(rank, world_size, tmp):
     restore_pool(tmp, "llm", model, optimizer, groups, batch_bytes=100_000)  # several batches, the buffer reused
     restored = dict(checkpoint._full_entries(model, optimizer, groups))
     assert [key for key in saved if not torch.equal(saved[key], restored[key])] == []
+
+
+def _other_layout_body(rank, world_size, tmp):
+    def moe(gate_up):
+        cfg = MoEConfig(num_experts=4, top_k=2, expert_dim=8, gate_up=gate_up)
+        model = torch.nn.ModuleDict({"moe": MoELayer(8, cfg)})
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+    groups = ProcessGroups.build(LLMLayout())
+    save_pool(tmp, "llm", *moe("separate"), groups, step=1)
+    with pytest.raises(ValueError, match=r"has no model\.moe\.w13_ED2F.*written for another model"):
+        restore_pool(tmp, "llm", *moe("interleaved"), groups)
+
+
+def test_a_checkpoint_of_another_expert_layout_is_refused_naming_the_tensor(tmp_path):
+    run_distributed(_other_layout_body, 1, tmp_path)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the page-locked staging of a restore is not exercised")
