@@ -90,9 +90,14 @@ def expert_flops(dim, hidden, tokens, top_k) -> float:
     return 3 * 3 * 2 * tokens * top_k * dim * hidden
 
 
-def dyad_layer(dim, hidden, experts, top_k, layer_type=MoELayer):
-    cfg = MoEConfig(num_experts=experts, top_k=top_k, expert_dim=hidden, aux_loss_coef=0.01)
+def dyad_layer(dim, hidden, experts, top_k, layer_type=MoELayer, gate_up="separate"):
+    cfg = MoEConfig(num_experts=experts, top_k=top_k, expert_dim=hidden, aux_loss_coef=0.01, gate_up=gate_up)
     return layer_type(dim, cfg)
+
+
+def dyad_interleaved_layer(dim, hidden, experts, top_k):
+    """w1 and w3 as one interleaved weight: SwiGLU in QuACK's GEMM epilogues where it is installed."""
+    return dyad_layer(dim, hidden, experts, top_k, gate_up="interleaved")
 
 
 class ReferenceRouterLayer(MoELayer):
@@ -203,6 +208,7 @@ def compiled(make):
 LAYERS = {
     "dyad": dyad_layer,
     "dyad-compiled": compiled(dyad_layer),
+    "dyad-gate-up-interleaved": dyad_interleaved_layer,
     "dyad-reference-router": dyad_reference_router_layer,
     "dyad-wgrads-joined-at-once": joining_weight_grads_at_once(dyad_layer),
     "dyad-wgrads-one-side-stream": weight_grads_on_streams(dyad_layer, 1),
