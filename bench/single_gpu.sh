@@ -14,11 +14,11 @@ source bench/parts.sh
 # The float8 job test starts a router, whose gRPC stubs need grpc_tools, absent on the GPU hosts
 # (CI runs it on CPU).
 part kernel_tests 150 python3 -m pytest -q -rs tests/test_fp8.py tests/test_kernels.py tests/test_moe_router.py \
-    tests/test_swiglu.py tests/test_token_rows.py tests/test_expert_weight_grads.py \
+    tests/test_swiglu.py tests/test_token_rows.py tests/test_expert_weight_grads.py tests/test_gated_experts.py \
     tests/test_checkpoint.py::test_cuda_a_restore_through_the_page_locked_buffer_brings_back_every_tensor --deselect tests/test_fp8.py::test_a_disaggregated_job_trains_with_llm_fp8
 part moe_layer 170 python3 bench/moe_layer.py --out "$OUT/moe_layer.json" --profile-dir "$OUT"
 part moe_layer_interleaved 200 python3 bench/moe_layer.py --interleave --head-start --iters 40 \
-    --layers dyad,dyad-wgrads-joined-at-once,torchtitan-0.3.0 --out "$OUT/moe_layer_interleaved.json"
+    --layers dyad,dyad-gate-up-interleaved,torchtitan-0.3.0 --out "$OUT/moe_layer_interleaved.json"
 part router_kernels 120 python3 bench/router_kernels.py --out "$OUT/router_kernels.json"
 part expert_order 60 python3 bench/expert_order.py --out "$OUT/expert_order.json"
 part llm_step 300 python3 bench/llm_step.py --out "$OUT/llm_step.json" --profile-dir "$OUT"
