@@ -52,6 +52,10 @@ LAYOUT_CASES = {
     "enc-dp4-llm-cp2-dp2-ep4": [*VARIABLE_IMAGES, "parallel.encoder.dp=4", "parallel.llm.cp=2",
                                 "parallel.llm.dp=2", "parallel.llm.ep=4", "train.global_batch=8",
                                 "llm.moe.expert_bias=true", "llm.moe.expert_bias_rate=0.05"],
+    # w1 and w3 as one interleaved weight (llm.moe.gate_up), sliced over etp in (gate, up) pairs.
+    "llm-dp4-ep2-etp2-gate-up-interleaved": [*VARIABLE_IMAGES, "parallel.llm.dp=4", "parallel.llm.ep=2",
+                                             "parallel.llm.etp=2", "llm.moe.gate_up=interleaved",
+                                             "train.global_batch=8"],
     # Both pools' blocks recomputing (train.recompute): the recomputed forward runs the
     # tensor-parallel, sequence-parallel and expert all-to-all collectives again in the backward
     # pass. The expert bias moves (at rates of 0.05 and 0.1 this layout's bias swings back and
