@@ -1,4 +1,5 @@
-"""MoE layer forward+backward on one GPU: dyad's `MoELayer` (bf16, and with float8 expert GEMMs) beside torchtitan 0.3.0's MoE module
+"""MoE layer forward+backward on one GPU: dyad's `MoELayer` (bf16, with float8 expert GEMMs, and with w1|w3
+interleaved so that SwiGLU runs in QuACK's GEMM epilogues, `dyad-gate-up-interleaved`) beside torchtitan 0.3.0's MoE module
 and Hugging Face transformers' Qwen3-MoE sparse block, same shapes, same run, bf16.
 
     python bench/moe_layer.py --out $OUT/moe_layer.json          # on a GPU host
