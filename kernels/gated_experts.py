@@ -5,7 +5,7 @@ Legend: N rows (expert-major), D model dim, F expert ffn dim, E experts. w13_ED2
 e's gate column j at [e, :, 2j] and its up column at [e, :, 2j + 1].
 
 `gated_experts_reference` is the plain path: one grouped GEMM for both projections (h13), SwiGLU
-over its column pairs, the down-projection. On Hopper GPUs with QuACK installed (`quack-kernels`,
+over its column pairs (`swiglu_pairs`, one Triton pass each way on CUDA), the down-projection. On Hopper GPUs with QuACK installed (`quack-kernels`,
 the CuTe-DSL kernels of Dao AI Lab; see docs/performance.md for the versions) `gated_experts`
 moves SwiGLU into two GEMM epilogues instead, saving the gate's passes over memory (1.9 GB
 read and 0.9 GB written forward, 2.8 GB read and 1.9 GB written backward, on the Mixtral-like layer):
@@ -34,12 +34,7 @@ from dyad.kernels.expert_weight_grads import (
     add_weight_grads,
 )
 from dyad.kernels.grouped_mm import _autocast, _standard_strides, supports_fast_path
-from dyad.kernels.swiglu import swiglu
-
-
-def gate_up_pairs(h13_N2F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate, up) halves of an interleaved [..., 2F] tensor, as strided views."""
-    return h13_N2F[..., 0::2], h13_N2F[..., 1::2]
+from dyad.kernels.swiglu import swiglu_pairs
 
 
 def interleave_gate_up(w1_EDF: torch.Tensor, w3_EDF: torch.Tensor) -> torch.Tensor:
@@ -48,8 +43,7 @@ def interleave_gate_up(w1_EDF: torch.Tensor, w3_EDF: torch.Tensor) -> torch.Tens
 
 
 def gated_experts_reference(x_ND, w13_ED2F, w2_EFD, offs_E, matmul) -> torch.Tensor:
-    h1_NF, h3_NF = gate_up_pairs(matmul(x_ND, w13_ED2F, offs_E))
-    return matmul(swiglu(h1_NF, h3_NF), w2_EFD, offs_E)
+    return matmul(swiglu_pairs(matmul(x_ND, w13_ED2F, offs_E)), w2_EFD, offs_E)
 
 
 def gated_experts(x_ND, w13_ED2F, w2_EFD, offs_E, matmul) -> torch.Tensor:

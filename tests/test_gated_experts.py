@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from dyad.kernels.gated_experts import gate_up_pairs, gated_experts, gated_experts_reference, interleave_gate_up
+from dyad.kernels.gated_experts import gated_experts, gated_experts_reference, interleave_gate_up
 from dyad.kernels.grouped_mm import grouped_mm
 from dyad.llm_service.moe import MoEConfig, MoELayer
 
@@ -39,7 +39,7 @@ def test_interleaved_weights_compute_the_separate_layers_function():
     x_TD, upstream_TD = torch.randn(40, DIM), torch.randn(40, DIM)
     for got, want in zip(_step(interleaved, x_TD, upstream_TD), _step(separate, x_TD, upstream_TD)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
-    gate_grad, up_grad = gate_up_pairs(interleaved.w13_ED2F.grad)
+    gate_grad, up_grad = interleaved.w13_ED2F.grad[..., 0::2], interleaved.w13_ED2F.grad[..., 1::2]
     torch.testing.assert_close(gate_grad, separate.w1_EDF.grad, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(up_grad, separate.w3_EDF.grad, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(interleaved.w2_EFD.grad, separate.w2_EFD.grad, rtol=1e-6, atol=1e-7)

@@ -22,6 +22,27 @@ def test_swiglu_off_cuda_is_the_reference():
         assert torch.equal(a, b)
 
 
+def _pairs_forward_and_grad(fn, h13, grad):
+    h13 = h13.clone().requires_grad_()
+    out = fn(h13)
+    out.backward(grad)
+    return out.detach(), h13.grad, out.grad_fn
+
+
+def _interleaved(h1, h3):
+    return torch.stack([h1, h3], dim=-1).flatten(-2)
+
+
+def test_swiglu_of_interleaved_pairs_is_swiglu_of_the_halves():
+    torch.manual_seed(1)
+    h1, h3, grad = torch.randn(3, 37, 50).unbind(0)
+    out, grad_h13, _ = _pairs_forward_and_grad(swiglu_lib.swiglu_pairs, _interleaved(h1, h3), grad)
+    expected = _forward_and_grads(swiglu_lib.swiglu_reference, h1, h3, grad)
+    # (not bitwise: CPU's silu takes another code path for strided operands)
+    torch.testing.assert_close(out, expected[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad_h13, _interleaved(expected[1], expected[2]), rtol=1e-6, atol=1e-7)
+
+
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device here: the fused SwiGLU kernels are not exercised"
 )
@@ -63,3 +84,16 @@ def test_cuda_fused_swiglu_rounds_as_eager_pytorch_does(dtype):
 def test_cuda_float32_takes_the_reference():
     h1 = torch.randn(4, 8, device="cuda", requires_grad=True)
     assert "FusedSwiGLU" not in type(swiglu_lib.swiglu(h1, h1.detach()).grad_fn).__name__
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_fused_swiglu_of_pairs_is_the_fused_swiglu_of_the_halves(dtype):
+    """The same kernels reading every second element: bitwise the two-tensor kernels' results."""
+    torch.manual_seed(4)
+    h1, h3, grad = (torch.randn(3, 1031, 777, device="cuda") * 4).to(dtype).unbind(0)
+    pairs = _pairs_forward_and_grad(swiglu_lib.swiglu_pairs, _interleaved(h1, h3), grad)
+    halves = _forward_and_grads(swiglu_lib.swiglu, h1, h3, grad)
+    assert "FusedSwiGLUPairs" in type(pairs[2]).__name__, "the fused path did not run"
+    assert torch.equal(pairs[0], halves[0])
+    assert torch.equal(pairs[1], _interleaved(halves[1], halves[2]))
