@@ -37,11 +37,6 @@ from dyad.kernels.grouped_mm import _autocast, _standard_strides, supports_fast_
 from dyad.kernels.swiglu import swiglu_pairs
 
 
-def interleave_gate_up(w1_EDF: torch.Tensor, w3_EDF: torch.Tensor) -> torch.Tensor:
-    """The [E, D, 2F] weight whose column pairs are (w1's column, w3's column)."""
-    return torch.stack([w1_EDF, w3_EDF], dim=-1).flatten(-2)
-
-
 def gated_experts_reference(x_ND, w13_ED2F, w2_EFD, offs_E, matmul) -> torch.Tensor:
     return matmul(swiglu_pairs(matmul(x_ND, w13_ED2F, offs_E)), w2_EFD, offs_E)
 

@@ -7,12 +7,17 @@ import dataclasses
 import pytest
 import torch
 
-from dyad.kernels.gated_experts import gated_experts, gated_experts_reference, interleave_gate_up
+from dyad.kernels.gated_experts import gated_experts, gated_experts_reference
 from dyad.kernels.grouped_mm import grouped_mm
 from dyad.llm_service.moe import MoEConfig, MoELayer
 
 CFG = MoEConfig(num_experts=4, top_k=2, expert_dim=24, aux_loss_coef=0.01)
 DIM = 16
+
+
+def interleave_gate_up(w1_EDF: torch.Tensor, w3_EDF: torch.Tensor) -> torch.Tensor:
+    """The [E, D, 2F] weight whose column pairs are (w1's column, w3's column)."""
+    return torch.stack([w1_EDF, w3_EDF], dim=-1).flatten(-2)
 
 
 def _layers(cfg: MoEConfig = CFG) -> tuple[MoELayer, MoELayer]:
