@@ -61,14 +61,27 @@ def _into_grad_applies(x_ND, w_EDF, w_c) -> bool:
     )
 
 
+class RowEndsOnHost:
+    """The experts' row ends (offs), copied to pinned host memory when made (in a forward) and
+    read when needed (in its backward): the host waits only if it has run more than that
+    forward ahead of the GPU."""
+
+    def __init__(self, offs_E: torch.Tensor):
+        self._host = torch.empty(offs_E.shape, dtype=offs_E.dtype, pin_memory=True)
+        self._host.copy_(offs_E, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def get(self) -> list[int]:
+        self._ready.synchronize()
+        return self._host.tolist()
+
+
 class _GroupedMmIntoGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, w_EDF, w_compute_EDF, offs_E):
         ctx.weight = w_EDF
-        ctx.ends_host = torch.empty(offs_E.shape, dtype=offs_E.dtype, pin_memory=True)
-        ctx.ends_host.copy_(offs_E, non_blocking=True)
-        ctx.ends_ready = torch.cuda.Event()
-        ctx.ends_ready.record()
+        ctx.row_ends = RowEndsOnHost(offs_E)
         ctx.save_for_backward(x_ND, w_compute_EDF, offs_E)
         return F.grouped_mm(x_ND, w_compute_EDF, offs=offs_E)
 
@@ -80,8 +93,7 @@ class _GroupedMmIntoGrad(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = F.grouped_mm(grad_NF, w_EDF.transpose(-2, -1), offs=offs_E)
-        ctx.ends_ready.synchronize()  # long done: recorded in the forward
-        add_weight_grads(ctx.weight, x_ND, grad_NF, ctx.ends_host.tolist(), sides)
+        add_weight_grads(ctx.weight, x_ND, grad_NF, ctx.row_ends.get(), sides)
         return grad_x, None, None, None
 
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from dyad.kernels.expert_weight_grads import (
     MAX_EXPERTS,
+    RowEndsOnHost,
     _gradient_owner,
     _side_streams_after_current,
     add_weight_grads,
@@ -87,10 +88,7 @@ class _GatedExperts(torch.autograd.Function):
         starts_E1 = _row_starts(offs_E)
         h13_N2F, g_NF = gemm_act(x_ND, w13_ED2F, activation="swiglu", cu_seqlens_m=starts_E1, tuned=False)
         ctx.owners = owners
-        ctx.ends_host = torch.empty(offs_E.shape, dtype=offs_E.dtype, pin_memory=True)
-        ctx.ends_host.copy_(offs_E, non_blocking=True)
-        ctx.ends_ready = torch.cuda.Event()
-        ctx.ends_ready.record()
+        ctx.row_ends = RowEndsOnHost(offs_E)
         ctx.save_for_backward(x_ND, h13_N2F, w13_ED2F, w2_EFD, offs_E, starts_E1)
         return F.grouped_mm(g_NF, w2_EFD, offs=offs_E)
 
@@ -102,8 +100,7 @@ class _GatedExperts(torch.autograd.Function):
         grad_h13_N2F, g_NF = gemm_dact(
             grad_ND, w2_EFD.transpose(-2, -1), h13_N2F, activation="swiglu", cu_seqlens_m=starts_E1, tuned=False
         )
-        ctx.ends_ready.synchronize()  # long done: recorded in the forward
-        ends = ctx.ends_host.tolist()
+        ends = ctx.row_ends.get()
         sides = _side_streams_after_current(x_ND.device)
         w13_owner, w2_owner = ctx.owners
         add_weight_grads(w2_owner, g_NF, grad_ND, ends, sides)
