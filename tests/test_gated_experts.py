@@ -7,8 +7,10 @@ import dataclasses
 import pytest
 import torch
 
+from dyad.kernels import fp8
 from dyad.kernels.gated_experts import gated_experts, gated_experts_reference
 from dyad.kernels.grouped_mm import grouped_mm
+from dyad.llm_service.fp8 import convert_to_fp8
 from dyad.llm_service.moe import MoEConfig, MoELayer
 
 CFG = MoEConfig(num_experts=4, top_k=2, expert_dim=24, aux_loss_coef=0.01)
@@ -20,11 +22,11 @@ def interleave_gate_up(w1_EDF: torch.Tensor, w3_EDF: torch.Tensor) -> torch.Tens
     return torch.stack([w1_EDF, w3_EDF], dim=-1).flatten(-2)
 
 
-def _layers(cfg: MoEConfig = CFG) -> tuple[MoELayer, MoELayer]:
+def _layers(cfg: MoEConfig = CFG, dim: int = DIM) -> tuple[MoELayer, MoELayer]:
     """A separate-layout layer and an interleaved one with the same weights."""
     torch.manual_seed(0)
-    separate = MoELayer(DIM, cfg)
-    interleaved = MoELayer(DIM, dataclasses.replace(cfg, gate_up="interleaved"))
+    separate = MoELayer(dim, cfg)
+    interleaved = MoELayer(dim, dataclasses.replace(cfg, gate_up="interleaved"))
     with torch.no_grad():
         interleaved.router.weight.copy_(separate.router.weight)
         interleaved.w13_ED2F.copy_(interleave_gate_up(separate.w1_EDF, separate.w3_EDF))
@@ -48,6 +50,35 @@ def test_interleaved_weights_compute_the_separate_layers_function():
     torch.testing.assert_close(gate_grad, separate.w1_EDF.grad, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(up_grad, separate.w3_EDF.grad, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(interleaved.w2_EFD.grad, separate.w2_EFD.grad, rtol=1e-6, atol=1e-7)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def test_float8_interleaved_computes_float8_two_weights_but_for_one_scale_per_row_in_dx():
+    """Float8 quantizes a weight per output column for the forward, so (gate, up) pairs get the
+    scales two weights get: same outputs, same weight gradients. The input gradient contracts
+    over w13's 2F columns with one scale per row where two weights have one per F: it differs,
+    by a small part of float8's own error against bf16."""
+    cfg = dataclasses.replace(CFG, expert_dim=32)  # float8 GEMMs need dims divisible by 16
+    separate, interleaved = _layers(cfg, dim=32)
+    bf16 = MoELayer(32, cfg)
+    bf16.load_state_dict(separate.state_dict())
+    for layer in (separate, interleaved):
+        convert_to_fp8(layer)
+        assert layer.expert_matmul is fp8.fp8_grouped_mm
+    x_TD, upstream_TD = torch.randn(64, 32), torch.randn(64, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (y, aux, dx), (y_sep, aux_sep, dx_sep) = (_step(m, x_TD, upstream_TD) for m in (interleaved, separate))
+        _, _, dx_bf16 = _step(bf16, x_TD, upstream_TD)
+    torch.testing.assert_close(y, y_sep, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(aux, aux_sep, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(interleaved.w13_ED2F.grad[..., 0::2], separate.w1_EDF.grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(interleaved.w13_ED2F.grad[..., 1::2], separate.w3_EDF.grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(interleaved.w2_EFD.grad, separate.w2_EFD.grad, rtol=1e-6, atol=1e-7)
+    float8_error = _relative_error(dx_sep, dx_bf16)  # about 0.06 here
+    assert 0 < _relative_error(dx, dx_sep) < float8_error / 10
 
 
 def test_the_interleaved_layer_names_its_expert_weights():
