@@ -67,7 +67,7 @@ class Run:
         self.rendezvous: dict[str, str] = {}
         self.formed_at: dict[str, int] = {}  # pool -> the generation its processes joined
         # pool -> how long the processes it replaced at its last re-forming may take to end (0:
-        # router.stop_grace_s); not persisted: after a router restart, 0
+        # router.stop_grace_s)
         self.exit_within_s: dict[str, float] = {}
         self.restores = False  # the current generation's setup restores a checkpoint
         self.pids: dict[str, int] = {}
@@ -97,6 +97,8 @@ class Run:
         run.rendezvous = dict(record.rendezvous)
         run.formed_at = dict(record.formed_at)
         run.pids = dict(record.pids)
+        run.exit_within_s = dict(record.exit_within_s)
+        run.restores = record.restores
         run._events = store.events(record.run_id)
         return run
 
@@ -123,6 +125,8 @@ class Run:
                 rendezvous=dict(self.rendezvous),
                 formed_at=dict(self.formed_at),
                 pids=dict(self.pids),
+                exit_within_s=dict(self.exit_within_s),
+                restores=self.restores,
             )
         self.store.save_run(record)
 

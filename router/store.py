@@ -40,6 +40,9 @@ class RunRecord:
     rendezvous: dict[str, str] = field(default_factory=dict)  # pool -> torch.distributed address
     formed_at: dict[str, int] = field(default_factory=dict)  # pool -> generation it re-formed at
     pids: dict[str, int] = field(default_factory=dict)  # "pool/rank" -> pid (local processes)
+    # pool -> how long the processes it replaced at its last re-forming may take to end
+    exit_within_s: dict[str, float] = field(default_factory=dict)
+    restores: bool = False  # the current generation's setup restores a checkpoint
 
 
 class NullStore:

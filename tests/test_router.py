@@ -236,3 +236,21 @@ def test_workers_registering_into_a_generation_that_restores_a_checkpoint_are_to
     assert not run.register(encoder, "127.0.0.1:8", pid=1).restores
     run.new_generation(["encoder"], {"encoder": "h:3"}, restores=True)  # a recovery or a resize
     assert run.register(encoder, "127.0.0.1:8", pid=2).restores
+
+
+def test_a_restarted_router_keeps_what_the_last_re_forming_tells_old_and_new_processes(tmp_path):
+    """How long the replaced processes may take to end, and whether new ones restore a checkpoint,
+    survive the router's restart: both are read back from its store."""
+    from dyad import config as config_lib
+    from dyad.router.run import Run
+    from dyad.router.store import SqliteStore
+
+    store = SqliteStore(tmp_path / "state.db")
+    run = Run("r", config_lib.load(None, []), store)
+    run.new_generation(["encoder", "llm"], {"encoder": "h:1", "llm": "h:2"})  # generation 1
+    run.new_generation(["llm"], {"llm": "h:3"}, restores=True, exit_within_s=7.5)  # generation 2
+    [record] = SqliteStore(tmp_path / "state.db").runs()
+    again = Run.restored(record, store)
+    llm0, encoder = pb.WorkerId(pool=pb.POOL_LLM, rank=0), pb.WorkerId(pool=pb.POOL_ENCODER, rank=0)
+    assert again.heartbeat(llm0, generation=1) == (True, 7.5)
+    assert again.register(encoder, "127.0.0.1:8", pid=1).restores
