@@ -258,12 +258,12 @@ class KubernetesLauncher(Launcher):
                 # its container restarted once more (or restarting), unless it never ran
                 restarts = pod.restarts + (1 if pod.running or pod.exited else 0)
                 self._stopped[name] = _Expected(pod.pool, _ordinal(name), pod.uid, restarts)
-        for name in hung:
+        if hung:  # one line for the pools, however many pods
             log.warning(
-                "pod %s: its workers did not exit within %gs of being told to stop; they exit "
-                "once released for router.stop_grace_s, or its supervisor stops them when they "
-                "are silent (dyad/worker.py, dyad/pod.py), and its container restarts",
-                name, timeout_s,
+                "%d pod(s) (%s): their workers did not exit within %gs of being told to stop; they "
+                "exit once released for router.stop_grace_s, or their supervisor stops them when "
+                "they are silent (dyad/worker.py, dyad/pod.py), and their containers restart",
+                len(hung), ", ".join(sorted(hung)), timeout_s,
             )
 
     def adopt(self, spec: WorkerSpec, pid: int) -> None:

@@ -306,7 +306,7 @@ def test_a_dropped_connection_watches_again_from_the_last_resource_version(api, 
 
 
 def test_stop_waits_for_containers_to_exit_and_leaves_a_hung_pod_to_restart(
-    api, launcher, tmp_path
+    api, launcher, tmp_path, caplog
 ):
     """No pod is deleted (the Role does not allow it). A pod whose workers do not exit when told
     to restarts its container later (they exit once released, or its supervisor stops them):
@@ -320,6 +320,8 @@ def test_stop_waits_for_containers_to_exit_and_leaves_a_hung_pod_to_restart(
     launcher.stop(["llm"], timeout_s=1.5)
     assert 1.5 <= time.monotonic() - started < 5.0
     assert launcher.dead() == []  # stopped workers are not dead
+    [hung] = [r.getMessage() for r in caplog.records if "did not exit" in r.getMessage()]  # one line
+    assert "(dyad-llm-1)" in hung and "dyad-llm-0" not in hung
 
     # The next generation starts while dyad-llm-1 still hangs; then both containers restart,
     # dyad-llm-1's late: neither is a lost worker.
