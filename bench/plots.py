@@ -4,7 +4,8 @@
     python bench/plots.py --results DIR --out DIR
 
 - `moe_layer_runs.png`: each interleaved run of `bench/moe_layer.py` (its JSON), dyad's layer
-  against torchtitan's, from an idle GPU and with the host ahead, beside the goal (torchtitan's
+  (two expert weights, and with the interleaved gate-up weight where the run timed it) against
+  torchtitan's, from an idle GPU and with the host ahead, beside the goal (torchtitan's
   time in the same run over 1.2): a run's spread reads better as points than as a table.
 - `e2e_two_gpus.png`: tokens/s of `bench/e2e_hetero.py`, one group of bars per run, one bar per
   layout it measured (", working weights": run with `train.working_weights`; hatched: layouts
@@ -27,6 +28,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only bac
 
 GOAL = 1.2  # the performance issue's bound: dyad's layer at least 1.2x faster than torchtitan's
 PEER = "torchtitan-0.3.0"
+DYAD_LAYERS = {"dyad": ("C0", "dyad"), "dyad-gate-up-interleaved": ("C2", "dyad, interleaved gate-up")}
+INTERLEAVED_H100 = "moe_gate_up_interleaved_h100"
 MOE_RUNS = {  # label: result file under --results, every run interleaved with the host ahead too
     "H100 1": "moe_wgrads_deferred_h100/run1_dyad_first.json",
     "H100 2": "moe_wgrads_deferred_h100/run2_dyad_last.json",
@@ -35,6 +38,12 @@ MOE_RUNS = {  # label: result file under --results, every run interleaved with t
     "H200 C": "moe_deferred_h200/run_c_timelines.json",
     "H200 D": "moe_deferred_h200/run_d_dyad_first.json",
     "H200 E": "moe_deferred_h200/run_e_dyad_last.json",
+    # From here with the interleaved gate-up layer (QuACK's epilogues) beside two weights.
+    **{
+        f"H100 {start}.{run}": f"{INTERLEAVED_H100}/start{start}/run{run}.json"
+        for start, runs in ((1, (1, 2)), (2, (1, 2, 3)), (4, (1, 2, 3)))
+        for run in runs
+    },
 }
 RECOMPUTE_H100 = "e2e_recompute_h100/start_1"
 MICROBATCH_H100 = "e2e_microbatch_h100"
@@ -96,18 +105,21 @@ def moe_points(results: Path, shape: str) -> list[tuple[str, dict]]:
     points = []
     for label, name in MOE_RUNS.items():
         layers = load(results, name)["shapes"].get(shape, {})
-        if "dyad" in layers and PEER in layers:
+        if PEER in layers and any(layer in layers for layer in DYAD_LAYERS):
             points.append((label, layers))
     return points
 
 
 def plot_moe_runs(results: Path, out: Path, shapes=("mixtral-like", "qwen3-like")) -> Path:
-    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.2))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(7.5 * len(shapes), 4.6))
     for ax, shape in zip(axes, shapes):
         points = moe_points(results, shape)
         xs = range(len(points))
         for key, marker, how in (("ms", "o", "idle GPU"), ("ms_host_ahead", "^", "host ahead")):
-            ax.plot(xs, [p[1]["dyad"][key] for p in points], marker, color="C0", label=f"dyad, {how}")
+            for layer, (color, name) in DYAD_LAYERS.items():
+                timed = [(x, p[1][layer][key]) for x, p in zip(xs, points) if layer in p[1]]
+                if timed:
+                    ax.plot(*zip(*timed), marker, color=color, label=f"{name}, {how}")
             ax.plot(xs, [p[1][PEER][key] for p in points], marker, color="C3", label=f"torchtitan 0.3.0, {how}")
         ax.plot(xs, [p[1][PEER]["ms"] / GOAL for p in points], "_", color="k", markersize=22,
                 label=f"goal: torchtitan / {GOAL} (idle GPU)")
@@ -115,8 +127,8 @@ def plot_moe_runs(results: Path, out: Path, shapes=("mixtral-like", "qwen3-like"
         ax.set_title(f"MoE layer, {shape}, forward + backward, bf16")
         ax.set_ylabel("ms per step (median)")
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=7, loc="center left")
-    fig.tight_layout()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=7)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))  # the legend below the panels, off the points
     path = out / "moe_layer_runs.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
