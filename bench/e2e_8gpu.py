@@ -15,8 +15,10 @@ with 24 layers instead of 20 and 56 experts instead of 16: 1.08 B active of 11.4
 At 16 bytes a parameter (float32 weights and gradients, AdamW's two moments) that is 183 GB, more
 than one H200 holds (141 GB), so the LLM needs ep >= 2; 56 experts allow ep 2, 4, 7 and 8 (a
 6-GPU pool: ep 2; a 7-GPU pool: ep 7). Global batch 64 samples everywhere; each LLM data-parallel
-rank takes microbatches of about `--microbatch-samples` samples. Runs are stopped after their
-measured steps (no final checkpoint: see `run_layout`).
+rank takes microbatches of about `--microbatch-samples` samples; given several sizes (`4 2`), a
+layout that runs out of GPU memory at one is run again at the next (on four H100s the colocated
+layout fit only two-sample microbatches, which made it the fastest it could be). Runs are stopped
+after their measured steps (no final checkpoint: see `run_layout`).
 
     NCCL_NVLS_ENABLE=0 python bench/e2e_8gpu.py --out $OUT/e2e_8gpu.json --work $OUT/runs
     python bench/e2e_8gpu.py --toy       # CPU, tiny: homogeneous on 2 ranks (ep 2) and 1+1 (CI)
@@ -27,6 +29,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -112,8 +115,26 @@ def llm_overrides(layout: LLMLayout, global_batch: int, microbatch_samples: int)
     return [*degrees, f"train.microbatches={microbatches}"]
 
 
-def layout_name(pool: str, layout: LLMLayout) -> str:
-    return f"{pool} ep{layout.ep} tp{layout.tp}" + (f" cp{layout.cp}" if layout.cp > 1 else "")
+def layout_name(pool: str, layout: LLMLayout, samples: int | None = None) -> str:
+    """'2+6 ep2 tp1', with ' mb2' when the sweep tries more than one microbatch size."""
+    name = f"{pool} ep{layout.ep} tp{layout.tp}" + (f" cp{layout.cp}" if layout.cp > 1 else "")
+    return name if samples is None else f"{name} mb{samples}"
+
+
+def ran_out_of_memory(run: dict) -> bool:
+    """A failed run whose worker ran out of GPU memory (the router's words, or torch's)."""
+    return bool(re.search(r"out of (GPU )?memory", run.get("error", ""), re.IGNORECASE))
+
+
+def run_microbatch_sizes(sizes, run_one) -> dict[int, dict]:
+    """`run_one(samples)` for each microbatch size in `sizes`, in order, until one does not run
+    out of memory: a layout that fits larger microbatches is not run with smaller ones."""
+    runs = {}
+    for samples in sizes:
+        runs[samples] = run_one(samples)
+        if not ran_out_of_memory(runs[samples]):
+            break
+    return runs
 
 
 def fastest(runs: dict[str, dict]) -> str | None:
@@ -145,14 +166,17 @@ def sweep_pool(pool: str, base: list[str], gpus: int, args, work: Path, done=lam
             "best": None,
         }
     runs = {}
+    sizes = args.microbatch_samples
     for layout in layouts:
-        name = layout_name(pool, layout)
-        overrides = [
-            *encoder_overrides,
-            *llm_overrides(layout, config.train.global_batch, args.microbatch_samples),
-        ]
-        runs[name] = run_layout(base, overrides, name, used, args.steps, args.skip, work)
-        done(runs)
+
+        def run_one(samples: int, layout=layout) -> dict:
+            name = layout_name(pool, layout, samples if len(sizes) > 1 else None)
+            overrides = [*encoder_overrides, *llm_overrides(layout, config.train.global_batch, samples)]
+            runs[name] = run_layout(base, overrides, name, used, args.steps, args.skip, work)
+            done(runs)
+            return runs[name]
+
+        run_microbatch_sizes(sizes, run_one)
     return {"layouts": runs, "best": fastest(runs)}
 
 
@@ -174,7 +198,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--cp", type=int, nargs="+", default=[1])
     parser.add_argument("--ep", type=int, nargs="+", help=f"default: all >= {MIN_EP}")
-    parser.add_argument("--microbatch-samples", type=int, default=4)
+    parser.add_argument(
+        "--microbatch-samples", type=int, nargs="+", default=[4],
+        help="samples a LLM microbatch holds, about; several (e.g. 4 2): tried in that order, a "
+        "layout's next only when it ran out of GPU memory at the one before",
+    )
     args = parser.parse_args()
     if args.toy:
         base, gpus, pools = TOY, 2, ["homogeneous", "1+1"]

@@ -140,3 +140,22 @@ def test_the_profiled_step_is_left_out_of_the_medians_and_its_kernel_tables_are_
     assert json.loads(out.read_text())["layouts"]["toy"]["steps_measured"] == 1
     written = sorted(p.name for p in (tables / "profile-toy").iterdir())
     assert {"encoder-0-step2.txt", "llm-0-step2.txt"} <= set(written), written
+
+
+def test_the_eight_gpu_sweep_tries_smaller_microbatches_only_after_running_out_of_memory():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from e2e_8gpu import ran_out_of_memory, run_microbatch_sizes
+    finally:
+        sys.path.remove(str(BENCH))
+    oom = {"error": "1 of 6 steps done: worker llm/0 ran out of GPU memory in its step; ..."}
+    other = {"error": "0 of 6 steps done: worker encoder/1 failed: RuntimeError: NCCL timeout"}
+    assert ran_out_of_memory(oom) and ran_out_of_memory({"error": "torch.OutOfMemoryError: CUDA out of memory."})
+    assert not ran_out_of_memory(other) and not ran_out_of_memory({"step_s": 1.0})
+    for outcomes, tried in (
+        ({4: oom, 2: {"step_s": 2.0}, 1: {"step_s": 3.0}}, [4, 2]),  # fits at 2: 1 is not run
+        ({4: {"step_s": 1.0}, 2: {"step_s": 2.0}}, [4]),
+        ({4: other, 2: {"step_s": 2.0}}, [4]),  # another failure is not a reason to shrink
+        ({4: oom, 2: oom, 1: oom}, [4, 2, 1]),
+    ):
+        assert list(run_microbatch_sizes(list(outcomes), outcomes.__getitem__)) == tried
