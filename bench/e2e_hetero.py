@@ -140,7 +140,8 @@ def llm_flops_per_token(cfg, seq_len: float) -> float:
 
 def summarize(config, records: list[dict], gpus: int, skip: int, profiled: int | None = None) -> dict:
     """Medians over the steps after the first `skip` of `records` (the run's step metrics),
-    leaving out the `profiled` step (the profiler slows it)."""
+    leaving out the `profiled` step (the profiler slows it); each pool's peak memory, the most
+    of any rank over all of `records`."""
     resolved = config_lib.resolve(config, vocab_size=make_dataset(config.data).tokenizer.vocab_size)
     dataset = make_dataset(config.data)
     samples = {}
@@ -168,7 +169,12 @@ def summarize(config, records: list[dict], gpus: int, skip: int, profiled: int |
                 "tokens": metrics["tokens"],
             }
         )
-    return {name: statistics.median(r[name] for r in rows) for name in rows[0]} | {"steps_measured": len(rows)}
+    peaks = {
+        f"{pool}_peak_memory_gb": max(metrics[f"{pool}_peak_memory_gb"] for metrics in records)
+        for pool in ("encoder", "llm")
+    }
+    medians = {name: statistics.median(r[name] for r in rows) for name in rows[0]}
+    return medians | peaks | {"steps_measured": len(rows)}
 
 
 def run_layout(
@@ -200,12 +206,16 @@ def run_layout(
 
 
 def print_table(results: dict[str, dict]) -> None:
-    print(f"{'layout':24s} {'step s':>7s} {'tokens/s':>9s} {'TFLOP/s/GPU':>12s} {'LLM wait':>9s} {'enc wait':>9s}")
+    print(
+        f"{'layout':24s} {'step s':>7s} {'tokens/s':>9s} {'TFLOP/s/GPU':>12s} {'LLM wait':>9s} {'enc wait':>9s}"
+        f" {'LLM GB':>7s} {'enc GB':>7s}"
+    )
     for name, r in results.items():
         if "error" not in r:
             print(
                 f"{name:24s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['tflops_per_gpu']:12.1f} "
                 f"{r['llm_wait_share']:9.1%} {r['encoder_wait_share']:9.1%}"
+                f" {r['llm_peak_memory_gb']:7.1f} {r['encoder_peak_memory_gb']:7.1f}"
             )
 
 

@@ -156,6 +156,13 @@ class PoolService(ABC):
             seconds=time.perf_counter() - started,
         )
 
+    def peak_memory_gb(self) -> float:
+        """What StepResult.peak_memory_gb reports: the most memory PyTorch's allocator has
+        reserved on this rank's GPU since the process started; 0 on CPUs."""
+        if self.device.type != "cuda":
+            return 0.0
+        return torch.cuda.max_memory_reserved(self.device) / 1e9
+
     def finish_backward(self) -> float:
         """Finish reducing this step's gradients in the pool's layout (what the last backward,
         armed by `self.reduction.arm()`, has not sent yet); the pool's squared gradient norm

@@ -79,6 +79,7 @@ class EncoderWorker(PoolService):
             boundary_bytes_sent=bytes_sent,
             boundary_bytes_received=bytes_received,
             boundary_wait_s=waits.seconds(),
+            peak_memory_gb=self.peak_memory_gb(),
         )
 
     def _encode_and_send(self, command: pb.StepCommand, work: pb.EncoderWork) -> InFlight:

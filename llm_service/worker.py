@@ -109,6 +109,7 @@ class LLMWorker(PoolService):
             boundary_bytes_sent=bytes_sent,
             boundary_bytes_received=bytes_received,
             boundary_wait_s=waits.seconds(),
+            peak_memory_gb=self.peak_memory_gb(),
         )
 
     def _post_receives(self, command: pb.StepCommand) -> dict[int, list]:

@@ -395,6 +395,8 @@ class RunDriver:
             encoder_wait_s=max((r.boundary_wait_s for r in encoder), default=0.0),
             llm_wait_s=max((r.boundary_wait_s for r in llm), default=0.0),
             encoder_imbalance=plan.encoder_imbalance,
+            encoder_peak_memory_gb=max((r.peak_memory_gb for r in encoder), default=0.0),
+            llm_peak_memory_gb=max((r.peak_memory_gb for r in llm), default=0.0),
         ), [s for microbatch in spec.microbatches for s in microbatch]
 
     # ------------------------------------------------------------------ waiting

@@ -32,6 +32,11 @@ class RunMetrics(RunObserver):
         self.step_time = gauge("dyad_step_time_seconds", "Wall time of the last step")
         self.replicas = gauge("dyad_pool_replicas", "Ranks in each pool", "pool")
         self.generation = gauge("dyad_generation", "Current generation of the pools' membership")
+        self.peak_memory = gauge(
+            "dyad_pool_peak_memory_bytes",
+            "The most GPU memory PyTorch has reserved on any rank of each pool (0 on CPUs)",
+            "pool",
+        )
         self.boundary_bytes = counter(
             "dyad_boundary_bytes_total",
             "Bytes sent across the encoder/LLM boundary (forward: embeddings, backward: grads)",
@@ -53,6 +58,8 @@ class RunMetrics(RunObserver):
         self.lm_loss.labels(run_id).set(metrics.lm_loss)
         self.tokens_per_second.labels(run_id).set(metrics.tokens_per_s)
         self.step_time.labels(run_id).set(metrics.step_time_s)
+        self.peak_memory.labels(run_id, "encoder").set(metrics.encoder_peak_memory_gb * 1e9)
+        self.peak_memory.labels(run_id, "llm").set(metrics.llm_peak_memory_gb * 1e9)
         self.boundary_bytes.labels(run_id, "forward").inc(metrics.boundary_bytes_fwd)
         self.boundary_bytes.labels(run_id, "backward").inc(metrics.boundary_bytes_bwd)
         self.steps.labels(run_id).inc()

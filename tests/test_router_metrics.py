@@ -40,6 +40,7 @@ def step(index: int) -> pb.StepMetrics:
     return pb.StepMetrics(
         step=index, loss=2.5 - index, lm_loss=2.25 - index, tokens_per_s=1000.0 + index,
         step_time_s=0.5, boundary_bytes_fwd=4096, boundary_bytes_bwd=1024,
+        encoder_peak_memory_gb=1.5 + index, llm_peak_memory_gb=70.25,
     )
 
 
@@ -68,6 +69,8 @@ def test_metrics_follow_steps_notices_and_resizes(metrics):
     assert value(samples, "dyad_lm_loss", **labels) == 1.25
     assert value(samples, "dyad_tokens_per_second", **labels) == 1001.0
     assert value(samples, "dyad_step_time_seconds", **labels) == 0.5
+    assert value(samples, "dyad_pool_peak_memory_bytes", pool="encoder", **labels) == 2.5e9
+    assert value(samples, "dyad_pool_peak_memory_bytes", pool="llm", **labels) == 70.25e9
     assert value(samples, "dyad_steps_total", **labels) == 2
     assert value(samples, "dyad_boundary_bytes_total", direction="forward", **labels) == 8192
     assert value(samples, "dyad_boundary_bytes_total", direction="backward", **labels) == 2048

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 REQUIRED = {"step", "loss", "lm_loss", "aux_loss", "tokens", "step_time_s", "tokens_per_s",
-            "boundary_bytes_fwd", "boundary_bytes_bwd", "encoder_wait_s", "llm_wait_s"}
+            "boundary_bytes_fwd", "boundary_bytes_bwd", "encoder_wait_s", "llm_wait_s",
+            "encoder_peak_memory_gb", "llm_peak_memory_gb"}
 
 
 def _dyad(*args, cwd):
