@@ -5,10 +5,11 @@ Legend: N rows (expert-major), D model dim, F expert ffn dim, E experts. w13_ED2
 e's gate column j at [e, :, 2j] and its up column at [e, :, 2j + 1].
 
 `gated_experts_reference` is the plain path: one grouped GEMM for both projections (h13), SwiGLU
-over its column pairs (`swiglu_pairs`, one Triton pass each way on CUDA), the down-projection. On Hopper GPUs with QuACK installed (`quack-kernels`,
-the CuTe-DSL kernels of Dao AI Lab; see docs/performance.md for the versions) `gated_experts`
-moves SwiGLU into two GEMM epilogues instead, saving the gate's passes over memory (1.9 GB
-read and 0.9 GB written forward, 2.8 GB read and 1.9 GB written backward, on the Mixtral-like layer):
+over its column pairs (`swiglu_pairs`, one Triton pass each way on CUDA), the down-projection.
+On Hopper GPUs with QuACK installed (`quack-kernels`, the CuTe-DSL kernels of Dao AI Lab; see
+docs/performance.md for the versions) `gated_experts` moves SwiGLU into two GEMM epilogues
+instead, saving the gate's passes over memory (1.9 GB read and 0.9 GB written forward, 2.8 GB
+read and 1.9 GB written backward, on the Mixtral-like layer):
 - forward, QuACK's `gemm_act` writes h13 (kept for the backward) and silu(h1) * h3 from the
   float32 accumulator of x @ w13, so the product is rounded once, where the reference rounds h1
   and h3 first;

@@ -138,7 +138,9 @@ def _kernels():
         tl.store(out_ptr + at, out.to(h1.dtype), mask=inside)
 
     @triton.jit
-    def gate_backward(grad_ptr, h1_ptr, h3_ptr, grad_h1_ptr, grad_h3_ptr, n, STRIDE: tl.constexpr, BLOCK: tl.constexpr):
+    def gate_backward(
+        grad_ptr, h1_ptr, h3_ptr, grad_h1_ptr, grad_h3_ptr, n, STRIDE: tl.constexpr, BLOCK: tl.constexpr
+    ):
         at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = at < n
         grad = tl.load(grad_ptr + at, mask=inside, other=0.0).to(tl.float32)

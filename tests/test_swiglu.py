@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dyad.kernels import swiglu as swiglu_lib
+from tests.test_gated_experts import interleave_gate_up
 
 
 def _forward_and_grads(fn, h1, h3, grad):
@@ -29,18 +30,14 @@ def _pairs_forward_and_grad(fn, h13, grad):
     return out.detach(), h13.grad, out.grad_fn
 
 
-def _interleaved(h1, h3):
-    return torch.stack([h1, h3], dim=-1).flatten(-2)
-
-
 def test_swiglu_of_interleaved_pairs_is_swiglu_of_the_halves():
     torch.manual_seed(1)
     h1, h3, grad = torch.randn(3, 37, 50).unbind(0)
-    out, grad_h13, _ = _pairs_forward_and_grad(swiglu_lib.swiglu_pairs, _interleaved(h1, h3), grad)
+    out, grad_h13, _ = _pairs_forward_and_grad(swiglu_lib.swiglu_pairs, interleave_gate_up(h1, h3), grad)
     expected = _forward_and_grads(swiglu_lib.swiglu_reference, h1, h3, grad)
     # (not bitwise: CPU's silu takes another code path for strided operands)
     torch.testing.assert_close(out, expected[0], rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(grad_h13, _interleaved(expected[1], expected[2]), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad_h13, interleave_gate_up(expected[1], expected[2]), rtol=1e-6, atol=1e-7)
 
 
 needs_cuda = pytest.mark.skipif(
@@ -92,8 +89,8 @@ def test_cuda_fused_swiglu_of_pairs_is_the_fused_swiglu_of_the_halves(dtype):
     """The same kernels reading every second element: bitwise the two-tensor kernels' results."""
     torch.manual_seed(4)
     h1, h3, grad = (torch.randn(3, 1031, 777, device="cuda") * 4).to(dtype).unbind(0)
-    pairs = _pairs_forward_and_grad(swiglu_lib.swiglu_pairs, _interleaved(h1, h3), grad)
+    pairs = _pairs_forward_and_grad(swiglu_lib.swiglu_pairs, interleave_gate_up(h1, h3), grad)
     halves = _forward_and_grads(swiglu_lib.swiglu, h1, h3, grad)
     assert "FusedSwiGLUPairs" in type(pairs[2]).__name__, "the fused path did not run"
     assert torch.equal(pairs[0], halves[0])
-    assert torch.equal(pairs[1], _interleaved(halves[1], halves[2]))
+    assert torch.equal(pairs[1], interleave_gate_up(halves[1], halves[2]))
