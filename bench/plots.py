@@ -30,6 +30,7 @@ GOAL = 1.2  # the performance issue's bound: dyad's layer at least 1.2x faster t
 PEER = "torchtitan-0.3.0"
 DYAD_LAYERS = {"dyad": ("C0", "dyad"), "dyad-gate-up-interleaved": ("C2", "dyad, interleaved gate-up")}
 INTERLEAVED_H100 = "moe_gate_up_interleaved_h100"
+INTERLEAVED_H200 = "moe_gate_up_interleaved_h200/start1"
 MOE_RUNS = {  # label: result file under --results, every run interleaved with the host ahead too
     "H100 1": "moe_wgrads_deferred_h100/run1_dyad_first.json",
     "H100 2": "moe_wgrads_deferred_h100/run2_dyad_last.json",
@@ -44,6 +45,7 @@ MOE_RUNS = {  # label: result file under --results, every run interleaved with t
         for start, runs in ((1, (1, 2)), (2, (1, 2, 3)), (4, (1, 2, 3)))
         for run in runs
     },
+    **{f"H200 Q{run}": f"{INTERLEAVED_H200}/run{run}.json" for run in (1, 2, 3)},
 }
 RECOMPUTE_H100 = "e2e_recompute_h100/start_1"
 MICROBATCH_H100 = "e2e_microbatch_h100"
