@@ -1,5 +1,6 @@
 """MoE layer forward+backward on one GPU: dyad's `MoELayer` (bf16, with float8 expert GEMMs, and with w1|w3
-interleaved so that SwiGLU runs in QuACK's GEMM epilogues, `dyad-gate-up-interleaved`) beside torchtitan 0.3.0's MoE module
+interleaved so that SwiGLU runs in QuACK's GEMM epilogues, `dyad-gate-up-interleaved`, and the same with QuACK's
+autotuner picking the tiles, `dyad-gate-up-autotuned`) beside torchtitan 0.3.0's MoE module
 and Hugging Face transformers' Qwen3-MoE sparse block, same shapes, same run, bf16.
 
     python bench/moe_layer.py --out $OUT/moe_layer.json          # on a GPU host
@@ -27,6 +28,7 @@ from torch import nn
 
 from dyad.kernels import expert_weight_grads
 from dyad.kernels.fp8 import forget_quantized, fp8_grouped_mm
+from dyad.kernels.gated_experts import gated_experts
 from dyad.kernels.grouped_mm import grouped_mm
 from dyad.kernels.moe_router import router_logits_reference
 from dyad.llm_service.moe import MoEConfig, MoELayer
@@ -91,14 +93,27 @@ def expert_flops(dim, hidden, tokens, top_k) -> float:
     return 3 * 3 * 2 * tokens * top_k * dim * hidden
 
 
-def dyad_layer(dim, hidden, experts, top_k, layer_type=MoELayer, gate_up="separate"):
-    cfg = MoEConfig(num_experts=experts, top_k=top_k, expert_dim=hidden, aux_loss_coef=0.01, gate_up=gate_up)
+def dyad_layer(dim, hidden, experts, top_k, layer_type=MoELayer, **moe):
+    cfg = MoEConfig(num_experts=experts, top_k=top_k, expert_dim=hidden, aux_loss_coef=0.01, **moe)
     return layer_type(dim, cfg)
 
 
 def dyad_interleaved_layer(dim, hidden, experts, top_k):
     """w1 and w3 as one interleaved weight: SwiGLU in QuACK's GEMM epilogues where it is installed."""
     return dyad_layer(dim, hidden, experts, top_k, gate_up="interleaved")
+
+
+class AutotunedGatedExpertsLayer(MoELayer):
+    """dyad's interleaved layer with QuACK's autotuner choosing the fused GEMMs' tiles on the first
+    (warm-up) calls instead of its default configuration, for A/B runs. bf16 experts only."""
+
+    def experts(self, x_sorted_ND, counts_E):
+        offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        return gated_experts(x_sorted_ND, self.w13_ED2F, self.w2_EFD, offs_E, grouped_mm, autotune=True)
+
+
+def dyad_interleaved_autotuned_layer(dim, hidden, experts, top_k):
+    return dyad_layer(dim, hidden, experts, top_k, AutotunedGatedExpertsLayer, gate_up="interleaved")
 
 
 class ReferenceRouterLayer(MoELayer):
@@ -210,6 +225,7 @@ LAYERS = {
     "dyad": dyad_layer,
     "dyad-compiled": compiled(dyad_layer),
     "dyad-gate-up-interleaved": dyad_interleaved_layer,
+    "dyad-gate-up-autotuned": dyad_interleaved_autotuned_layer,
     "dyad-reference-router": dyad_reference_router_layer,
     "dyad-wgrads-joined-at-once": joining_weight_grads_at_once(dyad_layer),
     "dyad-wgrads-one-side-stream": weight_grads_on_streams(dyad_layer, 1),

@@ -31,6 +31,7 @@ PEER = "torchtitan-0.3.0"
 DYAD_LAYERS = {"dyad": ("C0", "dyad"), "dyad-gate-up-interleaved": ("C2", "dyad, interleaved gate-up")}
 INTERLEAVED_H100 = "moe_gate_up_interleaved_h100"
 INTERLEAVED_H200 = "moe_gate_up_interleaved_h200/start1"
+AUTOTUNE_H200 = "moe_gate_up_interleaved_h200/autotune"
 MOE_RUNS = {  # label: result file under --results, every run interleaved with the host ahead too
     "H100 1": "moe_wgrads_deferred_h100/run1_dyad_first.json",
     "H100 2": "moe_wgrads_deferred_h100/run2_dyad_last.json",
@@ -46,6 +47,8 @@ MOE_RUNS = {  # label: result file under --results, every run interleaved with t
         for run in runs
     },
     **{f"H200 Q{run}": f"{INTERLEAVED_H200}/run{run}.json" for run in (1, 2, 3)},
+    # Two more H200 starts, beside the interleaved layer with QuACK's autotuner (not drawn).
+    **{f"H200 A{run}": f"{AUTOTUNE_H200}/start{2 if run <= 3 else 3}/run{run}.json" for run in range(1, 6)},
 }
 RECOMPUTE_H100 = "e2e_recompute_h100/start_1"
 MICROBATCH_H100 = "e2e_microbatch_h100"

@@ -43,13 +43,17 @@ def gated_experts_reference(x_ND, w13_ED2F, w2_EFD, offs_E, matmul) -> torch.Ten
     return matmul(swiglu_pairs(matmul(x_ND, w13_ED2F, offs_E)), w2_EFD, offs_E)
 
 
-def gated_experts(x_ND, w13_ED2F, w2_EFD, offs_E, matmul) -> torch.Tensor:
-    """The experts' output rows: SwiGLU(x @ w13) @ w2 per row block, as the reference computes."""
+def gated_experts(x_ND, w13_ED2F, w2_EFD, offs_E, matmul, autotune: bool = False) -> torch.Tensor:
+    """The experts' output rows: SwiGLU(x @ w13) @ w2 per row block, as the reference computes.
+    With `autotune`, QuACK times its tile configurations for the two fused GEMMs on the first call
+    of each new shape (each new row count is one) and keeps the fastest; otherwise it takes its
+    default configuration. On the Mixtral-like layer on an H200 the default was as fast
+    (docs/performance.md), so the layer does not ask for it."""
     x_c, w13_c, w2_c = _autocast(x_ND), _autocast(w13_ED2F), _autocast(w2_EFD)
     owners = _gradient_owner(w13_ED2F), _gradient_owner(w2_EFD)
     if not _fused_applies(x_c, w13_c, w2_c, owners):
         return gated_experts_reference(x_ND, w13_ED2F, w2_EFD, offs_E, matmul)
-    return _GatedExperts.apply(x_c, w13_c.detach(), w2_c.detach(), offs_E.to(torch.int32), owners)
+    return _GatedExperts.apply(x_c, w13_c.detach(), w2_c.detach(), offs_E.to(torch.int32), owners, autotune)
 
 
 def _fused_applies(x_ND, w13_ED2F, w2_EFD, owners) -> bool:
@@ -84,11 +88,11 @@ def _row_starts(offs_E: torch.Tensor) -> torch.Tensor:
 
 class _GatedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, w13_ED2F, w2_EFD, offs_E, owners):
+    def forward(ctx, x_ND, w13_ED2F, w2_EFD, offs_E, owners, autotune):
         gemm_act, _ = _quack()
         starts_E1 = _row_starts(offs_E)
-        h13_N2F, g_NF = gemm_act(x_ND, w13_ED2F, activation="swiglu", cu_seqlens_m=starts_E1, tuned=False)
-        ctx.owners = owners
+        h13_N2F, g_NF = gemm_act(x_ND, w13_ED2F, activation="swiglu", cu_seqlens_m=starts_E1, tuned=autotune)
+        ctx.owners, ctx.autotune = owners, autotune
         ctx.row_ends = RowEndsOnHost(offs_E)
         ctx.save_for_backward(x_ND, h13_N2F, w13_ED2F, w2_EFD, offs_E, starts_E1)
         return F.grouped_mm(g_NF, w2_EFD, offs=offs_E)
@@ -99,7 +103,12 @@ class _GatedExperts(torch.autograd.Function):
         x_ND, h13_N2F, w13_ED2F, w2_EFD, offs_E, starts_E1 = ctx.saved_tensors
         grad_ND = _standard_strides(grad_ND)
         grad_h13_N2F, g_NF = gemm_dact(
-            grad_ND, w2_EFD.transpose(-2, -1), h13_N2F, activation="swiglu", cu_seqlens_m=starts_E1, tuned=False
+            grad_ND,
+            w2_EFD.transpose(-2, -1),
+            h13_N2F,
+            activation="swiglu",
+            cu_seqlens_m=starts_E1,
+            tuned=ctx.autotune,
         )
         ends = ctx.row_ends.get()
         sides = _side_streams_after_current(x_ND.device)
@@ -107,4 +116,4 @@ class _GatedExperts(torch.autograd.Function):
         add_weight_grads(w2_owner, g_NF, grad_ND, ends, sides)
         grad_x = F.grouped_mm(grad_h13_N2F, w13_ED2F.transpose(-2, -1), offs=offs_E)
         add_weight_grads(w13_owner, x_ND, grad_h13_N2F, ends, sides)
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None

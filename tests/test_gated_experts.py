@@ -3,6 +3,7 @@ function, and its fused GEMMs (kernels/gated_experts.py, QuACK on Hopper GPUs) a
 plain path."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -104,9 +105,11 @@ def _fused_available() -> str | None:
 
 
 @pytest.mark.skipif(_fused_available() is not None, reason=str(_fused_available()))
-def test_cuda_fused_gate_gemms_agree_with_the_plain_path():
-    """Output, input and weight gradients of the fused path and of the plain bf16 path, each
-    against float32 math of the same bf16 values: both within bf16's error."""
+@pytest.mark.parametrize("autotune", [False, True])
+def test_cuda_fused_gate_gemms_agree_with_the_plain_path(autotune):
+    """Output, input and weight gradients of the fused path (QuACK's default tiles, or those its
+    autotuner picks) and of the plain bf16 path, each against float32 math of the same bf16
+    values: both within bf16's error."""
     torch.manual_seed(0)
     E, D, F, counts = 4, 256, 384, [300, 0, 129, 211]
     offs_E = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
@@ -123,7 +126,8 @@ def test_cuda_fused_gate_gemms_agree_with_the_plain_path():
         return [t.float() for t in (y, xi.grad, w13i.grad, w2i.grad)]
 
     exact = run(gated_experts_reference, torch.float32)
-    fused, plain = run(gated_experts, torch.bfloat16), run(gated_experts_reference, torch.bfloat16)
+    fused = run(functools.partial(gated_experts, autotune=autotune), torch.bfloat16)
+    plain = run(gated_experts_reference, torch.bfloat16)
     for name, f, p, e in zip(("output", "input grad", "w13 grad", "w2 grad"), fused, plain, exact):
         fused_err, plain_err = ((f - e).norm() / e.norm()).item(), ((p - e).norm() / e.norm()).item()
         assert fused_err < 1e-2 and plain_err < 1e-2, f"{name}: fused {fused_err:.2e}, plain {plain_err:.2e}"
