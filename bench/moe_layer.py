@@ -93,8 +93,8 @@ def expert_flops(dim, hidden, tokens, top_k) -> float:
     return 3 * 3 * 2 * tokens * top_k * dim * hidden
 
 
-def dyad_layer(dim, hidden, experts, top_k, layer_type=MoELayer, **moe):
-    cfg = MoEConfig(num_experts=experts, top_k=top_k, expert_dim=hidden, aux_loss_coef=0.01, **moe)
+def dyad_layer(dim, hidden, experts, top_k, layer_type=MoELayer, gate_up="separate"):
+    cfg = MoEConfig(num_experts=experts, top_k=top_k, expert_dim=hidden, aux_loss_coef=0.01, gate_up=gate_up)
     return layer_type(dim, cfg)
 
 
@@ -109,7 +109,7 @@ class AutotunedGatedExpertsLayer(MoELayer):
 
     def experts(self, x_sorted_ND, counts_E):
         offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
-        return gated_experts(x_sorted_ND, self.w13_ED2F, self.w2_EFD, offs_E, grouped_mm, autotune=True)
+        return gated_experts(x_sorted_ND, self.w13_ED2F, self.w2_EFD, offs_E, self.expert_matmul, autotune=True)
 
 
 def dyad_interleaved_autotuned_layer(dim, hidden, experts, top_k):
