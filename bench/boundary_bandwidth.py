@@ -133,7 +133,7 @@ def main() -> None:
         print(f"{window:9d} {size_mb:5d} {row['nccl_GBps']:10.1f} {row['ucx_GBps']:10.1f} "
               f"{row['ucx_GBps'] / row['nccl_GBps']:10.2f}")
     if args.out:
-        from dyad.transport.progress import progress_mode
+        from dyad.ucx_progress import progress_mode
 
         info = {"device": "cpu" if args.toy else torch.cuda.get_device_name(), "torch": torch.__version__,
                 "ucx_tls": os.environ.get("UCX_TLS", "(ucxx default)"), "ucx_progress": progress_mode(),

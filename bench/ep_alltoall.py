@@ -37,7 +37,8 @@ from kernel_timeline import write_timeline  # beside this script
 from moe_layer import expert_flops
 
 from dyad.layout import LLMLayout
-from dyad.llm_service.moe import MoEConfig, MoELayer
+from dyad.llm_service.config import MoEConfig
+from dyad.llm_service.moe import MoELayer
 from dyad.parallel.expert import DISPATCHERS, parallelize_moe
 from dyad.parallel.groups import ProcessGroups
 from dyad.router.launcher import free_ports

@@ -23,9 +23,9 @@ import statistics
 import torch
 from run_info import bench_device, run_header, write_json  # beside this script
 
+from dyad.llm_service.config import LLMConfig, MoEConfig
 from dyad.llm_service.fp8 import convert_to_fp8
-from dyad.llm_service.model import LLMConfig, MoELM
-from dyad.llm_service.moe import MoEConfig
+from dyad.llm_service.model import MoELM
 from dyad.optim import build_optimizer
 
 SETUPS = {

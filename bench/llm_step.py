@@ -33,9 +33,9 @@ from run_info import bench_device, run_header, write_json  # beside this script
 
 from dyad.compile import compile_blocks
 from dyad.kernels.fp8 import compile_quantization
+from dyad.llm_service.config import LLMConfig, MoEConfig
 from dyad.llm_service.fp8 import convert_to_fp8
-from dyad.llm_service.model import LLMConfig, MoELM
-from dyad.llm_service.moe import MoEConfig
+from dyad.llm_service.model import MoELM
 from dyad.optim import build_optimizer
 from dyad.recompute import recompute_blocks
 from dyad.working_weights import WorkingWeights, trained_parameters

@@ -31,7 +31,8 @@ from dyad.kernels.fp8 import forget_quantized, fp8_grouped_mm
 from dyad.kernels.gated_experts import gated_experts
 from dyad.kernels.grouped_mm import grouped_mm
 from dyad.kernels.moe_router import router_logits_reference
-from dyad.llm_service.moe import MoEConfig, MoELayer
+from dyad.llm_service.config import MoEConfig
+from dyad.llm_service.moe import MoELayer
 
 SHAPES = {  # name: (dim, expert hidden, experts, top-k, tokens)
     "qwen3-like": (2048, 768, 128, 8, 16384),

@@ -20,7 +20,7 @@ from e2e_8gpu import LARGER_ENCODER  # beside this script
 from e2e_hetero import TOY, VIT_L_224, print_table, run_arguments, run_layout, with_compile, write_results
 
 from dyad.cpus import usable_cpus, worker_threads
-from dyad.transport.progress import busy_threads
+from dyad.ucx_progress import busy_threads
 
 GPU_POOLS = [
     "train.global_batch=60",

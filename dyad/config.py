@@ -17,9 +17,9 @@ from typing import Any
 import yaml
 
 from dyad.data import DataConfig
-from dyad.encoder_service.model import EncoderConfig
+from dyad.encoder_service.config import EncoderConfig
 from dyad.layout import POOLS, EncoderLayout, LLMLayout, validate_encoder_layout, validate_llm_layout
-from dyad.llm_service.model import LLMConfig
+from dyad.llm_service.config import LLMConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "digits.yaml"
 

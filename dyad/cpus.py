@@ -20,7 +20,7 @@ CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 def worker_threads(cpus: int, workers: int, busy_per_worker: int = 0) -> int:
     """CPU threads for each of `workers` processes sharing `cpus`: their share of what is left
     after each keeps `busy_per_worker` cores busy on its own (UCX's polling progress thread,
-    `dyad.transport.progress.busy_threads`), at least one."""
+    `dyad.ucx_progress.busy_threads`), at least one."""
     workers = max(1, workers)
     return max(1, (cpus - workers * busy_per_worker) // workers)
 

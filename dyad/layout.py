@@ -15,8 +15,8 @@ from math import prod
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:  # the configs' modules import torch; the layout math does not
-    from dyad.encoder_service.model import EncoderConfig
-    from dyad.llm_service.model import LLMConfig
+    from dyad.encoder_service.config import EncoderConfig
+    from dyad.llm_service.config import LLMConfig
 
 POOLS = ("encoder", "llm")  # a run's two services, each with its own layout (`parallel.<pool>`)
 

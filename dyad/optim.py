@@ -6,15 +6,12 @@ arithmetic in the same order.
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import torch
 from torch import nn
 
 from dyad.kernels.fp8 import forget_quantized_after_each_step
-
-CLIP_EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_
 
 
 def build_optimizer(model: nn.Module | Iterable[nn.Parameter], train) -> torch.optim.AdamW:
@@ -51,11 +48,6 @@ def sq_norm(tensors: list[torch.Tensor], device: torch.device | str | None = Non
         return torch.zeros((), dtype=torch.float64, device=device)
     norms = torch._foreach_norm([t.detach() for t in tensors], 2, dtype=torch.float32)
     return torch.stack(norms).double().square().sum()
-
-
-def clip_scale(total_sq_norm: float, max_norm: float) -> float:
-    """The factor every gradient is multiplied by to clip the global norm to `max_norm`."""
-    return min(1.0, max_norm / (math.sqrt(total_sq_norm) + CLIP_EPS))
 
 
 def apply_update(optimizer: torch.optim.Optimizer, *, lr: float, grad_scale: float) -> None:

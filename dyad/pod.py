@@ -38,7 +38,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dyad.cpus import usable_cpus, worker_environment, worker_threads
-from dyad.transport.progress import busy_threads
+from dyad.ucx_progress import busy_threads
 
 log = logging.getLogger("dyad.pod")
 HEALTH_PORT = 8081

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import math
 
+from dyad.clipping import clip_scale
 from dyad.config import RunConfig
-from dyad.data import collate
+from dyad.data.batch import collate
 from dyad.encoder_service.step import encode_rows
 from dyad.llm_service.moe import update_expert_biases
 from dyad.llm_service.step import microbatch_loss, whole_microbatch
-from dyad.optim import apply_update, build_optimizer, clip_scale, grad_sq_norm
+from dyad.optim import apply_update, build_optimizer, grad_sq_norm
 from dyad.router.steps import StepPlanner
 from dyad.service import build_model, compute_context
 

@@ -8,55 +8,13 @@ indices (into B*S) of those placeholders; their token embeddings are replaced by
 embeddings. Sequences are right-padded, so a plain causal mask is enough.
 """
 
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dyad.llm_service.moe import MoEConfig, MoELayer, SwiGLU
-
-
-@dataclass(kw_only=True)
-class LLMConfig:
-    vocab_size: int = 0  # set from the tokenizer by the composer
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    dense_ffn_dim: int = 128
-    dense_layers: tuple[int, ...] = (0,)  # layers with a dense SwiGLU instead of MoE
-    max_seq_len: int = 256
-    moe: MoEConfig = field(default_factory=MoEConfig)
-    fp8: bool = False  # attention, dense FFN and expert GEMMs in float8 (llm_service/fp8.py)
-
-    def __post_init__(self):
-        self.dense_layers = tuple(self.dense_layers)
-        if self.vocab_size < 0:
-            raise ValueError(f"llm.vocab_size ({self.vocab_size}) must be >= 0 (0: set from the tokenizer)")
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "dense_ffn_dim", "max_seq_len"):
-            value = getattr(self, name)
-            if value < 1:
-                raise ValueError(f"llm.{name} ({value}) must be >= 1")
-        if self.rope_theta <= 0:
-            raise ValueError(f"llm.rope_theta ({self.rope_theta}) must be > 0")
-        if self.norm_eps <= 0:
-            raise ValueError(f"llm.norm_eps ({self.norm_eps}) must be > 0")
-        if self.dim % self.n_heads:
-            raise ValueError(f"llm.n_heads ({self.n_heads}) must divide llm.dim ({self.dim})")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"llm.dim // llm.n_heads ({self.dim // self.n_heads}) must be even for rotary embeddings")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"llm.n_kv_heads ({self.n_kv_heads}) must divide llm.n_heads ({self.n_heads})")
-        for i in self.dense_layers:
-            if not 0 <= i < self.n_layers:
-                raise ValueError(f"llm.dense_layers entry ({i}) must be in [0, llm.n_layers ({self.n_layers}))")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+from dyad.llm_service.config import LLMConfig
+from dyad.llm_service.moe import MoELayer, SwiGLU
 
 
 def rotary_cos_sin(positions_S: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,7 +49,6 @@ to L and their summed gradients to L's gradient, like the caption loss's per-ran
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -60,87 +59,9 @@ from dyad.kernels.gated_experts import gated_experts, gated_experts_reference
 from dyad.kernels.moe_permute import expert_counts, permute, unpermute
 from dyad.kernels.moe_router import router_logits, softmax_topk
 from dyad.kernels.swiglu import swiglu
+from dyad.llm_service.config import MoEConfig
 from dyad.parallel.tensor import all_reduce_sum_grad
 from dyad.recompute import recomputing
-
-SCORE_FUNCS = ("softmax", "sigmoid")
-AUX_LOSSES = ("micro_batch", "seq", "none")
-DROP_POLICIES = ("probs", "position")
-DISPATCHER_NAMES = ("alltoall", "allgather")  # token dispatchers under expert parallelism
-GATE_UP_LAYOUTS = ("separate", "interleaved")  # w1 and w3 as two weights, or as one (w13)
-
-
-@dataclass(kw_only=True)
-class MoEConfig:
-    num_experts: int = 4
-    top_k: int = 2
-    expert_dim: int = 128
-    shared_expert_dim: int = 0  # 0: no shared expert
-    aux_loss_coef: float = 0.01
-    norm_topk_prob: bool = True
-    score_func: str = "softmax"
-    topk_before_softmax: bool = False
-    aux_loss: str = "micro_batch"
-    z_loss_coef: float = 0.0
-    expert_bias: bool = False
-    expert_bias_rate: float = 1e-3
-    n_groups: int = 1
-    topk_groups: int = 1
-    capacity_factor: float | None = None  # None: dropless
-    drop_policy: str = "probs"
-    dispatcher: str = "alltoall"  # how tokens reach experts on other ranks (ep > 1)
-    # "interleaved": w1 and w3 as one [E, D, 2F] weight (w13_ED2F) of (gate, up) column pairs, so
-    # that on Hopper GPUs with QuACK installed SwiGLU runs in the expert GEMMs' epilogues
-    # (kernels/gated_experts.py). The same function, another parameter layout.
-    gate_up: str = "separate"
-
-    def __post_init__(self):
-        if self.num_experts < 1:
-            raise ValueError(f"llm.moe.num_experts ({self.num_experts}) must be >= 1")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"llm.moe.top_k ({self.top_k}) must be in [1, llm.moe.num_experts ({self.num_experts})]")
-        if self.expert_dim < 1:
-            raise ValueError(f"llm.moe.expert_dim ({self.expert_dim}) must be >= 1")
-        if self.shared_expert_dim < 0:
-            raise ValueError(f"llm.moe.shared_expert_dim ({self.shared_expert_dim}) must be >= 0 (0 disables it)")
-        for name in ("aux_loss_coef", "z_loss_coef"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"llm.moe.{name} ({getattr(self, name)}) must be >= 0")
-        choices = (
-            ("score_func", SCORE_FUNCS),
-            ("aux_loss", AUX_LOSSES),
-            ("drop_policy", DROP_POLICIES),
-            ("dispatcher", DISPATCHER_NAMES),
-            ("gate_up", GATE_UP_LAYOUTS),
-        )
-        for name, options in choices:
-            if getattr(self, name) not in options:
-                raise ValueError(f"llm.moe.{name} ({getattr(self, name)!r}) must be one of {', '.join(options)}")
-        if self.topk_before_softmax and self.score_func != "softmax":
-            raise ValueError(
-                f"llm.moe.topk_before_softmax needs llm.moe.score_func 'softmax', got {self.score_func!r}"
-            )
-        if not self.expert_bias_rate > 0:
-            raise ValueError(f"llm.moe.expert_bias_rate ({self.expert_bias_rate}) must be > 0")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"llm.moe.capacity_factor ({self.capacity_factor}) must be > 0 (or null: dropless)")
-        self._validate_groups()
-
-    def _validate_groups(self):
-        if self.n_groups < 1 or self.num_experts % self.n_groups:
-            raise ValueError(f"llm.moe.n_groups ({self.n_groups}) must divide llm.moe.num_experts ({self.num_experts})")
-        if not 1 <= self.topk_groups <= self.n_groups:
-            raise ValueError(
-                f"llm.moe.topk_groups ({self.topk_groups}) must be in [1, llm.moe.n_groups ({self.n_groups})]"
-            )
-        if self.top_k % self.topk_groups:
-            raise ValueError(f"llm.moe.topk_groups ({self.topk_groups}) must divide llm.moe.top_k ({self.top_k})")
-        per_group = self.num_experts // self.n_groups
-        if self.top_k // self.topk_groups > per_group:
-            raise ValueError(
-                f"llm.moe.top_k / llm.moe.topk_groups ({self.top_k // self.topk_groups}) must be <= the experts "
-                f"per group ({per_group})"
-            )
 
 
 class SwiGLU(nn.Module):

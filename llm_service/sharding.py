@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dyad.data import IGNORE_INDEX, Batch
+from dyad.data import IGNORE_INDEX
+from dyad.data.batch import Batch
 from dyad.host_to_device import to_device
 from dyad.parallel.context import zigzag_positions
 

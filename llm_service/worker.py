@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dyad.data import collate
+from dyad.data.batch import collate
 from dyad.exposed_wait import ExposedWait
 from dyad.kernels.boundary_pack import RowSegments, pack, unpack_into
 from dyad.llm_service.moe import update_expert_biases

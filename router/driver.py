@@ -15,14 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dyad import config as config_lib
+from dyad.clipping import clip_scale
 from dyad.layout import POOLS
-from dyad.optim import clip_scale
 from dyad.router import checkpoints
 from dyad.router.checkpoints import Committed
 from dyad.router.launcher import Launcher, WorkerSpec
 from dyad.router.run import Run, worker_key
 from dyad.router.sampler import Cursor
 from dyad.router.steps import StepPlanner, step_command
+from dyad.ucx_progress import worker_progress_env
 from dyad.wire import POOL_ENUMS, as_dict, pb
 
 log = logging.getLogger(__name__)
@@ -258,9 +259,8 @@ class RunDriver:
         specs = [
             WorkerSpec(pool, rank) for pool in restarting for rank in range(self.run.pool_sizes[pool])
         ]
-        self.launcher.start(
-            self.run.run_id, self.router_address, specs, self.out_dir / "logs", self.worker_env
-        )
+        env = worker_progress_env(self.config.train.device) | self.worker_env
+        self.launcher.start(self.run.run_id, self.router_address, specs, self.out_dir / "logs", env)
         timeout_s = timeout_s or self.config.router.start_timeout_s
         if not self.run.wait_for_workers(timeout_s, self._check_stop_or_lost):
             missing = ", ".join(f"{pool}/{rank}" for pool, rank in self.run.missing())

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dyad.cpus import usable_cpus, worker_environment, worker_threads
-from dyad.transport.progress import busy_threads
+from dyad.ucx_progress import busy_threads
 
 
 @dataclass(frozen=True)

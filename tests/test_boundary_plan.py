@@ -18,7 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dyad.data import Batch, DataConfig, build_sequence, collate, make_dataset
+from dyad.data import DataConfig, build_sequence, make_dataset
+from dyad.data.batch import Batch, collate
 from dyad.layout import EncoderLayout, LLMLayout
 from dyad.llm_service.sharding import shard_microbatch
 from dyad.router.boundary import (

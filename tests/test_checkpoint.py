@@ -23,14 +23,17 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from dyad import checkpoint
 from dyad import config as config_lib
 from dyad.checkpoint import full_pool_state, load_pool_state, pool_dir, restore_pool, save_pool, saved_ranks
-from dyad.data import collate, make_dataset
+from dyad.clipping import clip_scale
+from dyad.data import make_dataset
+from dyad.data.batch import collate
 from dyad.encoder_service.parallelize import parallelize_encoder
 from dyad.layout import EncoderLayout, LLMLayout
-from dyad.llm_service.moe import MoEConfig, MoELayer, update_expert_biases
+from dyad.llm_service.config import MoEConfig
+from dyad.llm_service.moe import MoELayer, update_expert_biases
 from dyad.llm_service.parallelize import parallelize_llm
 from dyad.llm_service.sharding import shard_microbatch
 from dyad.llm_service.step import microbatch_loss
-from dyad.optim import apply_update, build_optimizer, clip_scale
+from dyad.optim import apply_update, build_optimizer
 from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm, reduce_gradients
 from dyad.parallel.groups import ProcessGroups
 from dyad.router.sampler import EpochSampler, split_microbatches

@@ -23,10 +23,10 @@ from dyad.data import (
     build_prompt,
     build_sequence,
     build_word_tokenizer,
-    collate,
     load_tokenizer,
     make_dataset,
 )
+from dyad.data.batch import collate
 from dyad.data.digits import DIGIT_WORDS, load_digits
 
 N_DIGITS = 1797

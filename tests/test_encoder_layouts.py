@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from dyad import config as config_lib
+from dyad.clipping import clip_scale
 from dyad.encoder_service.parallelize import parallelize_encoder
 from dyad.layout import EncoderLayout, validate_encoder_layout
-from dyad.optim import apply_update, clip_scale, grad_sq_norm
+from dyad.optim import apply_update, grad_sq_norm
 from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.overlap import GradientReduction

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dyad.kernels.moe_dispatch import LocalDispatcher, split_sizes
-from dyad.llm_service.moe import MoEConfig, MoELayer
+from dyad.llm_service.config import MoEConfig
+from dyad.llm_service.moe import MoELayer
 from dyad.parallel.expert import (
     DISPATCHERS,
     EXPERT_TP_DIM,

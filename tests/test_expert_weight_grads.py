@@ -113,7 +113,8 @@ def test_cuda_weight_grads_are_complete_on_the_current_stream_when_backward_retu
 def test_cuda_moe_layer_gradients_match_autograds_over_two_microbatches():
     """The whole layer under bf16 autocast with float32 weights, as training runs it: every
     parameter's gradient after two microbatches matches the layer with autograd's weight gradients."""
-    from dyad.llm_service.moe import MoEConfig, MoELayer
+    from dyad.llm_service.config import MoEConfig
+    from dyad.llm_service.moe import MoELayer
 
     def gradients(expert_matmul):
         torch.manual_seed(3)

@@ -11,9 +11,9 @@ import torch
 
 from dyad import config as config_lib
 from dyad.kernels import fp8
+from dyad.llm_service.config import LLMConfig, MoEConfig
 from dyad.llm_service.fp8 import Fp8Linear, convert_to_fp8
-from dyad.llm_service.model import LLMConfig, MoELM
-from dyad.llm_service.moe import MoEConfig
+from dyad.llm_service.model import MoELM
 from dyad.optim import build_optimizer
 
 E4M3_STEP = 2.0**-3  # e4m3 keeps 3 mantissa bits: relative rounding error <= 2^-4

@@ -11,8 +11,9 @@ import torch
 from dyad.kernels import fp8
 from dyad.kernels.gated_experts import gated_experts, gated_experts_reference
 from dyad.kernels.grouped_mm import grouped_mm
+from dyad.llm_service.config import MoEConfig
 from dyad.llm_service.fp8 import convert_to_fp8
-from dyad.llm_service.moe import MoEConfig, MoELayer
+from dyad.llm_service.moe import MoELayer
 from tests.parity import relative_error
 
 CFG = MoEConfig(num_experts=4, top_k=2, expert_dim=24, aux_loss_coef=0.01)

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from dyad.encoder_service.model import EncoderConfig
+from dyad.encoder_service.config import EncoderConfig
 from dyad.layout import (
     EncoderLayout,
     LLMLayout,
@@ -17,8 +17,7 @@ from dyad.layout import (
     validate_encoder_layout,
     validate_llm_layout,
 )
-from dyad.llm_service.model import LLMConfig
-from dyad.llm_service.moe import MoEConfig
+from dyad.llm_service.config import LLMConfig, MoEConfig
 
 WORLD_SIZES = (1, 2, 4, 6, 8, 12, 16)
 

@@ -19,14 +19,16 @@ import torch
 import torch.distributed as dist
 
 from dyad import config as config_lib
+from dyad.clipping import clip_scale
 from dyad.compile import compile_blocks
-from dyad.data import collate, make_dataset
+from dyad.data import make_dataset
+from dyad.data.batch import collate
 from dyad.layout import LLMLayout, validate_llm_layout
 from dyad.llm_service.moe import update_expert_biases
 from dyad.llm_service.parallelize import parallelize_llm
 from dyad.llm_service.sharding import shard_microbatch
 from dyad.llm_service.step import microbatch_loss, whole_microbatch
-from dyad.optim import apply_update, clip_scale, grad_sq_norm
+from dyad.optim import apply_update, grad_sq_norm
 from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.overlap import GradientReduction

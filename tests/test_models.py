@@ -7,10 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dyad.encoder_service.model import EncoderConfig, VisionEncoder
+from dyad.encoder_service.config import EncoderConfig
+from dyad.encoder_service.model import VisionEncoder
 from dyad.init import init_parameters
-from dyad.llm_service.model import LLMConfig, MoELM, caption_loss_sum, greedy_next_token
-from dyad.llm_service.moe import MoEConfig, MoELayer, SwiGLU
+from dyad.llm_service.config import LLMConfig, MoEConfig
+from dyad.llm_service.model import MoELM, caption_loss_sum, greedy_next_token
+from dyad.llm_service.moe import MoELayer, SwiGLU
 from tests.distributed import run_distributed
 
 V = 37

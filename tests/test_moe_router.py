@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dyad.kernels import moe_router
-from dyad.llm_service.moe import MoEConfig, MoELayer
+from dyad.llm_service.config import MoEConfig
+from dyad.llm_service.moe import MoELayer
 
 
 def _layer(**options) -> MoELayer:

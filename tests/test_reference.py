@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from dyad import config as config_lib
-from dyad.data import collate, make_dataset
+from dyad.data import make_dataset
+from dyad.data.batch import collate
 from dyad.reference import ReferenceTrainer
 from dyad.router.steps import StepPlanner
 from dyad.service import build_model

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 from dyad.init import init_parameters
-from dyad.llm_service.model import LLMConfig, MoELM
-from dyad.llm_service.moe import MoEConfig, MoELayer, update_expert_biases
+from dyad.llm_service.config import LLMConfig, MoEConfig
+from dyad.llm_service.model import MoELM
+from dyad.llm_service.moe import MoELayer, update_expert_biases
 from tests.distributed import run_distributed
 
 E = 8

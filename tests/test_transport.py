@@ -407,7 +407,7 @@ def test_ucx_ignores_an_inherited_progress_mode(monkeypatch, inherited):
 
 
 def test_ucx_progress_mode_polls_only_where_cuda_is(monkeypatch):
-    from dyad.transport.progress import PROGRESS_ENV, progress_mode
+    from dyad.ucx_progress import PROGRESS_ENV, progress_mode
 
     monkeypatch.delenv(PROGRESS_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -421,7 +421,7 @@ def test_ucx_progress_mode_polls_only_where_cuda_is(monkeypatch):
 
 @pytest.mark.parametrize("asked,env,field", [("polling", None, "progress"), (None, "blocking", "DYAD_UCX_PROGRESS")])
 def test_ucx_progress_mode_refuses_modes_without_the_notifier(monkeypatch, asked, env, field):
-    from dyad.transport.progress import PROGRESS_ENV
+    from dyad.ucx_progress import PROGRESS_ENV
 
     if env is None:
         monkeypatch.delenv(PROGRESS_ENV, raising=False)

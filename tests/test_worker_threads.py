@@ -6,7 +6,7 @@ import pytest
 
 import dyad.pod
 from dyad.cpus import cgroup_cpu_quota, usable_cpus, worker_environment, worker_threads
-from dyad.transport.progress import PROGRESS_ENV, busy_threads
+from dyad.ucx_progress import PROGRESS_ENV, busy_threads, worker_progress_env
 
 
 def test_each_worker_gets_its_share_of_the_cpus():
@@ -24,6 +24,15 @@ def test_a_polling_ucx_progress_thread_keeps_its_core():
     assert busy_threads({PROGRESS_ENV: "thread"}) == 0
     with pytest.raises(ValueError, match=PROGRESS_ENV):
         busy_threads({PROGRESS_ENV: "polling"})
+
+
+def test_the_router_names_its_workers_progress_mode_from_the_runs_device():
+    """The router does not import torch to ask whether CUDA is present: a run on CUDA polls, a
+    CPU run sleeps, and a mode the router's environment names is left to the workers."""
+    assert worker_progress_env("cuda", {}) == {PROGRESS_ENV: "thread-polling"}
+    assert worker_progress_env("cpu", {}) == {PROGRESS_ENV: "thread"}
+    assert worker_progress_env("cuda", {PROGRESS_ENV: "thread"}) == {}
+    assert busy_threads(worker_progress_env("cuda", {})) == 1
 
 
 def test_the_users_setting_wins():

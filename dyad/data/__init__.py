@@ -1,5 +1,7 @@
-"""Multimodal data: datasets of image-caption samples, the tokenizer, and the sequence/batch
-layout shared by the router (plans with `SampleShape`) and the services (consume `Batch`)."""
+"""Multimodal data: datasets of image-caption samples, the tokenizer, and the sequence layout
+shared by the router (plans with `SampleShape`) and the services (consume `Batch`, made by
+`dyad.data.batch.collate`). Importing this package does not import torch: the router plans
+steps without it; a dataset's `images` imports it when the services call it."""
 
 from collections.abc import Callable
 
@@ -8,14 +10,12 @@ from dyad.data.jsonl import DatasetError, JsonlDataset
 from dyad.data.samples import (
     DATASET_NAMES,
     IGNORE_INDEX,
-    Batch,
     DataConfig,
     MultimodalDataset,
     Sample,
     SampleShape,
     build_prompt,
     build_sequence,
-    collate,
 )
 from dyad.data.tokenizer import TextTokenizer, build_word_tokenizer, load_tokenizer
 
@@ -33,7 +33,6 @@ def make_dataset(cfg: DataConfig) -> MultimodalDataset:
 __all__ = [
     "DATASETS",
     "IGNORE_INDEX",
-    "Batch",
     "DataConfig",
     "DatasetError",
     "DigitsDataset",
@@ -45,7 +44,6 @@ __all__ = [
     "build_prompt",
     "build_sequence",
     "build_word_tokenizer",
-    "collate",
     "load_tokenizer",
     "make_dataset",
 ]

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from importlib import resources
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from dyad.data.samples import DataConfig, MultimodalDataset, Sample
 from dyad.data.tokenizer import IMAGE, TextTokenizer, build_word_tokenizer, load_tokenizer
-from dyad.host_to_device import to_device
+
+if TYPE_CHECKING:
+    import torch
 
 SEED = 0
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -77,7 +78,7 @@ class DigitsDataset(MultimodalDataset):
     def __init__(self, cfg: DataConfig):
         pixels, labels = load_digits()  # [1797, 64] in 0..16, [1797]
         # Kept at 8x8 and upsampled per request: 1,797 images at 224x224x3 would take 1 GB.
-        self._digits_N188 = torch.from_numpy(pixels).float().view(-1, 1, 8, 8) / 16.0
+        self._digits_N188 = pixels.astype(np.float32).reshape(-1, 1, 8, 8) / np.float32(16.0)
         self.labels = labels
 
         rng = np.random.default_rng(SEED)
@@ -107,12 +108,6 @@ class DigitsDataset(MultimodalDataset):
     def images(self, image_ids: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
         """Upsampled on `device`: the 8x8 originals travel, not the full-size images (90 images of
         336 pixels are 120 MB, and one CPU thread upsamples them in ~90 ms)."""
-        size = self.image_size
-        if len(image_ids) == 0:
-            return torch.zeros(0, self.channels, size, size, device=device)
-        images_N1HW = to_device(self._digits_N188[torch.as_tensor(list(image_ids), dtype=torch.long)], device)
-        if size != 8:
-            images_N1HW = F.interpolate(
-                images_N1HW, size=(size, size), mode="bilinear", align_corners=False
-            ).clamp(0, 1)
-        return images_N1HW.expand(-1, self.channels, -1, -1).contiguous()
+        from dyad.data.pixels import upsampled  # torch: the services call this, the router never
+
+        return upsampled(self._digits_N188[list(image_ids)], self.image_size, self.channels, device)

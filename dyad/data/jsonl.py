@@ -26,14 +26,16 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image
 
 from dyad.data.samples import DataConfig, MultimodalDataset, Sample, answer_ends_text
 from dyad.data.tokenizer import IMAGE, build_word_tokenizer, load_tokenizer
-from dyad.host_to_device import to_device
+
+if TYPE_CHECKING:
+    import torch
 
 SEED = 0
 SPLITS = ("train", "heldout")
@@ -136,11 +138,6 @@ class JsonlDataset(MultimodalDataset):
         )
 
     def images(self, image_ids: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
-        size, mode = self.image_size, "L" if self.channels == 1 else "RGB"
-        images_NCHW = torch.empty(len(image_ids), self.channels, size, size)
-        for n, image_id in enumerate(image_ids):
-            with Image.open(self._image_paths[image_id]) as image:
-                resized = image.convert(mode).resize((size, size), Image.Resampling.BILINEAR)
-            pixels_HWC = np.asarray(resized, dtype=np.float32).reshape(size, size, self.channels)
-            images_NCHW[n] = torch.from_numpy(pixels_HWC).permute(2, 0, 1) / 255.0
-        return to_device(images_NCHW, device)
+        from dyad.data.pixels import decoded  # torch: the services call this, the router never
+
+        return decoded([self._image_paths[i] for i in image_ids], self.image_size, self.channels, device)

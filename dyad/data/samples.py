@@ -1,5 +1,5 @@
-"""Data config, samples, sequences and batches: what the router plans with and what the two
-services consume.
+"""Data config, samples, sequences and datasets: what the router plans with (without torch) and
+what the two services read images from; `dyad/data/batch.py` makes their batches.
 
 A sample is text with `<image>` placeholders plus the ids of its images in the dataset's image
 table. `build_sequence` expands each placeholder into `tokens_per_image` image tokens (LLaVA-style)
@@ -14,10 +14,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from dyad.data.tokenizer import IMAGE, TextTokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 IGNORE_INDEX = -100
 DATASET_NAMES = ("digits", "jsonl")
@@ -161,52 +163,6 @@ def build_prompt(
     ids = _expand_images(tokenizer, prompt_ids, tokens_per_image)
     image_positions = [i for i, token in enumerate(ids) if token == tokenizer.image_id]
     return ids, image_positions, full_ids[len(prompt_ids) :]
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # [B, S] int64, right-padded with pad_id
-    targets: torch.Tensor  # [B, S] int64, IGNORE_INDEX at pads, image tokens and the last token
-    image_positions: torch.Tensor  # [N] int64, flat indices into B*S, in image_ids row order
-    image_ids: tuple[int, ...]  # image table ids: sample order, then placeholder order
-    lengths: torch.Tensor  # [B] int64, unpadded sequence lengths
-    n_targets: int
-
-    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Batch:
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=non_blocking)
-
-        return Batch(
-            input_ids=move(self.input_ids),
-            targets=move(self.targets),
-            image_positions=move(self.image_positions),
-            image_ids=self.image_ids,
-            lengths=move(self.lengths),
-            n_targets=self.n_targets,
-        )
-
-
-def collate(tokenizer: TextTokenizer, samples: Sequence[Sample], tokens_per_image: int) -> Batch:
-    """Right-pads the samples' sequences into one batch. Row k of the encoder output for
-    `image_ids` (flattened to [n_images * tokens_per_image, D]) belongs at `image_positions[k]`."""
-    assert samples, "collate needs at least one sample"
-    sequences = [build_sequence(tokenizer, s, tokens_per_image) for s in samples]
-    S = max(len(ids) for ids, _, _ in sequences)
-    input_ids_BS = torch.full((len(samples), S), tokenizer.pad_id, dtype=torch.long)
-    targets_BS = torch.full((len(samples), S), IGNORE_INDEX, dtype=torch.long)
-    image_positions: list[int] = []
-    for b, (ids, targets, positions) in enumerate(sequences):
-        input_ids_BS[b, : len(ids)] = torch.tensor(ids)
-        targets_BS[b, : len(ids)] = torch.tensor(targets)
-        image_positions.extend(b * S + p for p in positions)
-    return Batch(
-        input_ids=input_ids_BS,
-        targets=targets_BS,
-        image_positions=torch.tensor(image_positions, dtype=torch.long),
-        image_ids=tuple(i for s in samples for i in s.image_ids),
-        lengths=torch.tensor([len(ids) for ids, _, _ in sequences], dtype=torch.long),
-        n_targets=int((targets_BS != IGNORE_INDEX).sum()),
-    )
 
 
 class MultimodalDataset(ABC):

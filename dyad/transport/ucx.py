@@ -75,7 +75,7 @@ from dyad.transport.base import (
     refusal,
     size_mismatch,
 )
-from dyad.transport.progress import progress_mode
+from dyad.ucx_progress import progress_mode
 
 logger = logging.getLogger(__name__)
 

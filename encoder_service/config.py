@@ -1,0 +1,64 @@
+"""The encoder service's configuration (`encoder:` of a run's config), validated on construction
+with errors naming the field. A plain dataclass without torch: the router and the CLI read and
+check configs without loading the model code."""
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class EncoderConfig:
+    image_size: int = 16
+    patch_size: int = 4
+    channels: int = 1
+    dim: int = 64
+    depth: int = 2
+    heads: int = 4
+    mlp_ratio: float = 4.0
+    out_dim: int = 64  # the LLM hidden size; the composer sets it
+    norm_eps: float = 1e-6
+    spatial_merge: int = 1  # m: each m x m square of patches becomes one LLM token
+
+    def __post_init__(self):
+        positive = ("image_size", "patch_size", "channels", "dim", "depth", "heads", "out_dim", "spatial_merge")
+        for name in positive:
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"encoder.{name} ({value}) must be >= 1")
+        if self.mlp_dim < 1:
+            raise ValueError(f"encoder.mlp_ratio ({self.mlp_ratio}) must give an MLP dim >= 1 (dim * mlp_ratio)")
+        if self.norm_eps <= 0:
+            raise ValueError(f"encoder.norm_eps ({self.norm_eps}) must be > 0")
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"encoder.patch_size ({self.patch_size}) must divide encoder.image_size ({self.image_size})"
+            )
+        if self.dim % self.heads:
+            raise ValueError(f"encoder.heads ({self.heads}) must divide encoder.dim ({self.dim})")
+        if self.patch_grid % self.spatial_merge:
+            raise ValueError(
+                f"encoder.spatial_merge ({self.spatial_merge}) must divide the patch grid side "
+                f"({self.patch_grid} = encoder.image_size / encoder.patch_size)"
+            )
+
+    @property
+    def patch_grid(self) -> int:
+        """Patches along each side of an image."""
+        return self.image_size // self.patch_size
+
+    @property
+    def patches_per_image(self) -> int:
+        return self.patch_grid**2
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Rows per image the LLM receives."""
+        return (self.patch_grid // self.spatial_merge) ** 2
+
+    @property
+    def merged_dim(self) -> int:
+        """Width of one merged token: the projector's input."""
+        return self.dim * self.spatial_merge**2
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.dim * self.mlp_ratio)
