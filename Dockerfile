@@ -47,6 +47,7 @@ COPY router/ /tmp/src/router/
 COPY encoder_service/ /tmp/src/encoder_service/
 COPY llm_service/ /tmp/src/llm_service/
 COPY kernels/ /tmp/src/kernels/
+COPY configs/ /tmp/src/configs/
 COPY configs/ /opt/dyad/configs/
 
 # The gRPC stubs are build products (dyad/wire/__init__.py): generate them into the source tree

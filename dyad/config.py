@@ -11,6 +11,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ from dyad.encoder_service.config import EncoderConfig
 from dyad.layout import POOLS, EncoderLayout, LLMLayout, validate_encoder_layout, validate_llm_layout
 from dyad.llm_service.config import LLMConfig
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "digits.yaml"
+# configs/ installs as package data (`dyad.configs`), so a wheel install has its default too.
+DEFAULT_CONFIG = Path(str(resources.files("dyad.configs").joinpath("digits.yaml")))
 
 
 @dataclass(kw_only=True)

@@ -1,12 +1,14 @@
 """The image's Dockerfile, parsed (no Docker daemon here: it is not built in CI): only ARG
 before FROM, non-root users and the `dyad` entry point in the targets pods run, a CUDA base, the
-package installed with its generated stubs, and every COPY source present in the build context.
+package installed with its generated stubs and every folder it is built from, and every COPY
+source present in the build context.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import tomllib
 
 from tests.k8s_manifests import REPO
 
@@ -73,3 +75,17 @@ def test_dockerfile():
         for source in sources:
             assert (REPO / source).exists(), source
             assert source.rstrip("/") in admitted, f"{source} is excluded by .dockerignore"
+
+
+def test_the_image_builds_the_package_from_every_folder_it_maps():
+    """`pip install .` in the image needs each folder pyproject.toml maps to a subpackage of
+    `dyad` (a missing one fails the build, or installs without it)."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = set(setuptools["package-dir"].values())
+    copied = set()
+    for keyword, arguments in dockerfile_instructions((REPO / "Dockerfile").read_text()):
+        if keyword == "COPY" and not arguments.startswith("--from"):
+            *sources, destination = arguments.split()
+            if destination.startswith("/tmp/src/"):
+                copied |= {source.rstrip("/") for source in sources}
+    assert folders <= copied, f"not copied into the build: {sorted(folders - copied)}"
