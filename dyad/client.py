@@ -80,8 +80,11 @@ def local_router(log_path: Path, timeout_s: float = 60.0) -> Iterator[RouterClie
     }
     with tempfile.TemporaryDirectory() as tmp, open(log_path, "ab") as log:
         port_file = Path(tmp) / "router.address"
+        # The router reads the pipe on its stdin to its end, which comes when this process exits
+        # however it ends (killed too): then it stops the run and its workers.
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dyad.router", "--port-file", str(port_file)],
+            [sys.executable, "-m", "dyad.router", "--port-file", str(port_file), "--stop-when-stdin-closes"],
+            stdin=subprocess.PIPE,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -103,3 +106,4 @@ def local_router(log_path: Path, timeout_s: float = 60.0) -> Iterator[RouterClie
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            proc.stdin.close()

@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -45,13 +46,17 @@ def add_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument(
         "--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)"
     )
+    parser.add_argument(
+        "--stop-when-stdin-closes", action="store_true",
+        help="stop, as on SIGTERM, when standard input ends: the process that started this router "
+        "and holds the pipe's other end is gone, even killed (`dyad train`'s local router)",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
-    """Serve until SIGTERM or SIGINT, then stop active runs."""
-    from dyad.router.server import (
-        serve,  # the model code; `dyad` imports this module for flags
-    )
+    """Serve until SIGTERM or SIGINT (or, with --stop-when-stdin-closes, the end of standard
+    input), then stop active runs."""
+    from dyad.router.server import serve  # here: `dyad` imports this module for its flags
 
     credentials = Credentials(
         client_token=load_token(CLIENT_TOKEN_ENV, args.token_file),
@@ -94,6 +99,8 @@ def run(args: argparse.Namespace) -> None:
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
+    if args.stop_when_stdin_closes:
+        threading.Thread(target=_stop_at_end_of_stdin, args=(stopping,), daemon=True).start()
     stopping.wait()
     if args.state_db:
         # A router with a state store is restarted, not retired (a pod rescheduled, a rollout):
@@ -104,6 +111,15 @@ def run(args: argparse.Namespace) -> None:
             state.get(run_id).stop_requested.set()
         state.wait_idle(30)
     server.stop(grace=2).wait()
+
+
+def _stop_at_end_of_stdin(stopping: threading.Event) -> None:
+    """Read standard input to its end, which comes when every holder of the pipe's write end is
+    gone, then stop: no run outlives the process that started this router."""
+    while sys.stdin.buffer.read(4096):
+        pass
+    logging.info("standard input closed: whoever started this router is gone; stopping")
+    stopping.set()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REQUIRED = {"step", "loss", "lm_loss", "aux_loss", "tokens", "step_time_s", "tokens_per_s",
@@ -40,6 +41,60 @@ def test_dyad_train_default_learns_digits(tmp_path):
     for worker in ("encoder-0", "llm-0"):  # each says where its start went
         log = (out / "logs" / f"{worker}.log").read_text()
         assert re.search(r"generation 1: started in [\d.]+ s \(.*registration .*model and optimizer", log), log[-2000:]
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The processes whose parent is `pid`, with their command lines (Linux's /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    found[int(entry.name)] = (entry / "cmdline").read_text().replace("\0", " ")
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's new parent may never reap it)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_dyad_train_takes_its_router_and_workers_with_it(tmp_path):
+    """SIGKILL cannot be caught: the local router notices that `dyad train` is gone by the end of
+    the pipe on its stdin, stops the run and exits, and its workers with it."""
+    out = tmp_path / "run"
+    cli = subprocess.Popen(
+        [sys.executable, "-c", "from dyad.cli import main; main()", "train", "--out", str(out),
+         "--quiet", "--device", "cpu", "--set", "train.steps=100000"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert cli.poll() is None and time.monotonic() < deadline, "the job did not start training"
+        time.sleep(0.2)
+    routers = [pid for pid, command in _children(cli.pid).items() if "dyad.router" in command]
+    assert len(routers) == 1, _children(cli.pid)
+    workers = [pid for pid, command in _children(routers[0]).items() if "dyad.worker" in command]
+    assert len(workers) == 2, _children(routers[0])
+
+    cli.kill()
+    cli.wait()
+    deadline = time.monotonic() + 60
+    try:
+        while left := [pid for pid in [*routers, *workers] if _running(pid)]:
+            assert time.monotonic() < deadline, f"still running 60 s after dyad train was killed: {left}"
+            time.sleep(0.2)
+    finally:  # a failure here must not leave them training for the rest of the suite
+        for pid in [*routers, *workers]:
+            if _running(pid):
+                os.kill(pid, 9)
+    assert "standard input closed" in (out / "logs" / "router.log").read_text()
 
 
 def test_dyad_verify_prints_both_losses_and_passes(tmp_path):
