@@ -107,3 +107,5 @@ def local_router(log_path: Path, timeout_s: float = 60.0) -> Iterator[RouterClie
                 proc.kill()
                 proc.wait()
             proc.stdin.close()
+            if proc.returncode != 0:  # SIGTERM ends it cleanly: anything else is worth a look
+                print(f"dyad: the local router exited with code {proc.returncode}; see {log_path}", file=sys.stderr)

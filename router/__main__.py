@@ -116,7 +116,9 @@ def run(args: argparse.Namespace) -> None:
 def _stop_at_end_of_stdin(stopping: threading.Event) -> None:
     """Read standard input to its end, which comes when every holder of the pipe's write end is
     gone, then stop: no run outlives the process that started this router."""
-    while sys.stdin.buffer.read(4096):
+    # The file descriptor, not sys.stdin: a thread blocked in a buffered read holds the buffer's
+    # lock, which the interpreter's shutdown then cannot take (a fatal error at every exit).
+    while os.read(sys.stdin.fileno(), 4096):
         pass
     logging.info("standard input closed: whoever started this router is gone; stopping")
     stopping.set()

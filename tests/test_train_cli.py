@@ -26,6 +26,7 @@ def test_dyad_train_default_learns_digits(tmp_path):
     out = tmp_path / "run"
     result = _dyad("train", "--out", str(out), "--quiet", "--device", "cpu", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "the local router exited with code" not in result.stderr, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps, final = [r for r in records if "loss" in r], records[-1]
     notices = [r for r in records if "event" in r]
@@ -101,6 +102,7 @@ def test_dyad_verify_prints_both_losses_and_passes(tmp_path):
     result = _dyad("verify", "--steps", "3", "--quiet", "--device", "cpu",
                    "--set", "train.global_batch=6", "--out", str(tmp_path / "v"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "the local router exited with code" not in result.stderr, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert "reference loss" in lines[0]
     assert len([l for l in lines if l.split() and l.split()[0].isdigit()]) == 3
