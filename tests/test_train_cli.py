@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from dyad.router.launcher import _Adopted  # polls a process by pid, zombies as gone
+
 REQUIRED = {"step", "loss", "lm_loss", "aux_loss", "tokens", "step_time_s", "tokens_per_s",
             "boundary_bytes_fwd", "boundary_bytes_bwd", "encoder_wait_s", "llm_wait_s",
             "encoder_peak_memory_gb", "llm_peak_memory_gb"}
@@ -60,10 +62,7 @@ def _children(pid: int) -> dict[int, str]:
 
 def _running(pid: int) -> bool:
     """Alive and not a zombie (an orphan's new parent may never reap it)."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return _Adopted(pid).poll() is None
 
 
 def test_a_killed_dyad_train_takes_its_router_and_workers_with_it(tmp_path):

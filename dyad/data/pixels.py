@@ -19,7 +19,7 @@ def upsampled(images_N1hw: np.ndarray, size: int, channels: int, device: torch.d
     and repeated over `channels`: [N, channels, size, size]."""
     if len(images_N1hw) == 0:
         return torch.zeros(0, channels, size, size, device=device)
-    images = to_device(torch.from_numpy(np.ascontiguousarray(images_N1hw)), device)
+    images = to_device(torch.from_numpy(images_N1hw), device)
     if images.shape[-1] != size:
         images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False).clamp(0, 1)
     return images.expand(-1, channels, -1, -1).contiguous()
