@@ -47,6 +47,19 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     return len(blocks)
 
 
+def gradient_error_warning(model: nn.Module, backend: str) -> str | None:
+    """What is known to be wrong where this model's blocks compile, or None. On an H200 with
+    torch 2.11, inductor-compiled LLM blocks (a dense and an MoE block both compiled) gave bf16
+    gradients 10-50 % off float32 where eager bf16's are 1.2 % off: docs/performance.md,
+    "Compiled bf16 gradients on a GPU", measured by `bench/compiled_gradients.py`."""
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    if backend != "inductor" or not on_cuda or not any(getattr(b, "is_moe", False) for b in transformer_blocks(model)):
+        return None
+    return ("train.compile: on an H200 (torch 2.11) the LLM's bf16 gradients with inductor-compiled blocks were "
+            "measured 10-50 % off float32, eager bf16's 1.2 % (docs/performance.md, 'Compiled bf16 gradients on a "
+            "GPU'); check this GPU with bench/compiled_gradients.py before trusting a compiled run")
+
+
 def log_recompiles() -> None:
     """Have torch log every recompile and the guard that failed ("size mismatch at index 1.
     expected 521, actual 263") to the process's stderr, which is its worker's log: a step that

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dyad import config as config_lib
-from dyad.compile import compile_blocks, log_recompiles, transformer_blocks
+from dyad.compile import compile_blocks, gradient_error_warning, log_recompiles, transformer_blocks
 from dyad.service import build_model
 from tests.tiny_models import (
     assert_short_run_matches_single_process,
@@ -118,3 +118,46 @@ def test_inductor_blocks_match_eager_in_bf16_on_a_gpu():
     for name, grad in grads.items():  # bf16 rounding: relative error of each gradient tensor
         error = (grads_c[name] - grad).norm() / grad.norm().clamp_min(1e-12)
         assert error < 5e-2, f"{name}: relative error {float(error):.3g}"
+
+
+def test_the_known_gpu_gradient_error_is_named_where_it_was_measured_only():
+    """Inductor on CUDA, LLM blocks: the worker logs the measured error; elsewhere nothing."""
+    config = resolved_config()
+    assert gradient_error_warning(build_model(config, "llm"), "inductor") is None  # on the CPU
+    if CUDA:
+        warning = gradient_error_warning(build_model(config, "llm", "cuda"), "inductor")
+        assert warning and "bench/compiled_gradients.py" in warning
+        assert gradient_error_warning(build_model(config, "llm", "cuda"), "aot_eager") is None
+        assert gradient_error_warning(build_model(config, "encoder", "cuda"), "inductor") is None
+
+
+def _worst_error(grads, truth) -> tuple[float, str]:
+    errors = {n: float((grads[n].float() - g).norm() / g.norm().clamp_min(1e-12)) for n, g in truth.items()}
+    name = max(errors, key=errors.get)
+    return errors[name], name
+
+
+@pytest.mark.skipif(not CUDA, reason="inductor's GPU kernels need a CUDA device")
+def test_inductor_blocks_gradients_are_as_close_to_float32_as_eager_bf16s_on_a_gpu():
+    """2,048 tokens through a dense and an MoE block, both compiled, in a later step (the first
+    compiles): no parameter's bf16 gradient is further from its float32 one than twice eager
+    bf16's worst. Fails on an H200 with torch 2.11 (0.14-0.50 against eager's 0.012; one block
+    compiled, or the MoE layers left out of the graphs, 0.012): docs/performance.md, "Compiled
+    bf16 gradients on a GPU"; `bench/compiled_gradients.py` measures the variants."""
+    config = resolved_config(["llm.dim=256", "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.expert_dim=128"])
+    reference = build_model(config, "llm", "cuda")
+    eager, compiled = build_model(config, "llm", "cuda"), build_model(config, "llm", "cuda")
+    eager.load_state_dict(reference.state_dict())
+    compiled.load_state_dict(reference.state_dict())
+    compile_blocks(compiled)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(config.llm.vocab_size, (8, 256), generator=generator).cuda()
+    rows = torch.randn(64, config.llm.dim, generator=generator).cuda()
+    inputs = (ids, rows, torch.arange(64, device="cuda"))
+    _, truth = _llm_loss_and_grads(reference, inputs, autocast=False)
+    _, eager_grads = _llm_loss_and_grads(eager, inputs, autocast=True)
+    for _ in range(2):
+        _, compiled_grads = _llm_loss_and_grads(compiled, inputs, autocast=True)
+    eager_error, _ = _worst_error(eager_grads, truth)
+    compiled_error, name = _worst_error(compiled_grads, truth)
+    assert compiled_error <= 2 * eager_error, f"{name}: {compiled_error:.3g} off float32, eager bf16 {eager_error:.3g}"
