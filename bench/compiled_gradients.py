@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import math
 import os
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS under deterministic algorithms
@@ -33,7 +34,7 @@ from dyad.service import build_model
 MODEL = ["llm.dim=256", "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.expert_dim=128", "llm.moe.shared_expert_dim=32"]
 SIZES = {"gpu": dict(batch=8, seq=256, image_rows=64), "toy": dict(batch=2, seq=24, image_rows=6)}
 VARIANTS = ["eager", "first-block", "last-block", "all-blocks", "all-blocks-again", "all-blocks-first-pass",
-            "moe-eager", "deterministic", "aot-eager"]
+            "all-blocks-poisoned", "moe-eager", "deterministic", "aot-eager"]
 
 
 def build(device: str, size: dict):
@@ -57,6 +58,20 @@ def gradients(model, inputs, bf16: bool, passes: int = 2) -> dict[str, torch.Ten
             loss = model.loss_sum(logits, ids.roll(-1, dims=1)) / ids.numel() + aux
         loss.backward()
     return {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@contextlib.contextmanager
+def poisoned_allocator():
+    """The CUDA caching allocator's free blocks hold NaN: a kernel that reads memory nobody wrote
+    makes non-finite gradients."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        small = [torch.full((256,), float("nan"), device="cuda") for _ in range(20000)]  # the small-block pool
+        large = [torch.full((2**28,), float("nan"), device="cuda") for _ in range(8)]  # 8 GiB of large blocks
+        torch.cuda.synchronize()
+        del small, large
+    yield
 
 
 @contextlib.contextmanager
@@ -84,7 +99,8 @@ def variant_gradients(name: str, base, inputs, backend: str) -> dict[str, torch.
     if name != "eager":
         for block in blocks:
             block.compile(backend="aot_eager" if name == "aot-eager" else backend)
-    contexts = {"moe-eager": moe_layers_eager, "deterministic": deterministic_algorithms}
+    contexts = {"moe-eager": moe_layers_eager, "deterministic": deterministic_algorithms,
+                "all-blocks-poisoned": poisoned_allocator}
     with contexts.get(name, contextlib.nullcontext)():
         grads = gradients(model, inputs, bf16=True, passes=1 if name == "all-blocks-first-pass" else 2)
     torch._dynamo.reset()
@@ -98,7 +114,9 @@ def relative_errors(got: dict, truth: dict) -> dict[str, float]:
 def summary(errors: dict[str, float]) -> dict:
     ordered = sorted(errors.items(), key=lambda item: -item[1])
     values = sorted(errors.values())
-    return {"worst": ordered[0][1], "median": values[len(values) // 2], "furthest": dict(ordered[:4])}
+    non_finite = [name for name, error in errors.items() if not math.isfinite(error)]
+    return {"worst": ordered[0][1], "median": values[len(values) // 2], "furthest": dict(ordered[:4]),
+            "non_finite": non_finite}
 
 
 def main() -> None:
@@ -118,12 +136,13 @@ def main() -> None:
     base, inputs = build(device, SIZES["toy" if args.toy else "gpu"])
     truth = gradients(copy.deepcopy(base), inputs, bf16=False)
     results = {**run_header(device), "backend": backend, "model": MODEL, "variants": {}}
-    print(f"{'variant':18s} {'worst':>9s} {'median':>9s}  furthest off")
+    print(f"{'variant':22s} {'worst':>9s} {'median':>9s}  furthest off")
     for name in variants:
         row = summary(relative_errors(variant_gradients(name, base, inputs, backend), truth))
         results["variants"][name] = row
         furthest = " ".join(f"{n}={e:.1e}" for n, e in list(row["furthest"].items())[:3])
-        print(f"{name:18s} {row['worst']:9.2e} {row['median']:9.2e}  {furthest}", flush=True)
+        nan = f"  non-finite: {len(row['non_finite'])}" if row["non_finite"] else ""
+        print(f"{name:22s} {row['worst']:9.2e} {row['median']:9.2e}  {furthest}{nan}", flush=True)
     write_json(args.out, results)
 
 
