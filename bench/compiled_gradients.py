@@ -34,7 +34,7 @@ from dyad.service import build_model
 MODEL = ["llm.dim=256", "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.expert_dim=128", "llm.moe.shared_expert_dim=32"]
 SIZES = {"gpu": dict(batch=8, seq=256, image_rows=64), "toy": dict(batch=2, seq=24, image_rows=6)}
 VARIANTS = ["eager", "first-block", "last-block", "all-blocks", "all-blocks-again", "all-blocks-first-pass",
-            "all-blocks-poisoned", "moe-eager", "deterministic", "aot-eager"]
+            "all-blocks-poisoned", "all-blocks-zeroed", "moe-eager", "deterministic", "aot-eager"]
 
 
 def build(device: str, size: dict):
@@ -60,17 +60,28 @@ def gradients(model, inputs, bf16: bool, passes: int = 2) -> dict[str, torch.Ten
     return {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@contextlib.contextmanager
-def poisoned_allocator():
-    """The CUDA caching allocator's free blocks hold NaN: a kernel that reads memory nobody wrote
-    makes non-finite gradients."""
+def fill_free_memory(value: float) -> None:
+    """Leave `value` in the CUDA caching allocator's free blocks, small and large."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        small = [torch.full((256,), float("nan"), device="cuda") for _ in range(20000)]  # the small-block pool
-        large = [torch.full((2**28,), float("nan"), device="cuda") for _ in range(8)]  # 8 GiB of large blocks
+        small = [torch.full((256,), value, device="cuda") for _ in range(20000)]  # the small-block pool
+        large = [torch.full((2**28,), value, device="cuda") for _ in range(8)]  # 8 GiB of large blocks
         torch.cuda.synchronize()
         del small, large
+
+
+@contextlib.contextmanager
+def poisoned_allocator():
+    """Free memory holds NaN: a kernel that reads memory nobody wrote makes non-finite gradients."""
+    fill_free_memory(float("nan"))
+    yield
+
+
+@contextlib.contextmanager
+def zeroed_allocator():
+    """Free memory holds zeros: if reading unwritten memory is the error, it goes away here."""
+    fill_free_memory(0.0)
     yield
 
 
@@ -100,7 +111,7 @@ def variant_gradients(name: str, base, inputs, backend: str) -> dict[str, torch.
         for block in blocks:
             block.compile(backend="aot_eager" if name == "aot-eager" else backend)
     contexts = {"moe-eager": moe_layers_eager, "deterministic": deterministic_algorithms,
-                "all-blocks-poisoned": poisoned_allocator}
+                "all-blocks-poisoned": poisoned_allocator, "all-blocks-zeroed": zeroed_allocator}
     with contexts.get(name, contextlib.nullcontext)():
         grads = gradients(model, inputs, bf16=True, passes=1 if name == "all-blocks-first-pass" else 2)
     torch._dynamo.reset()
