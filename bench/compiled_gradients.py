@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import math
 import os
 
@@ -60,8 +61,11 @@ def gradients(model, inputs, bf16: bool, passes: int = 2) -> dict[str, torch.Ten
     return {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def fill_free_memory(value: float) -> None:
-    """Leave `value` in the CUDA caching allocator's free blocks, small and large."""
+@contextlib.contextmanager
+def free_memory_filled(value: float):
+    """Leave `value` in the CUDA caching allocator's free blocks, small and large: with NaN, a
+    kernel that reads memory nobody wrote makes non-finite gradients; with zeros, such a read
+    would go unseen."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -69,19 +73,6 @@ def fill_free_memory(value: float) -> None:
         large = [torch.full((2**28,), value, device="cuda") for _ in range(8)]  # 8 GiB of large blocks
         torch.cuda.synchronize()
         del small, large
-
-
-@contextlib.contextmanager
-def poisoned_allocator():
-    """Free memory holds NaN: a kernel that reads memory nobody wrote makes non-finite gradients."""
-    fill_free_memory(float("nan"))
-    yield
-
-
-@contextlib.contextmanager
-def zeroed_allocator():
-    """Free memory holds zeros: if reading unwritten memory is the error, it goes away here."""
-    fill_free_memory(0.0)
     yield
 
 
@@ -111,7 +102,8 @@ def variant_gradients(name: str, base, inputs, backend: str) -> dict[str, torch.
         for block in blocks:
             block.compile(backend="aot_eager" if name == "aot-eager" else backend)
     contexts = {"moe-eager": moe_layers_eager, "deterministic": deterministic_algorithms,
-                "all-blocks-poisoned": poisoned_allocator, "all-blocks-zeroed": zeroed_allocator}
+                "all-blocks-poisoned": functools.partial(free_memory_filled, float("nan")),
+                "all-blocks-zeroed": functools.partial(free_memory_filled, 0.0)}
     with contexts.get(name, contextlib.nullcontext)():
         grads = gradients(model, inputs, bf16=True, passes=1 if name == "all-blocks-first-pass" else 2)
     torch._dynamo.reset()

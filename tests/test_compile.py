@@ -8,6 +8,8 @@ checked on a GPU in bf16, where they round differently: within bf16 tolerances.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -146,9 +148,7 @@ def test_inductor_blocks_gradients_are_as_close_to_float32_as_eager_bf16s_on_a_g
     bf16 gradients on a GPU"; `bench/compiled_gradients.py` measures the variants."""
     config = resolved_config(["llm.dim=256", "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.expert_dim=128"])
     reference = build_model(config, "llm", "cuda")
-    eager, compiled = build_model(config, "llm", "cuda"), build_model(config, "llm", "cuda")
-    eager.load_state_dict(reference.state_dict())
-    compiled.load_state_dict(reference.state_dict())
+    eager, compiled = copy.deepcopy(reference), copy.deepcopy(reference)
     compile_blocks(compiled)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(config.llm.vocab_size, (8, 256), generator=generator).cuda()
