@@ -26,6 +26,7 @@ from kernel_timeline import write_timeline  # beside this script
 from run_info import bench_device, run_header, write_json  # beside this script
 from torch import nn
 
+from dyad import inductor_reloads
 from dyad.kernels import expert_weight_grads
 from dyad.kernels.fp8 import forget_quantized, fp8_grouped_mm
 from dyad.kernels.gated_experts import gated_experts
@@ -212,10 +213,12 @@ def hf_layer(dim, hidden, experts, top_k):
 
 def compiled(make):
     """The layer `make` builds, compiled whole with torch.compile (inductor), as train.compile
-    compiles each block and torchtitan's --compile each of its blocks."""
+    compiles each block (with its barrier before reloads, dyad/inductor_reloads.py) and
+    torchtitan's --compile each of its blocks."""
 
     def make_compiled(dim, hidden, experts, top_k):
         layer = make(dim, hidden, experts, top_k)
+        inductor_reloads.install()
         layer.compile()
         return layer
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dyad import inductor_reloads
+
 
 def compile_backends() -> list[str]:
     """Every backend torch.compile knows, the debugging ones ("aot_eager") included."""
@@ -40,24 +42,15 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
-    """Compile every transformer block of `model` in place; returns how many."""
+    """Compile every transformer block of `model` in place; returns how many. With inductor,
+    its Triton kernels first get a barrier before reloading what they stored
+    (`dyad/inductor_reloads.py`: without it the LLM's compiled bf16 gradients were wrong)."""
+    if backend == "inductor":
+        inductor_reloads.install()
     blocks = transformer_blocks(model)
     for block in blocks:
         block.compile(backend=backend)
     return len(blocks)
-
-
-def gradient_error_warning(model: nn.Module, backend: str) -> str | None:
-    """What is known to be wrong where this model's blocks compile, or None. On an H200 with
-    torch 2.11, inductor-compiled LLM blocks (a dense and an MoE block both compiled) gave bf16
-    gradients 10-50 % off float32 where eager bf16's are 1.2 % off: docs/performance.md,
-    "Compiled bf16 gradients on a GPU", measured by `bench/compiled_gradients.py`."""
-    on_cuda = any(p.is_cuda for p in model.parameters())
-    if backend != "inductor" or not on_cuda or not any(getattr(b, "is_moe", False) for b in transformer_blocks(model)):
-        return None
-    return ("train.compile: on an H200 (torch 2.11) the LLM's bf16 gradients with inductor-compiled blocks were "
-            "measured 10-50 % off float32, eager bf16's 1.2 % (docs/performance.md, 'Compiled bf16 gradients on a "
-            "GPU'); check this GPU with bench/compiled_gradients.py before trusting a compiled run")
 
 
 def log_recompiles() -> None:

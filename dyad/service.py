@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dyad.checkpoint import restore_pool, save_pool
-from dyad.compile import compile_blocks, gradient_error_warning, log_recompiles
+from dyad.compile import compile_blocks, log_recompiles
 from dyad.config import RunConfig
 from dyad.data import make_dataset
 from dyad.init import init_parameters
@@ -110,8 +110,6 @@ class PoolService(ABC):
         if config.train.compile:
             compile_blocks(self.model, config.train.compile_backend)
             log_recompiles()
-            if warning := gradient_error_warning(self.model, config.train.compile_backend):
-                log.warning(warning)
         self.optimizer = build_optimizer(trained_parameters(self.model), config.train)
         if self.working_weights:
             self.working_weights.refresh_after_each_step(self.optimizer)

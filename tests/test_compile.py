@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dyad import config as config_lib
-from dyad.compile import compile_blocks, gradient_error_warning, log_recompiles, transformer_blocks
+from dyad.compile import compile_blocks, log_recompiles, transformer_blocks
 from dyad.service import build_model
 from tests.tiny_models import (
     assert_short_run_matches_single_process,
@@ -122,17 +122,6 @@ def test_inductor_blocks_match_eager_in_bf16_on_a_gpu():
         assert error < 5e-2, f"{name}: relative error {float(error):.3g}"
 
 
-def test_the_known_gpu_gradient_error_is_named_where_it_was_measured_only():
-    """Inductor on CUDA, LLM blocks: the worker logs the measured error; elsewhere nothing."""
-    config = resolved_config()
-    assert gradient_error_warning(build_model(config, "llm"), "inductor") is None  # on the CPU
-    if CUDA:
-        warning = gradient_error_warning(build_model(config, "llm", "cuda"), "inductor")
-        assert warning and "bench/compiled_gradients.py" in warning
-        assert gradient_error_warning(build_model(config, "llm", "cuda"), "aot_eager") is None
-        assert gradient_error_warning(build_model(config, "encoder", "cuda"), "inductor") is None
-
-
 def _worst_error(grads, truth) -> tuple[float, str]:
     errors = {n: float((grads[n].float() - g).norm() / g.norm().clamp_min(1e-12)) for n, g in truth.items()}
     name = max(errors, key=errors.get)
@@ -143,10 +132,14 @@ def _worst_error(grads, truth) -> tuple[float, str]:
 def test_inductor_blocks_gradients_are_as_close_to_float32_as_eager_bf16s_on_a_gpu():
     """2,048 tokens through a dense and an MoE block, both compiled, in a later step (the first
     compiles): no parameter's bf16 gradient is further from its float32 one than twice eager
-    bf16's worst. Fails on an H200 with torch 2.11 (0.14-0.50 against eager's 0.012; one block
-    compiled, or the MoE layers left out of the graphs, 0.012): docs/performance.md, "Compiled
-    bf16 gradients on a GPU"; `bench/compiled_gradients.py` measures the variants."""
-    config = resolved_config(["llm.dim=256", "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.expert_dim=128"])
+    bf16's worst. Failed on an H200 with torch 2.11 (0.14-0.50 against eager's 0.012) until
+    compile_blocks added a barrier before inductor's kernels reload what they stored
+    (dyad/inductor_reloads.py): docs/performance.md, "Compiled bf16 gradients on a GPU". With the
+    barrier it passed there without the shared expert, and the benchmark measured this model at
+    0.0119 (eager 0.0119); with the shared expert the test itself has not run on a GPU yet."""
+    config = resolved_config(
+        ["llm.dim=256", "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.expert_dim=128", "llm.moe.shared_expert_dim=32"]
+    )  # bench/compiled_gradients.py's model, where plain inductor's error showed in every run
     reference = build_model(config, "llm", "cuda")
     eager, compiled = copy.deepcopy(reference), copy.deepcopy(reference)
     compile_blocks(compiled)
