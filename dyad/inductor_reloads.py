@@ -3,9 +3,9 @@
 Inductor fuses a looped reduction and the pointwise work that needs its result into one kernel:
 the first loop stores a row's values (when a later kernel needs them too) and reduces them, the
 second loop loads them back and uses the reduction. Inductor assumes each thread loads back what
-it stored itself. Triton does not promise that: it picks each load's and store's thread layout on
-its own (by element width, among others), so another thread may store the value a thread loads,
-and nothing orders the two. On an H200 with torch 2.11 this happened in the MoE block's backward
+it stored itself. Triton does not promise that: it may give a load and the store before it
+different thread layouts, so that another thread stores the value a thread loads, and nothing
+orders the two (what the measurements below show; a barrier makes them right). On an H200 with torch 2.11 this happened in the MoE block's backward
 (the ffn norm's backward fused with the residual and the experts' gathered input gradients):
 relaunched alone on the same inputs the kernel's results were 1e-2 apart with its stored buffer
 zeroed first and 5e7 apart with it filled with 1e4, and the LLM's compiled bf16 gradients were
@@ -13,8 +13,9 @@ zeroed first and 5e7 apart with it filled with 1e4, and the LLM's compiled bf16 
 GPU"). `tl.debug_barrier()` (a CTA-wide barrier, which also orders the threads' global memory
 accesses) before such a load makes every thread's stores visible to it.
 
-`install()` wraps inductor's Triton kernel codegen `load` (process-wide, idempotent) and tags
-inductor's graph cache key, so graphs compiled without the barrier are not reused. Loads served
+`install()` wraps inductor's Triton kernel codegen `load` (process-wide, idempotent) and, where no
+other post-grad pass is set, tags inductor's graph cache key, so graphs compiled without the
+barrier are not reused. Loads served
 from inductor's store cache (the same loop, the value still in registers) are untouched.
 """
 
