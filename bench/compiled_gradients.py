@@ -7,9 +7,10 @@ parameters that are furthest off.
 Found on an H200 (torch 2.11): with every block compiled by inductor the gradients are 10-50 %
 off while eager bf16 is 1.2 % off; with one block compiled, with the MoE layers left out of the
 compiled graphs, or under torch.use_deterministic_algorithms they were as close as eager's in
-single runs, by chance (docs/performance.md, "Compiled bf16 gradients on a GPU"). The cause: a fused looped-reduction
-kernel of the MoE block's backward loads back a buffer it stored, and its threads do not all see
-the stores; `dyad-compile` is train.compile's path, with the barrier dyad/inductor_reloads.py adds.
+single runs, by chance (docs/performance.md, "Compiled bf16 gradients on a GPU"). The cause: a
+fused looped-reduction kernel of the MoE block's backward loads back a buffer it stored, and its
+threads do not all see the stores; `dyad-compile` is train.compile's path, with the barrier
+dyad/inductor_reloads.py adds.
 
     python bench/compiled_gradients.py --out $OUT/compiled_gradients.json   # on a GPU host
     python bench/compiled_gradients.py --toy                                # CPU, tiny (CI)

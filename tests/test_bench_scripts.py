@@ -35,7 +35,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
         ("fp8_convergence.py", []),
         ("worker_threads.py", []),
         ("checkpoint_io.py", []),
-        ("compiled_gradients.py", ["--variants", "eager,all-blocks,moe-eager"]),
+        ("compiled_gradients.py", ["--variants", "eager,all-blocks,moe-eager,dyad-compile"]),
     ],
 )
 def test_bench_script_runs_at_toy_size(tmp_path, script, args):
