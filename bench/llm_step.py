@@ -13,6 +13,10 @@ retries.
 
     python bench/llm_step.py --out $OUT/llm_step.json [--profile-dir $OUT]
     python bench/llm_step.py --toy                       # CPU, tiny (CI)
+    python bench/llm_step.py --variants bf16-2mb-x4-compiled --without-reload-barrier
+
+`--without-reload-barrier` compiles the blocks without dyad/inductor_reloads.py's barrier, only to
+measure what the barrier costs: without it the compiled bf16 gradients can be wrong on a GPU.
 
 MFU = (6 x active non-embedding parameters + 12 x layers x dim x sequence) x tokens / step time /
 peak, with the peak 989 TFLOP/s (H100/H200 dense bf16, as the issue counts). Active parameters:
@@ -31,6 +35,7 @@ import torch
 from moe_layer import median_ms, write_kernel_table  # beside this script
 from run_info import bench_device, run_header, write_json  # beside this script
 
+from dyad import inductor_reloads
 from dyad.compile import compile_blocks
 from dyad.kernels.fp8 import compile_quantization
 from dyad.llm_service.config import LLMConfig, MoEConfig
@@ -178,14 +183,18 @@ def main() -> None:
     parser.add_argument("--variants", help="comma-separated names from VARIANTS (default: all; on CPU the eager ones)")
     parser.add_argument("--out")
     parser.add_argument("--profile-dir", help="GPU: a kernel table of each variant's step is written here")
+    parser.add_argument("--without-reload-barrier", action="store_true",
+                        help="compiled blocks without the barrier before reloads (its cost; gradients can be wrong)")
     args = parser.parse_args()
+    if args.without_reload_barrier:
+        inductor_reloads.install = lambda: None  # compile_blocks calls it through the module
     device = bench_device(args.toy)
     spec = CONFIGS["toy" if device == "cpu" else "1b-active"]
     cfg, S, N = spec["llm"], spec["seq"], spec["image_rows"]
     active = active_parameters(cfg)
     flops_per_token = 6 * active + 12 * cfg.n_layers * cfg.dim * S
     result = {
-        **run_header(device),
+        **run_header(device), "reload_barrier": not args.without_reload_barrier,
         "active_params": active, "seq": S, "image_rows": N, "variants": {},
     }
     eager = [name for name in VARIANTS if not needs_compiler(name)]
