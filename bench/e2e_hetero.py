@@ -6,8 +6,8 @@ per sample, the ~1B-active MoE LLM of bench/llm_step.py), run
 Same global batch (so the same math): `--global-batch` samples a step (16 unless set), eight in
 every layout's LLM microbatch, so more samples mean more microbatches a step. Reports tokens/s,
 model TFLOP/s per GPU, and the LLM's exposed boundary wait as a share of the step (its GPU's idle
-time while its worker waited for rows, `dyad/exposed_wait.py`; likewise the encoder's for
-gradients); keeps each run's metrics; rewrites --out after each layout.
+time while its worker waited for rows, `dyad/exposed_wait.py`; of it, the wait for the step's
+first microbatch, the pipeline's fill; likewise the encoder's for gradients); keeps each run's metrics; rewrites --out after each layout.
 
 Workloads (--workload): `vit-l-448-merge2` (default; InternVL-like: a ViT-L/14 at 448 pixels, 1,024
 patches per image, 2 x 2 patches merged into each of 256 LLM tokens), where the encoder's share
@@ -164,6 +164,7 @@ def summarize(config, records: list[dict], gpus: int, skip: int, profiled: int |
                 "tokens_per_s": metrics["tokens_per_s"],
                 "tflops_per_gpu": flops / metrics["step_time_s"] / gpus / 1e12,
                 "llm_wait_share": metrics["llm_wait_s"] / metrics["step_time_s"],
+                "llm_fill_wait_share": metrics["llm_fill_wait_s"] / metrics["step_time_s"],
                 "encoder_wait_share": metrics["encoder_wait_s"] / metrics["step_time_s"],
                 "images": images,
                 "tokens": metrics["tokens"],
@@ -207,14 +208,15 @@ def run_layout(
 
 def print_table(results: dict[str, dict]) -> None:
     print(
-        f"{'layout':24s} {'step s':>7s} {'tokens/s':>9s} {'TFLOP/s/GPU':>12s} {'LLM wait':>9s} {'enc wait':>9s}"
+        f"{'layout':24s} {'step s':>7s} {'tokens/s':>9s} {'TFLOP/s/GPU':>12s} {'LLM wait':>9s} {'of it fill':>10s}"
+        f" {'enc wait':>9s}"
         f" {'LLM GB':>7s} {'enc GB':>7s}"
     )
     for name, r in results.items():
         if "error" not in r:
             print(
                 f"{name:24s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['tflops_per_gpu']:12.1f} "
-                f"{r['llm_wait_share']:9.1%} {r['encoder_wait_share']:9.1%}"
+                f"{r['llm_wait_share']:9.1%} {r['llm_fill_wait_share']:10.1%} {r['encoder_wait_share']:9.1%}"
                 f" {r['llm_peak_memory_gb']:7.1f} {r['encoder_peak_memory_gb']:7.1f}"
             )
 

@@ -19,12 +19,13 @@ import torch
 
 
 class ExposedWait:
-    """Per step: `with wait.measuring(): <wait for data>` around each wait, `seconds()` once
-    the step's work has been waited for (it reads the events: a host sync on CUDA)."""
+    """Per step: `with wait.measuring(): <wait for data>` around each wait, `seconds()` or
+    `each_seconds()` once the step's work has been waited for (they read the events: a host sync
+    on CUDA)."""
 
     def __init__(self, device: torch.device | str):
         self.on_gpu = torch.device(device).type == "cuda"
-        self.host_s = 0.0  # read on a CPU only
+        self.host_s: list[float] = []  # each wait's host time, read on a CPU only
         self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextlib.contextmanager
@@ -34,7 +35,7 @@ class ExposedWait:
             try:
                 yield
             finally:
-                self.host_s += time.perf_counter() - began
+                self.host_s.append(time.perf_counter() - began)
             return
         before = _recorded_event()
         try:
@@ -44,11 +45,15 @@ class ExposedWait:
 
     def seconds(self) -> float:
         """The device's idle time over every wait so far (the host's waiting time on a CPU)."""
+        return sum(self.each_seconds())
+
+    def each_seconds(self) -> list[float]:
+        """The device's idle time in each wait so far, in the order waited (host time on a CPU)."""
         if not self.on_gpu:
-            return self.host_s
+            return list(self.host_s)
         if self.marks:
             self.marks[-1][1].synchronize()  # recorded last, so it completes last
-        return sum(before.elapsed_time(after) for before, after in self.marks) / 1e3
+        return [before.elapsed_time(after) / 1e3 for before, after in self.marks]
 
 
 def _recorded_event() -> torch.cuda.Event:

@@ -101,6 +101,7 @@ class LLMWorker(PoolService):
         update_expert_biases(self.model, group=self.groups.group("world"))
         for sent in sends:
             sent.result()
+        waited = waits.each_seconds()
         return pb.StepResult(
             step=command.step,
             grad_sq_norm=grad_sq_norm,
@@ -108,7 +109,8 @@ class LLMWorker(PoolService):
             aux_loss=float(aux_sum),
             boundary_bytes_sent=bytes_sent,
             boundary_bytes_received=bytes_received,
-            boundary_wait_s=waits.seconds(),
+            boundary_wait_s=sum(waited),
+            boundary_fill_wait_s=waited[0] if waited else 0.0,
             peak_memory_gb=self.peak_memory_gb(),
         )
 

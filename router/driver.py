@@ -379,6 +379,7 @@ class RunDriver:
         lm_loss = sum(r.lm_loss_sum for r in llm)
         aux_loss = sum(r.aux_loss for r in llm)
         elapsed = time.perf_counter() - started
+        slowest = max(llm, key=lambda r: r.boundary_wait_s, default=None)  # the LLM rank that waited longest
         return pb.StepMetrics(
             step=step,
             loss=lm_loss + aux_loss,
@@ -393,7 +394,8 @@ class RunDriver:
             boundary_bytes_fwd=sum(r.boundary_bytes_sent for r in encoder),
             boundary_bytes_bwd=sum(r.boundary_bytes_sent for r in llm),
             encoder_wait_s=max((r.boundary_wait_s for r in encoder), default=0.0),
-            llm_wait_s=max((r.boundary_wait_s for r in llm), default=0.0),
+            llm_wait_s=slowest.boundary_wait_s if slowest else 0.0,
+            llm_fill_wait_s=slowest.boundary_fill_wait_s if slowest else 0.0,
             encoder_imbalance=plan.encoder_imbalance,
             encoder_peak_memory_gb=max((r.peak_memory_gb for r in encoder), default=0.0),
             llm_peak_memory_gb=max((r.peak_memory_gb for r in llm), default=0.0),

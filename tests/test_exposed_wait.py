@@ -23,6 +23,16 @@ def test_on_a_cpu_every_wait_counts_whole():
     assert 0.04 <= waits.seconds() < 0.5
 
 
+def test_each_wait_is_counted_apart_in_order():
+    waits = ExposedWait("cpu")
+    for pause in (0.05, 0.01):
+        with waits.measuring():
+            time.sleep(pause)
+    first, second = waits.each_seconds()
+    assert 0.05 <= first < 0.5 and 0.01 <= second < first
+    assert waits.seconds() == first + second
+
+
 def _busy_for_about(seconds: float) -> None:
     """Queue roughly `seconds` of matmuls on the current stream, timed once first."""
     a = torch.randn(4096, 4096, device="cuda")
@@ -53,3 +63,16 @@ def test_a_wait_on_an_idle_gpu_costs_its_length():
         time.sleep(0.05)
     _busy_for_about(0.05)  # work after the wait is not counted
     assert 0.045 <= waits.seconds() < 0.09
+
+
+@needs_cuda
+def test_on_a_gpu_each_wait_is_its_own_idle_time():
+    waits = ExposedWait("cuda")
+    torch.cuda.synchronize()
+    with waits.measuring():
+        time.sleep(0.05)  # the GPU is idle: the whole wait counts
+    _busy_for_about(0.2)
+    with waits.measuring():
+        time.sleep(0.05)  # the GPU is busy: nothing counts
+    idle, hidden = waits.each_seconds()
+    assert 0.045 <= idle < 0.09 and hidden < 0.005

@@ -119,6 +119,7 @@ def _assert_boundary_metrics_follow_the_plans(config, dataset, job: JobResult) -
             assert metrics["boundary_bytes_fwd"] == plan.bytes_forward, metrics
             assert metrics["boundary_bytes_bwd"] == plan.bytes_backward, metrics
             assert metrics["encoder_wait_s"] >= 0 and metrics["llm_wait_s"] >= 0, metrics
+            assert 0 <= metrics["llm_fill_wait_s"] <= metrics["llm_wait_s"], metrics
 
 
 def test_comparison_detects_a_different_loss(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 from dyad.router.launcher import _Adopted  # polls a process by pid, zombies as gone
 
 REQUIRED = {"step", "loss", "lm_loss", "aux_loss", "tokens", "step_time_s", "tokens_per_s",
-            "boundary_bytes_fwd", "boundary_bytes_bwd", "encoder_wait_s", "llm_wait_s",
+            "boundary_bytes_fwd", "boundary_bytes_bwd", "encoder_wait_s", "llm_wait_s", "llm_fill_wait_s",
             "encoder_peak_memory_gb", "llm_peak_memory_gb"}
 
 
