@@ -34,14 +34,17 @@ def test_each_wait_is_counted_apart_in_order():
 
 
 def _busy_for_about(seconds: float) -> None:
-    """Queue roughly `seconds` of matmuls on the current stream, timed once first."""
+    """Queue roughly `seconds` of matmuls on the current stream, timed first (after a warm-up
+    matmul: the process's first one also pays for cuBLAS's set-up, which made one look long)."""
     a = torch.randn(4096, 4096, device="cuda")
+    a @ a
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    a @ a
+    for _ in range(4):
+        a @ a
     end.record()
     end.synchronize()
-    one_s = max(start.elapsed_time(end) / 1e3, 1e-5)
+    one_s = max(start.elapsed_time(end) / 4e3, 1e-5)
     for _ in range(int(seconds / one_s) + 1):
         a @ a
 
