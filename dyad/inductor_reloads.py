@@ -13,10 +13,16 @@ zeroed first and 5e7 apart with it filled with 1e4, and the LLM's compiled bf16 
 GPU"). `tl.debug_barrier()` (a CTA-wide barrier, which also orders the threads' global memory
 accesses) before such a load makes every thread's stores visible to it.
 
-`install()` wraps inductor's Triton kernel codegen `load` (process-wide, idempotent) and, where no
-other post-grad pass is set, tags inductor's graph cache key, so graphs compiled without the
-barrier are not reused. Loads served
-from inductor's store cache (the same loop, the value still in registers) are untouched.
+Which loads: those of the kernel's output buffers (stored before any load of them: an output is
+registered by its store), and those of an in-place buffer (`in_out_ptr`, an input the kernel
+overwrites) after the kernel has stored to it; the first load of an in-place buffer, of the input
+it still holds, needs none. No race was seen through an in-place buffer; the rule is the same
+memory ordering, so it covers them too.
+
+`install()` wraps inductor's Triton kernel codegen `load`, `store` and `store_reduction`
+(process-wide, idempotent) and, where no other post-grad pass is set, tags inductor's graph cache
+key, so graphs compiled without the barrier are not reused. Loads served from inductor's store
+cache (the same loop, the value still in registers) are untouched.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ def install() -> None:
     from torch._inductor.codegen.triton import TritonKernel
 
     TritonKernel.load = with_barrier_before_reloads(TritonKernel.load)
+    TritonKernel.store = remembering_inplace_stores(TritonKernel.store)
+    TritonKernel.store_reduction = remembering_inplace_stores(TritonKernel.store_reduction)
     if inductor_config.post_grad_custom_post_pass is None:
         inductor_config.post_grad_custom_post_pass = _cache_tag()
 
@@ -50,10 +58,39 @@ def with_barrier_before_reloads(load):
     return load_after_barrier
 
 
+def remembering_inplace_stores(store):
+    """`store` (a Triton kernel codegen's `store(kernel, name, index, value, ...)` or
+    `store_reduction`), noting which in-place buffers the kernel has stored to."""
+
+    @functools.wraps(store)
+    def store_and_remember(kernel, name, *args, **kwargs):
+        result = store(kernel, name, *args, **kwargs)
+        inplace = _inplace_arg(kernel, name)
+        if inplace is not None:
+            kernel.__dict__.setdefault("_dyad_stored_inplace", set()).add(inplace)
+        return result
+
+    return store_and_remember
+
+
 def reloads_own_store(kernel, name: str) -> bool:
     """Whether `kernel` loads `name` from memory after storing it itself (the store cache, which
     serves loads in the same loop from registers, is consulted before this load is reached)."""
-    return name in kernel.args.output_buffers
+    if name in kernel.args.output_buffers:
+        return True
+    inplace = _inplace_arg(kernel, name)
+    return inplace is not None and inplace in kernel.__dict__.get("_dyad_stored_inplace", ())
+
+
+def _inplace_arg(kernel, name: str) -> str | None:
+    """The `in_out_ptr` argument that holds `name`, if the kernel holds it in place (every name
+    of one in-place buffer maps to its one argument)."""
+    from torch._inductor.virtualized import V
+
+    scheduler = getattr(V.graph, "scheduler", None)  # as KernelArgs does: a mutation's real buffer
+    if scheduler is not None:
+        name = scheduler.mutation_real_name.get(name, name)
+    return getattr(kernel.args.inplace_buffers.get(name), "inner_name", None)
 
 
 def _cache_tag():
@@ -66,6 +103,6 @@ def _cache_tag():
             pass
 
         def uuid(self) -> str:
-            return "dyad.inductor_reloads: barrier before reloading an own store, v1"
+            return "dyad.inductor_reloads: barrier before reloading an own store, in-place ones too, v2"
 
     return ReloadBarrierTag()
