@@ -7,7 +7,8 @@ Same global batch (so the same math): `--global-batch` samples a step (16 unless
 every layout's LLM microbatch, so more samples mean more microbatches a step. Reports tokens/s,
 model TFLOP/s per GPU, and the LLM's exposed boundary wait as a share of the step (its GPU's idle
 time while its worker waited for rows, `dyad/exposed_wait.py`; of it, the wait for the step's
-first microbatch, the pipeline's fill; likewise the encoder's for gradients); keeps each run's metrics; rewrites --out after each layout.
+first microbatch, the pipeline's fill; likewise the encoder's for gradients); keeps each run's
+metrics; rewrites --out after each layout.
 
 Workloads (--workload): `vit-l-448-merge2` (default; InternVL-like: a ViT-L/14 at 448 pixels, 1,024
 patches per image, 2 x 2 patches merged into each of 256 LLM tokens), where the encoder's share
