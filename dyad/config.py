@@ -145,6 +145,11 @@ class RouterConfig:
     # router's heartbeat replies tell it)
     abort_grace_s: float = 1.0
     max_recoveries: int = 3  # recoveries from lost workers before the run fails
+    # Send the next step's command with this step's update (not after every worker has applied
+    # it), so that each worker starts the next step as soon as its own update is queued: the
+    # encoder's first microbatch overlaps the LLM's update. Never where a checkpoint or a
+    # resize falls between the two steps (those wait for the step boundary).
+    send_ahead: bool = True
 
     def __post_init__(self) -> None:
         for name in (

@@ -18,11 +18,12 @@ from dyad import config as config_lib
 from dyad.clipping import clip_scale
 from dyad.layout import POOLS
 from dyad.router import checkpoints
+from dyad.router.boundary import BoundaryPlan
 from dyad.router.checkpoints import Committed
 from dyad.router.launcher import Launcher, WorkerSpec
 from dyad.router.run import Run, worker_key
 from dyad.router.sampler import Cursor
-from dyad.router.steps import StepPlanner, step_command
+from dyad.router.steps import StepPlanner, StepSpec, step_command
 from dyad.ucx_progress import worker_progress_env
 from dyad.wire import POOL_ENUMS, as_dict, pb
 
@@ -40,6 +41,15 @@ class RunAborted(RuntimeError):
 
 class WorkerLost(RuntimeError):
     """A worker died, hung, went silent or failed: the run can recover from a checkpoint."""
+
+
+@dataclass
+class SentStep:
+    """A step whose command has gone out: what it trains on, and when its time began."""
+
+    spec: StepSpec
+    plan: BoundaryPlan
+    started: float  # time.perf_counter()
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,8 @@ class RunDriver:
         self.commits = checkpoints.BackgroundCommits()
         self.step = 0
         self.planner = StepPlanner(run.config, dataset)
+        self._ahead: SentStep | None = None  # the next step, sent with this one's update
+        self._early: list[pb.WorkerResult] = []  # results of it that came before their collection
 
     @property
     def config(self):
@@ -172,6 +184,7 @@ class RunDriver:
     def _continue_from(self, committed: Committed | None) -> None:
         self.committed = self.written = committed
         self.step = committed.step if committed else 0
+        self._ahead, self._early = None, []  # a step sent ahead is the last generation's
         self.run.continue_from(self.step)
         cursor = committed.cursor if committed else Cursor()
         self.planner = StepPlanner(self.config, self.dataset, cursor)
@@ -339,6 +352,8 @@ class RunDriver:
         resize waits for the checkpoint's commit: pools restarted while its files were being
         synced took 9 s longer to start (one run on two H200s, docs/resilience.md)."""
         self._commit_if_synced()
+        if self._ahead is not None:  # the next step is already out: the requests wait for its end
+            return
         resizes = self.run.take_scale_requests()
         if resizes or self.run.checkpoint_requested.is_set():
             self.run.checkpoint_requested.clear()
@@ -361,24 +376,29 @@ class RunDriver:
     # ------------------------------------------------------------------ one step
 
     def _train_step(self, step: int) -> tuple[pb.StepMetrics, list[int]]:
-        """The step's metrics, and the samples it trained on."""
-        started = time.perf_counter()
-        spec = self.planner.next(step)
-        plan = self.planner.boundary_plan(spec)
-        command = step_command(spec, plan, self.config.encoder.tokens_per_image)
-        self.run.send(pb.WorkerCommand(step=command))
+        """The step's metrics, and the samples it trained on. The step's command may have gone
+        out with the last step's update (`router.send_ahead`); the next one may go out with this
+        step's."""
+        sent = self._ahead if self._ahead is not None and self._ahead.spec.step == step else self._send_step(step)
+        self._ahead = None
+        spec, plan = sent.spec, sent.plan
         results = self._collect("step", lambda result: result.step == step)
 
         total_sq = sum(r.grad_sq_norm for r in results.values())
         grad_scale = clip_scale(total_sq, self.config.train.grad_clip)
         self.run.send(pb.WorkerCommand(apply=pb.ApplyCommand(step=step, grad_scale=grad_scale)))
+        if self._may_send_ahead(step + 1):
+            self._ahead = self._send_step(step + 1)
         self._collect("apply", lambda result: result.step == step)
+        ended = time.perf_counter()
+        if self._ahead is not None:  # the next step's time counts from here: none is counted twice
+            self._ahead.started = ended
 
         llm = [r for (pool, _), r in results.items() if pool == "llm"]
         encoder = [r for (pool, _), r in results.items() if pool == "encoder"]
         lm_loss = sum(r.lm_loss_sum for r in llm)
         aux_loss = sum(r.aux_loss for r in llm)
-        elapsed = time.perf_counter() - started
+        elapsed = ended - sent.started
         slowest = max(llm, key=lambda r: r.boundary_wait_s, default=None)  # the LLM rank that waited longest
         return pb.StepMetrics(
             step=step,
@@ -401,14 +421,51 @@ class RunDriver:
             llm_peak_memory_gb=max((r.peak_memory_gb for r in llm), default=0.0),
         ), [s for microbatch in spec.microbatches for s in microbatch]
 
+    def _send_step(self, step: int) -> SentStep:
+        started = time.perf_counter()
+        spec = self.planner.next(step)
+        plan = self.planner.boundary_plan(spec)
+        self.run.send(pb.WorkerCommand(step=step_command(spec, plan, self.config.encoder.tokens_per_image)))
+        return SentStep(spec, plan, started)
+
+    def _may_send_ahead(self, step: int) -> bool:
+        """Whether `step` may go out before the step before it is applied everywhere: not when
+        something waits for the boundary between them (a checkpoint, periodic, requested or the
+        final one; a resize). A request that comes after it went out waits one step more."""
+        if not self.config.router.send_ahead or step >= self.config.train.steps:
+            return False
+        interval = self.config.checkpoint.interval_steps
+        if interval and step % interval == 0:
+            return False
+        return not (self.run.checkpoint_requested.is_set() or self.run.has_scale_requests())
+
     # ------------------------------------------------------------------ waiting
 
     def _collect(self, kind: str, matches) -> dict[tuple[str, int], object]:
-        """One `kind` result of this generation from every worker, or WorkerLost/RunAborted."""
+        """One `kind` result of this generation from every worker, or WorkerLost/RunAborted. A
+        result of a step sent ahead that comes meanwhile (a worker with no part in it finishes at
+        once) is kept for the next collection."""
         pending = set(self.run.registered())
         generation = self.run.generation
         deadline = time.monotonic() + self.config.router.step_timeout_s
         results = {}
+        early, self._early = self._early, []
+
+        def take(result: pb.WorkerResult) -> None:
+            if result.generation != generation:
+                return
+            key = worker_key(result.worker)
+            which = result.WhichOneof("result")
+            if which == "error":
+                _raise_failure(key, result, f"its {kind}")
+            if which == kind and key in pending and matches(getattr(result, kind)):
+                results[key] = getattr(result, kind)
+                pending.discard(key)
+            elif which == "step" and result.step.step > self.step:
+                self._early.append(result)
+
+        for result in early:
+            take(result)
         while pending:
             self._check_stop()
             self._check_alive()
@@ -419,18 +476,9 @@ class RunDriver:
                     f"router.step_timeout_s={self.config.router.step_timeout_s} (hung?)"
                 )
             try:
-                result = self.run.results.get(timeout=_POLL_S)
+                take(self.run.results.get(timeout=_POLL_S))
             except queue.Empty:
                 continue
-            if result.generation != generation:
-                continue
-            key = worker_key(result.worker)
-            which = result.WhichOneof("result")
-            if which == "error":
-                _raise_failure(key, result, f"its {kind}")
-            if which == kind and key in pending and matches(getattr(result, kind)):
-                results[key] = getattr(result, kind)
-                pending.discard(key)
         return results
 
     def _check_stop(self) -> None:

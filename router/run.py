@@ -227,6 +227,10 @@ class Run:
             config_lib.scaled(self.config, name, replicas)  # refuse now what cannot run
             self._scale_requests[name] = replicas
 
+    def has_scale_requests(self) -> bool:
+        with self._lock:
+            return bool(self._scale_requests)
+
     def take_scale_requests(self) -> dict[str, int]:
         with self._lock:
             requests, self._scale_requests = self._scale_requests, {}

@@ -117,6 +117,7 @@ def _driver_with(result: pb.WorkerResult | None, *, reported=None, dead=()) -> R
     )
     driver = object.__new__(RunDriver)  # only the waiting is under test
     driver.run, driver.launcher = run, SimpleNamespace(dead=lambda: list(dead))
+    driver.step, driver._early = 0, []
     return driver
 
 
