@@ -18,7 +18,11 @@
 #   32 and 64 samples: on H100s it runs out of memory there (docs/performance.md, "More
 #   microbatches a step"); BATCH_DP2=homogeneous-colocated-recompute-encoder runs the dp2 that
 #   fits them (its encoder's blocks recomputing).
-# BANDWIDTH_LIMIT, E2E_LIMIT and BATCH_LIMIT (each e2e-batches invocation) are the parts' limits in seconds.
+# e2e-560: heterogeneous against dp2 at 560 pixels and 64 samples a step, the encoder two and
+#   three rounds ahead (`boundary.prefetch_depth`): the comparisons of docs/performance.md's
+#   "Three rounds ahead" table in five invocations (that table's ran one by one, in the order
+#   it lists); each writes $OUT/e2e-560-<n>-<layout>-d<rounds>.json.
+# BANDWIDTH_LIMIT, E2E_LIMIT and BATCH_LIMIT (each e2e-batches and e2e-560 invocation) are the parts' limits in seconds.
 # The GPU hosts lack ucxx and the router's grpcio-tools, grpcio-health-checking and prometheus-client:
 # fetch them here with ../shared/gpu/fetch-wheels.sh grpcio-tools==1.84.0 grpcio-health-checking==1.84.0
 # prometheus-client, install them there first (without grpc_health the router exits at start).
@@ -51,7 +55,15 @@ for name in "${parts[@]}"; do
             done
             first=("${first[1]}" "${first[0]}")
         done ;;
-    *) echo "unknown part $name (bandwidth, e2e, e2e-batches)" >&2; exit 2 ;;
+    e2e-560)
+        n=0
+        for run in homogeneous-colocated:2 heterogeneous:2 heterogeneous:3 homogeneous-colocated:3 heterogeneous:3; do
+            n=$((n + 1)); layout=${run%:*}; rounds=${run#*:}
+            part "e2e-560-$n-$layout-d$rounds" "${BATCH_LIMIT:-200}" python3 bench/e2e_hetero.py --compile \
+                --workload vit-l-560-merge2 --global-batch 64 --steps 14 --skip 4 --layouts "$layout" \
+                --set boundary.prefetch_depth="$rounds" --out "$OUT/e2e-560-$n-$layout-d$rounds.json" ${E2E_ARGS:-}
+        done ;;
+    *) echo "unknown part $name (bandwidth, e2e, e2e-batches, e2e-560)" >&2; exit 2 ;;
     esac
 done
 # one archive: the lent hosts return a limited number of files
