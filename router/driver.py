@@ -379,7 +379,7 @@ class RunDriver:
         """The step's metrics, and the samples it trained on. The step's command may have gone
         out with the last step's update (`router.send_ahead`); the next one may go out with this
         step's."""
-        sent = self._ahead if self._ahead is not None and self._ahead.spec.step == step else self._send_step(step)
+        sent = self._ahead or self._send_step(step)  # sent ahead: always this step (reset on every rewind)
         self._ahead = None
         spec, plan = sent.spec, sent.plan
         results = self._collect("step", lambda result: result.step == step)
