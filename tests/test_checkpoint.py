@@ -314,8 +314,12 @@ def _other_layout_body(rank, world_size, tmp):
 
     groups = ProcessGroups.build(LLMLayout())
     save_pool(tmp, "llm", *moe("separate"), groups, step=1)
-    with pytest.raises(ValueError, match=r"has no model\.moe\.w13_ED2F.*written for another model"):
+    with pytest.raises(ValueError, match=r"has no model\.moe\.w13_ED2F.*written for another model.*"
+                                         r"set llm\.moe\.gate_up=separate to resume it"):
         restore_pool(tmp, "llm", *moe("interleaved"), groups)
+    save_pool(tmp, "llm", *moe("interleaved"), groups, step=2)
+    with pytest.raises(ValueError, match=r"has no model\.moe\.w1_EDF.*set llm\.moe\.gate_up=interleaved"):
+        restore_pool(tmp, "llm", *moe("separate"), groups)
 
 
 def test_a_checkpoint_of_another_expert_layout_is_refused_naming_the_tensor(tmp_path):

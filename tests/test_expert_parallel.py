@@ -36,7 +36,7 @@ from tests.distributed import run_distributed
 GRIDS = {4: [(4, 1), (2, 2), (2, 1)], 8: [(8, 1), (4, 2), (2, 2)]}  # (ep, etp)
 DIM, NUM_EXPERTS = 8, 8
 CFG = MoEConfig(num_experts=NUM_EXPERTS, top_k=2, expert_dim=16, shared_expert_dim=8)
-INTERLEAVED_CFG = dataclasses.replace(CFG, gate_up="interleaved")
+SEPARATE_CFG = dataclasses.replace(CFG, gate_up="separate")  # CFG's default: "interleaved"
 ROUTINGS = ("router", "one_expert", "k1", "kE")  # "router": the layer routes (top_k=2)
 TOP_K = {"one_expert": 1, "k1": 1, "kE": NUM_EXPERTS}
 
@@ -209,7 +209,7 @@ def _check_parity(grid: Grid, kind: str, rank: int, world: int, reference) -> No
         par.zero_grad(set_to_none=True)
         parallelize_moe(par, ep_group=grid.ep_group, etp_group=grid.etp_group, dispatcher=dispatcher)
         num_local = NUM_EXPERTS // grid.ep
-        assert par.w1_EDF.shape == (num_local, DIM, CFG.expert_dim // grid.etp), what
+        assert par.w13_ED2F.shape == (num_local, DIM, 2 * CFG.expert_dim // grid.etp), what
         assert par.w2_EFD.shape == (num_local, CFG.expert_dim // grid.etp, DIM), what
         y_TD, x_grad, gates_grad = _forward_backward(par, kind, x_TD, gates_TK, expert_idx_TK, upstream_TD)
         _close(y_TD, y_ref[_token_rows(rank)], f"{what}: output")
@@ -245,15 +245,17 @@ def _check_token_split(grid: Grid, split_axis: str, rank: int) -> None:
         _check_grads(par, full, grid, 2, what)
 
 
-def _check_interleaved_gate_up(grid: Grid, rank: int, world: int) -> None:
-    """w1 and w3 as one interleaved weight: etp's column slices keep every (gate, up) pair whole."""
-    full = _full_layer(INTERLEAVED_CFG)
+def _check_separate_gate_up(grid: Grid, rank: int, world: int) -> None:
+    """w1 and w3 as two weights (the parity checks above run the default, one interleaved weight
+    whose column slices keep every (gate, up) pair whole)."""
+    full = _full_layer(SEPARATE_CFG)
     y_ref, x_grad_ref, _ = _forward_backward(full, "router", *_global_inputs("router", world))
-    what = f"ep{grid.ep} etp{grid.etp} interleaved gate-up"
+    what = f"ep{grid.ep} etp{grid.etp} separate gate-up"
     par = copy.deepcopy(full)
     par.zero_grad(set_to_none=True)
     parallelize_moe(par, ep_group=grid.ep_group, etp_group=grid.etp_group)
-    assert par.w13_ED2F.shape == (NUM_EXPERTS // grid.ep, DIM, 2 * CFG.expert_dim // grid.etp), what
+    for name in ("w1_EDF", "w3_EDF"):
+        assert getattr(par, name).shape == (NUM_EXPERTS // grid.ep, DIM, CFG.expert_dim // grid.etp), what
     x_TD, gates_TK, expert_idx_TK, upstream_TD = (t[_token_rows(rank)] for t in _global_inputs("router", world))
     y_TD, x_grad, _ = _forward_backward(par, "router", x_TD, gates_TK, expert_idx_TK, upstream_TD)
     _close(y_TD, y_ref[_token_rows(rank)], f"{what}: output")
@@ -284,7 +286,7 @@ def _all_checks(rank: int, world: int) -> None:
     if world == 4:
         _check_token_split(grids[2, 1], "ep", rank)
         _check_token_split(grids[2, 2], "etp", rank)
-        _check_interleaved_gate_up(grids[2, 2], rank, world)
+        _check_separate_gate_up(grids[2, 2], rank, world)
         _check_config_errors(grids)
 
 
@@ -310,7 +312,7 @@ def test_split_sizes_match_tensor_split():
 def test_expert_param_names():
     model = nn.ModuleDict({"embed": nn.Linear(DIM, DIM), "blocks": nn.ModuleList([_full_layer(), _full_layer()])})
     names = expert_param_names(model)
-    assert names == {f"blocks.{i}.{n}" for i in range(2) for n in ("w1_EDF", "w3_EDF", "w2_EFD")}
+    assert names == {f"blocks.{i}.{n}" for i in range(2) for n in ("w13_ED2F", "w2_EFD")}
     assert names <= dict(model.named_parameters()).keys()
-    interleaved = nn.ModuleDict({"moe": _full_layer(INTERLEAVED_CFG)})
-    assert expert_param_names(interleaved) == {"moe.w13_ED2F", "moe.w2_EFD"}
+    separate = nn.ModuleDict({"moe": _full_layer(SEPARATE_CFG)})
+    assert expert_param_names(separate) == {"moe.w1_EDF", "moe.w3_EDF", "moe.w2_EFD"}

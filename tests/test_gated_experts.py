@@ -16,13 +16,20 @@ from dyad.llm_service.fp8 import convert_to_fp8
 from dyad.llm_service.moe import MoELayer
 from tests.parity import relative_error
 
-CFG = MoEConfig(num_experts=4, top_k=2, expert_dim=24, aux_loss_coef=0.01)
+CFG = MoEConfig(num_experts=4, top_k=2, expert_dim=24, aux_loss_coef=0.01, gate_up="separate")
 DIM = 16
 
 
 def interleave_gate_up(w1_EDF: torch.Tensor, w3_EDF: torch.Tensor) -> torch.Tensor:
     """The [E, D, 2F] weight whose column pairs are (w1's column, w3's column)."""
     return torch.stack([w1_EDF, w3_EDF], dim=-1).flatten(-2)
+
+
+def gate_and_up(layer: MoELayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w1_EDF, w3_EDF) of either layout: views of w13's (gate, up) columns when interleaved."""
+    if layer.cfg.gate_up == "interleaved":
+        return layer.w13_ED2F[..., 0::2], layer.w13_ED2F[..., 1::2]
+    return layer.w1_EDF, layer.w3_EDF
 
 
 def _layers(cfg: MoEConfig = CFG, dim: int = DIM) -> tuple[MoELayer, MoELayer]:

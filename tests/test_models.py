@@ -14,6 +14,7 @@ from dyad.llm_service.config import LLMConfig, MoEConfig
 from dyad.llm_service.model import MoELM, caption_loss_sum, greedy_next_token
 from dyad.llm_service.moe import MoELayer, SwiGLU
 from tests.distributed import run_distributed
+from tests.test_gated_experts import gate_and_up
 
 V = 37
 
@@ -138,6 +139,7 @@ def test_encoder_rejects_wrong_image_shape():
 def _looped_moe(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
     """Token by token: route, run each chosen expert densely, add gated outputs."""
     cfg = layer.cfg
+    w1_EDF, w3_EDF = gate_and_up(layer)
     outputs = []
     for x_D in x_TD:
         scores_E = torch.softmax(layer.router.weight @ x_D, dim=-1)
@@ -146,7 +148,7 @@ def _looped_moe(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
             gates_K = gates_K / gates_K.sum()
         y_D = torch.zeros_like(x_D)
         for gate, e in zip(gates_K, idx_K.tolist()):
-            h_F = F.silu(x_D @ layer.w1_EDF[e]) * (x_D @ layer.w3_EDF[e])
+            h_F = F.silu(x_D @ w1_EDF[e]) * (x_D @ w3_EDF[e])
             y_D = y_D + gate * (h_F @ layer.w2_EFD[e])
         if layer.shared_expert is not None:
             y_D = y_D + layer.shared_expert(x_D)
@@ -156,7 +158,8 @@ def _looped_moe(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "overrides",
-    [dict(), dict(top_k=1), dict(top_k=4), dict(norm_topk_prob=False), dict(shared_expert_dim=12)],
+    [dict(), dict(top_k=1), dict(top_k=4), dict(norm_topk_prob=False), dict(shared_expert_dim=12),
+     dict(gate_up="separate")],
 )
 def test_moe_grouped_matches_looped_experts(overrides):
     torch.manual_seed(0)
@@ -180,8 +183,9 @@ def test_single_expert_top1_equals_dense_swiglu():
     layer = _moe(dim=8, num_experts=1, top_k=1, expert_dim=16)
     dense = SwiGLU(8, 16)
     with torch.no_grad():
-        dense.w1.weight.copy_(layer.w1_EDF[0].T)
-        dense.w3.weight.copy_(layer.w3_EDF[0].T)
+        w1_EDF, w3_EDF = gate_and_up(layer)
+        dense.w1.weight.copy_(w1_EDF[0].T)
+        dense.w3.weight.copy_(w3_EDF[0].T)
         dense.w2.weight.copy_(layer.w2_EFD[0].T)
     x_TD = torch.randn(9, 8)
     y_TD, aux = layer(x_TD)
@@ -225,7 +229,8 @@ def test_moe_with_idle_experts_and_no_tokens():
     y_TD, aux = layer(x_TD)
     assert layer.last_expert_counts_E.tolist() == [0, 0, 6, 0]
     (y_TD.sum() + aux).backward()
-    assert not layer.w1_EDF.grad[[0, 1, 3]].any() and layer.w1_EDF.grad[2].any()
+    for w in layer.expert_weights():
+        assert not w.grad[[0, 1, 3]].any() and w.grad[2].any()
 
     empty = torch.zeros(0, 8, requires_grad=True)
     y_TD, aux = layer(empty)
@@ -412,7 +417,7 @@ def test_init_llm_and_encoder_by_name():
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(pa, pb), name
     assert (a.layers[1].ffn_norm.weight == 1).all() and (a.norm.weight == 1).all()
-    w = a.layers[1].feed_forward.w1_EDF
+    w = a.layers[1].feed_forward.w13_ED2F
     assert abs(w.std().item() - 0.02) < 0.002
     assert not torch.equal(a.output.weight, a.tok_embeddings.weight)  # same shape, other name
 

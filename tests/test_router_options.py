@@ -14,6 +14,7 @@ from dyad.llm_service.config import LLMConfig, MoEConfig
 from dyad.llm_service.model import MoELM
 from dyad.llm_service.moe import MoELayer, update_expert_biases
 from tests.distributed import run_distributed
+from tests.test_gated_experts import gate_and_up
 
 E = 8
 
@@ -251,20 +252,21 @@ def test_no_capacity_equals_huge_capacity_and_dropped_outputs_vanish():
         x = x_TD.clone().requires_grad_()
         y, aux = layer(x)
         (y.square().sum() + aux).backward()
-        ys.append((y, x.grad, layer.w1_EDF.grad))
+        ys.append((y, x.grad, layer.w2_EFD.grad))
     for a, b in zip(ys[0], ys[1]):
         assert torch.equal(a, b)
     _, gates, idx = tight.route(x_TD)
     dropped = gates == 0
     assert dropped.any()
     # A looped reference over the kept assignments only.
+    w1_EDF, w3_EDF = gate_and_up(tight)
     with torch.no_grad():
         for t in range(10):
             y_D = torch.zeros(E)
             for k in range(2):
                 if not dropped[t, k]:
                     e = int(idx[t, k])
-                    h = torch.nn.functional.silu(x_TD[t] @ tight.w1_EDF[e]) * (x_TD[t] @ tight.w3_EDF[e])
+                    h = torch.nn.functional.silu(x_TD[t] @ w1_EDF[e]) * (x_TD[t] @ w3_EDF[e])
                     y_D += gates[t, k] * (h @ tight.w2_EFD[e])
             torch.testing.assert_close(ys[2][0][t], y_D)
     # An assignment that is dropped gets no gradient: an expert all of whose assignments were
@@ -277,7 +279,8 @@ def test_no_capacity_equals_huge_capacity_and_dropped_outputs_vanish():
     y, _ = layer(x)
     y.sum().backward()
     assert layer.route(x)[1][:, 0].nonzero().flatten().tolist() == [0]
-    assert layer.w1_EDF.grad[4].any() and not layer.w1_EDF.grad[6].any()
+    for w in layer.expert_weights():
+        assert w.grad[4].any() and not w.grad[6].any()
 
 
 # ---- aux losses ----------------------------------------------------------------------------------
