@@ -7,6 +7,10 @@ and Hugging Face transformers' Qwen3-MoE sparse block, same shapes, same run, bf
     python bench/moe_layer.py --interleave --head-start --layers dyad,torchtitan-0.3.0   # in turn, also host ahead
     python bench/moe_layer.py --toy                             # CPU, tiny shape (CI)
 
+`dyad` is the layer with w1 and w3 as two weights (`llm.moe.gate_up: separate`), the name kept so
+that earlier results compare; the LLM service's default since 2026-11-29 is
+`dyad-gate-up-interleaved`'s layout (`interleaved`).
+
 Also times the grouped-matmul ceiling of each shape (the three expert GEMMs forward and backward
 on perfectly balanced routing, nothing else) and reports each layer's share of it. Peers that
 are not installed are reported as such. Prints a table; writes JSON.

@@ -33,8 +33,8 @@ class MoEConfig:
     # "interleaved": w1 and w3 as one [E, D, 2F] weight (w13_ED2F) of (gate, up) column pairs, so
     # that one grouped GEMM computes both up-projections and, on Hopper GPUs with QuACK installed,
     # SwiGLU runs in the expert GEMMs' epilogues (kernels/gated_experts.py). "separate": two
-    # weights, w1_EDF and w3_EDF. The same function, another parameter layout; interleaved is
-    # faster or level in every measured configuration (docs/performance.md).
+    # weights, w1_EDF and w3_EDF. The same function, another parameter layout; interleaved was the
+    # faster one in every configuration measured on an H200 (docs/performance.md).
     gate_up: str = "interleaved"
 
     def __post_init__(self):

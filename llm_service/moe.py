@@ -24,9 +24,10 @@ Padding (valid_T False) is still routed, but is left out of the load-balancing s
 z-loss and the expert counts. Each assignment is computed: copies of the tokens are permuted to
 expert-major order, run through the stacked expert weights with one grouped matmul per
 projection, and summed back weighted by the gates (`routed_experts`, the seam that expert
-parallelism overrides). With gate_up "interleaved", w1 and w3 are one weight of (gate, up) column
-pairs, w13_ED2F, and one grouped matmul computes both up-projections; on Hopper GPUs with QuACK
-installed, SwiGLU then runs in the expert GEMMs' epilogues (kernels/gated_experts.py).
+parallelism overrides). With gate_up "interleaved" (the default), w1 and w3 are one weight of
+(gate, up) column pairs, w13_ED2F, and one grouped matmul computes both up-projections; on Hopper
+GPUs with QuACK installed, SwiGLU then runs in the expert GEMMs' epilogues
+(kernels/gated_experts.py). With "separate" they are two weights, w1_EDF and w3_EDF.
 
 Expert bias: training forwards (grad enabled) add their real tokens' assignments to
 `expert_counts_E`; `update_expert_biases(model, group)`, once per global batch before the
