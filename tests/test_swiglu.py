@@ -86,7 +86,8 @@ def test_cuda_float32_takes_the_reference():
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_fused_swiglu_of_pairs_is_the_fused_swiglu_of_the_halves(dtype):
-    """The same kernels reading every second element: bitwise the two-tensor kernels' results."""
+    """The pair kernels (each pair loaded contiguously, split in registers) share the two-tensor
+    kernels' math: bitwise their results."""
     torch.manual_seed(4)
     h1, h3, grad = (torch.randn(3, 1031, 777, device="cuda") * 4).to(dtype).unbind(0)
     pairs = _pairs_forward_and_grad(swiglu_lib.swiglu_pairs, interleave_gate_up(h1, h3), grad)
