@@ -41,8 +41,9 @@ def ops(device: str, shape: tuple) -> dict:
         "expert_counts": lambda: moe_permute.expert_counts(flat_N, experts),
         "cumsum to int32": lambda: torch.cumsum(small, 0, dtype=torch.int32),
     }
-    if device == "cuda":  # the Triton launch alone, no autograd
+    if device == "cuda":  # the Triton launches alone, no autograd
         rows["fused_logits (one Triton launch)"] = lambda: moe_router.fused_logits(x_TD, w_ED)
+        rows["expert_plan (one Triton launch)"] = lambda: moe_permute.expert_plan(flat_N, experts)
     return rows
 
 

@@ -15,6 +15,10 @@ read and 1.9 GB written backward, on the Mixtral-like layer):
   and h3 first;
 - backward, QuACK's `gemm_dact` computes dg = dy @ w2^T and from it and h13 the gradient of h13
   and g = silu(h1) * h3 again (for w2's weight gradient) in its epilogue.
+Without autotuning the forward GEMM launches through QuACK's prepared launch (`EpiPlan`, one per
+metadata class: shapes, strides, dtypes), the kernel and configuration `gemm_act` picks, without
+its per-call resolution: the launch is the last host work before the layer's first expert GEMM
+starts, while a step that starts from an idle GPU waits for it.
 The other GEMMs stay PyTorch's: the down-projection and the input gradient are CUTLASS grouped
 GEMMs (faster here than QuACK's plain ones), and the weight gradients are added into `.grad` by
 one cuBLAS GEMM per expert on the side streams of `expert_weight_grads`, with the same conditions
@@ -53,7 +57,9 @@ def gated_experts(x_ND, w13_ED2F, w2_EFD, offs_E, matmul, autotune: bool = False
     owners = _gradient_owner(w13_ED2F), _gradient_owner(w2_EFD)
     if not _fused_applies(x_c, w13_c, w2_c, owners):
         return gated_experts_reference(x_ND, w13_ED2F, w2_EFD, offs_E, matmul)
-    return _GatedExperts.apply(x_c, w13_c.detach(), w2_c.detach(), offs_E.to(torch.int32), owners, autotune)
+    # The owners are inputs so that autograd records the node (and calls its backward) also when
+    # x does not require a gradient; the node returns none for them and adds into their .grad.
+    return _GatedExperts.apply(x_c, *owners, w13_c.detach(), w2_c.detach(), offs_E.to(torch.int32), autotune)
 
 
 def _fused_applies(x_ND, w13_ED2F, w2_EFD, owners) -> bool:
@@ -86,13 +92,49 @@ def _row_starts(offs_E: torch.Tensor) -> torch.Tensor:
     return F.pad(offs_E, (1, 0))
 
 
+def gated_up_projection(x_ND, w13_ED2F, starts_E1, autotune: bool = False):
+    """(h13_N2F, g_NF): QuACK's `gemm_act(x, w13, activation="swiglu")` per row block (starts_E1:
+    the blocks' first rows and the end). Without `autotune`, through the prepared launch."""
+    if autotune:
+        gemm_act, _ = _quack()
+        return gemm_act(x_ND, w13_ED2F, activation="swiglu", cu_seqlens_m=starts_E1, tuned=True)
+    (N, _), two_F = x_ND.shape, w13_ED2F.shape[-1]
+    out = {
+        "D": torch.empty(N, two_F, dtype=x_ND.dtype, device=x_ND.device),
+        "mAuxOut": torch.empty(N, two_F // 2, dtype=x_ND.dtype, device=x_ND.device),
+    }
+    plan = _up_projection_plan(x_ND, w13_ED2F, starts_E1, out)
+    semaphore = torch.zeros(1, dtype=torch.int32, device=x_ND.device) if plan.config.is_dynamic_persistent else None
+    plan.run(x_ND, w13_ED2F, None, out=out, cu_seqlens_m=starts_E1, tile_count_semaphore=semaphore)
+    return out["D"], out["mAuxOut"]
+
+
+_PLANS_KEPT = 64  # metadata classes (each new row count is one); the oldest are dropped beyond
+_up_projection_plans: dict = {}
+
+
+def _up_projection_plan(x_ND, w13_ED2F, starts_E1, out):
+    """QuACK's EpiPlan of gemm_act's SwiGLU epilogue for these operands' metadata, made (and, the
+    first time, compiled) on first sight with the configuration gemm_act takes untuned."""
+    key = tuple((t.dtype, tuple(t.shape), t.stride(), t.device) for t in (x_ND, w13_ED2F, starts_E1))
+    plan = _up_projection_plans.get(key)
+    if plan is None:
+        from quack.epilogue.library import linear_act_mod
+
+        mod = linear_act_mod("swiglu", gated=True, has_c=False, has_rowvec=False, has_colvec=False)
+        plan = mod.plan(x_ND, w13_ED2F, None, out=out, cu_seqlens_m=starts_E1)
+        if len(_up_projection_plans) >= _PLANS_KEPT:
+            _up_projection_plans.pop(next(iter(_up_projection_plans)))
+        _up_projection_plans[key] = plan
+    return plan
+
+
 class _GatedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, w13_ED2F, w2_EFD, offs_E, owners, autotune):
-        gemm_act, _ = _quack()
+    def forward(ctx, x_ND, w13_owner, w2_owner, w13_ED2F, w2_EFD, offs_E, autotune):
         starts_E1 = _row_starts(offs_E)
-        h13_N2F, g_NF = gemm_act(x_ND, w13_ED2F, activation="swiglu", cu_seqlens_m=starts_E1, tuned=autotune)
-        ctx.owners, ctx.autotune = owners, autotune
+        h13_N2F, g_NF = gated_up_projection(x_ND, w13_ED2F, starts_E1, autotune)
+        ctx.owners, ctx.autotune = (w13_owner, w2_owner), autotune
         ctx.row_ends = RowEndsOnHost(offs_E)
         ctx.save_for_backward(x_ND, h13_N2F, w13_ED2F, w2_EFD, offs_E, starts_E1)
         return F.grouped_mm(g_NF, w2_EFD, offs=offs_E)
@@ -114,6 +156,8 @@ class _GatedExperts(torch.autograd.Function):
         sides = _side_streams_after_current(x_ND.device)
         w13_owner, w2_owner = ctx.owners
         add_weight_grads(w2_owner, g_NF, grad_ND, ends, sides)
-        grad_x = F.grouped_mm(grad_h13_N2F, w13_ED2F.transpose(-2, -1), offs=offs_E)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = F.grouped_mm(grad_h13_N2F, w13_ED2F.transpose(-2, -1), offs=offs_E)
         add_weight_grads(w13_owner, x_ND, grad_h13_N2F, ends, sides)
-        return grad_x, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dyad.kernels import fp8
-from dyad.kernels.gated_experts import gated_experts, gated_experts_reference
+from dyad.kernels.gated_experts import gated_experts, gated_experts_reference, gated_up_projection
 from dyad.kernels.grouped_mm import grouped_mm
 from dyad.llm_service.config import MoEConfig
 from dyad.llm_service.fp8 import convert_to_fp8
@@ -140,3 +140,44 @@ def test_cuda_fused_gate_gemms_agree_with_the_plain_path(autotune):
         fused_err, plain_err = ((f - e).norm() / e.norm()).item(), ((p - e).norm() / e.norm()).item()
         assert fused_err < 1e-2 and plain_err < 1e-2, f"{name}: fused {fused_err:.2e}, plain {plain_err:.2e}"
         assert fused_err < 2 * plain_err, f"{name}: fused {fused_err:.2e} against plain {plain_err:.2e}"
+
+
+@pytest.mark.skipif(_fused_available() is not None, reason=str(_fused_available()))
+@pytest.mark.parametrize("counts", [[300, 0, 129, 211], [64, 64, 64, 64], [0, 0, 5, 0]])
+def test_cuda_prepared_up_projection_is_gemm_act_bit_for_bit(counts):
+    """The forward GEMM through QuACK's prepared launch writes what `gemm_act` writes, on the
+    first call of a shape (which prepares it) and on the next (which reuses it)."""
+    from quack.gemm_interface import gemm_act
+
+    torch.manual_seed(len(counts) + sum(counts))
+    E, D, F = len(counts), 256, 384
+    starts_E1 = torch.tensor([0] + counts, device="cuda").cumsum(0).to(torch.int32)
+    w13 = (torch.randn(E, D, 2 * F, device="cuda") * 0.05).to(torch.bfloat16)
+    for _ in range(2):
+        x = torch.randn(sum(counts), D, device="cuda", dtype=torch.bfloat16)
+        h13, g = gated_up_projection(x, w13, starts_E1)
+        h13_ref, g_ref = gemm_act(x, w13, activation="swiglu", cu_seqlens_m=starts_E1, tuned=False)
+        assert torch.equal(h13, h13_ref)
+        assert torch.equal(g, g_ref)
+
+
+@pytest.mark.skipif(_fused_available() is not None, reason=str(_fused_available()))
+def test_cuda_fused_path_adds_weight_gradients_when_its_input_needs_none():
+    """A layer whose input needs no gradient (frozen layers before it, a data tensor) still gets
+    its expert weights' gradients from the fused path, those of the plain path within bf16."""
+    torch.manual_seed(0)
+    E, D, F, counts = 4, 256, 384, [100, 3, 0, 153]
+    offs_E = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    x = torch.randn(sum(counts), D, device="cuda", dtype=torch.bfloat16)
+    w13 = (torch.randn(E, D, 2 * F, device="cuda") * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(E, F, D, device="cuda") * 0.05).to(torch.bfloat16)
+    upstream = torch.randn(sum(counts), D, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for fn in (gated_experts, gated_experts_reference):
+        w13i, w2i = w13.clone().requires_grad_(), w2.clone().requires_grad_()
+        fn(x, w13i, w2i, offs_E, grouped_mm).backward(upstream)
+        torch.cuda.synchronize()
+        grads.append((w13i.grad, w2i.grad))
+    for name, fused, plain in zip(("w13", "w2"), *grads):
+        assert fused is not None, f"{name}: no gradient from the fused path"
+        assert relative_error(fused.float(), plain.float(), norm="fro") < 1e-2, name

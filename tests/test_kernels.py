@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 
 from dyad.kernels.grouped_mm import grouped_mm, grouped_mm_reference, supports_fast_path
 from dyad.kernels.moe_permute import (
+    expert_counts,
+    expert_plan,
     inverse_permutation,
     permute,
     permute_reference,
@@ -148,6 +150,24 @@ def test_stable_expert_order_is_the_int64_stable_argsort(num_ids, device):
     ids[:2], ids[2:4] = num_ids - 1, 0  # both ends of the range
     ids = ids.to(device)
     assert torch.equal(stable_expert_order(ids, num_ids), torch.argsort(ids, stable=True))
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize(
+    "N,E", [(0, 4), (1, 1), (6, 4), (4095, 3), (4096, 8), (16_384, 8), (32_768, 128), (40_001, 64), (9000, 256)]
+)
+def test_expert_plan_is_the_stable_order_and_the_counts(N, E, device):
+    """The one-launch plan on CUDA (one block of ids, several, a partial last one; experts left
+    empty; and past its size limit, the plain ops) gives the stable argsort and the counts, the
+    plain path's values, bit for bit."""
+    g = torch.Generator().manual_seed(N + E)
+    ids = torch.randint(0, max(1, E - 1), (N,), generator=g)  # the last expert gets none...
+    ids[: min(N, 2)] = E - 1  # ...but for these two
+    ids = ids.to(device)
+    order, counts = expert_plan(ids, E)
+    assert order.dtype == counts.dtype == torch.long
+    assert torch.equal(order, torch.argsort(ids, stable=True))
+    assert torch.equal(counts, expert_counts(ids, E))
 
 
 @pytest.mark.parametrize("device", _DEVICES)
