@@ -109,26 +109,47 @@ def test_cuda_weight_grads_are_complete_on_the_current_stream_when_backward_retu
     assert torch.equal(seen_at_return, w.grad)
 
 
-@needs_cuda
-def test_cuda_moe_layer_gradients_match_autograds_over_two_microbatches():
-    """The whole layer under bf16 autocast with float32 weights, as training runs it: every
-    parameter's gradient after two microbatches matches the layer with autograd's weight gradients."""
+def _layer_gradients(expert_matmul, gate_up, dtype=None):
+    """Every parameter's gradient of a float32 MoE layer after two microbatches (the second
+    accumulating) under bf16 autocast, as training runs it; float32 math with `dtype` float32."""
     from dyad.llm_service.config import MoEConfig
     from dyad.llm_service.moe import MoELayer
 
-    def gradients(expert_matmul):
-        torch.manual_seed(3)
-        layer = MoELayer(256, MoEConfig(num_experts=4, top_k=2, expert_dim=512, aux_loss_coef=0.01)).cuda()
-        layer.expert_matmul = expert_matmul
-        for microbatch in range(2):
-            x = torch.randn(1024, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(microbatch))
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                y, aux = layer(x)
-            (y.float().square().mean() + aux).backward()
-        return {name: p.grad for name, p in layer.named_parameters()}
+    torch.manual_seed(3)
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_dim=512, aux_loss_coef=0.01, gate_up=gate_up)
+    layer = MoELayer(256, cfg).cuda()
+    layer.expert_matmul = expert_matmul
+    for microbatch in range(2):
+        x = torch.randn(1024, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(microbatch))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype is None):
+            y, aux = layer(x)
+        (y.float().square().mean() + aux).backward()
+    return {name: p.grad for name, p in layer.named_parameters()}
 
-    fused, plain = gradients(expert_weight_grads.expert_grouped_mm), gradients(grouped_mm)
+
+@needs_cuda
+def test_cuda_moe_layer_gradients_match_autograds_over_two_microbatches():
+    """With w1 and w3 apart (the GEMMs that add into `.grad` and nothing else changed): every
+    parameter's gradient matches the layer with autograd's weight gradients within bf16 rounding."""
+    fused = _layer_gradients(expert_weight_grads.expert_grouped_mm, "separate")
+    plain = _layer_gradients(grouped_mm, "separate")
     assert fused.keys() == plain.keys()
     for name in fused:
         error = (fused[name] - plain[name]).norm() / plain[name].norm()
         assert error < 2**-8, f"{name}: relative error {error.item():.3g} beyond bf16 rounding"
+
+
+@needs_cuda
+def test_cuda_interleaved_moe_layer_gradients_over_two_microbatches():
+    """w1 and w3 as one weight, the input needing no gradient: every parameter gets one, and the
+    layer's path (with QuACK installed, SwiGLU in the GEMMs' epilogues, its product rounded once)
+    is within bf16 error of float32 math and no further from it than autograd's plain bf16 path."""
+    fused = _layer_gradients(expert_weight_grads.expert_grouped_mm, "interleaved")
+    plain = _layer_gradients(grouped_mm, "interleaved")
+    exact = _layer_gradients(grouped_mm, "interleaved", torch.float32)
+    for name, e in exact.items():
+        assert fused[name] is not None, f"{name}: no gradient"
+        fused_err = ((fused[name] - e).norm() / e.norm()).item()
+        plain_err = ((plain[name] - e).norm() / e.norm()).item()
+        assert fused_err < 1e-2 and plain_err < 1e-2, f"{name}: fused {fused_err:.2e}, plain {plain_err:.2e}"
+        assert fused_err < 2 * plain_err, f"{name}: fused {fused_err:.2e} against plain {plain_err:.2e}"
