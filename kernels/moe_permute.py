@@ -16,11 +16,10 @@ of its programs reads every id, so its time grows with the assignments (on an H2
 `_PLAN_MAX_ROWS` the plain ops run.
 """
 
-import functools
-
 import torch
 
 from dyad.kernels.token_rows import gathered_sum, scaled_scatter_and_dots
+from dyad.kernels.triton_modules import triton_module
 
 _PLAN_BLOCK = 4096  # ids per step of a plan program; its scan runs over one block
 _PLAN_MAX_ROWS = 32_768  # about where the plain ops get faster on the GPU (between 16k and 131k measured)
@@ -66,16 +65,9 @@ def _plan_kernel_applies(flat_expert_N: torch.Tensor) -> bool:
     )
 
 
-@functools.cache
 def _kernels():
     """The Triton kernel (`kernels/moe_permute_triton.py`), or None without Triton."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return None
-    from dyad.kernels import moe_permute_triton
-
-    return moe_permute_triton
+    return triton_module("moe_permute_triton")
 
 
 def permute(

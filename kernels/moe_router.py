@@ -26,13 +26,13 @@ the math, so they keep computing exactly what they computed before).
 
 from __future__ import annotations
 
-import functools
 from collections import namedtuple
 
 import torch
 import torch.nn.functional as F
 
 from dyad.kernels.launch_sizes import cdiv, next_pow2
+from dyad.kernels.triton_modules import triton_module
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _TOPK_MAX_EXPERTS = 256  # one block of tokens holds every expert's score in registers
@@ -217,14 +217,7 @@ def _launch(kernel: str, E_P: int) -> _Launch:
     return next(launch for most, launch in _LAUNCHES[kernel] if E_P <= most)
 
 
-@functools.cache
 def _kernels():
     """The Triton kernels (`kernels/moe_router_triton.py`: logits, input_grad, weight_grad,
     softmax_topk), or None without Triton."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return None
-    from dyad.kernels import moe_router_triton
-
-    return moe_router_triton
+    return triton_module("moe_router_triton")

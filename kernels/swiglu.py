@@ -24,12 +24,11 @@ they computed before, eager or compiled.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from dyad.kernels.launch_sizes import cdiv
+from dyad.kernels.triton_modules import triton_module
 
 _BLOCK = 2048
 _DTYPES = (torch.bfloat16, torch.float16)  # float32 runs verify the math: they take the reference
@@ -110,13 +109,6 @@ class _FusedSwiGLUPairs(torch.autograd.Function):
         return grad_h13
 
 
-@functools.cache
 def _kernels():
     """The Triton kernels (`kernels/swiglu_triton.py`), or None without Triton (CPU-only installs)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return None
-    from dyad.kernels import swiglu_triton
-
-    return swiglu_triton
+    return triton_module("swiglu_triton")
