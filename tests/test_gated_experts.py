@@ -112,19 +112,24 @@ def _fused_available() -> str | None:
     return None
 
 
+def _expert_operands(counts, D=256, F=384):
+    """(offs_E, x, w13, w2, upstream) in bf16 on the GPU for experts of `counts` rows, seed 0."""
+    torch.manual_seed(0)
+    offs_E = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    x = torch.randn(sum(counts), D, device="cuda", dtype=torch.bfloat16)
+    w13 = (torch.randn(len(counts), D, 2 * F, device="cuda") * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(len(counts), F, D, device="cuda") * 0.05).to(torch.bfloat16)
+    upstream = torch.randn(sum(counts), D, device="cuda", dtype=torch.bfloat16)
+    return offs_E, x, w13, w2, upstream
+
+
 @pytest.mark.skipif(_fused_available() is not None, reason=str(_fused_available()))
 @pytest.mark.parametrize("autotune", [False, True])
 def test_cuda_fused_gate_gemms_agree_with_the_plain_path(autotune):
     """Output, input and weight gradients of the fused path (QuACK's default tiles, or those its
     autotuner picks) and of the plain bf16 path, each against float32 math of the same bf16
     values: both within bf16's error."""
-    torch.manual_seed(0)
-    E, D, F, counts = 4, 256, 384, [300, 0, 129, 211]
-    offs_E = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
-    x = torch.randn(sum(counts), D, device="cuda", dtype=torch.bfloat16)
-    w13 = (torch.randn(E, D, 2 * F, device="cuda") * 0.05).to(torch.bfloat16)
-    w2 = (torch.randn(E, F, D, device="cuda") * 0.05).to(torch.bfloat16)
-    upstream = torch.randn(sum(counts), D, device="cuda", dtype=torch.bfloat16)
+    offs_E, x, w13, w2, upstream = _expert_operands([300, 0, 129, 211])
 
     def run(fn, dtype):
         xi, w13i, w2i = (t.to(dtype).clone().requires_grad_() for t in (x, w13, w2))
@@ -165,13 +170,7 @@ def test_cuda_prepared_up_projection_is_gemm_act_bit_for_bit(counts):
 def test_cuda_fused_path_adds_weight_gradients_when_its_input_needs_none():
     """A layer whose input needs no gradient (frozen layers before it, a data tensor) still gets
     its expert weights' gradients from the fused path, those of the plain path within bf16."""
-    torch.manual_seed(0)
-    E, D, F, counts = 4, 256, 384, [100, 3, 0, 153]
-    offs_E = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
-    x = torch.randn(sum(counts), D, device="cuda", dtype=torch.bfloat16)
-    w13 = (torch.randn(E, D, 2 * F, device="cuda") * 0.05).to(torch.bfloat16)
-    w2 = (torch.randn(E, F, D, device="cuda") * 0.05).to(torch.bfloat16)
-    upstream = torch.randn(sum(counts), D, device="cuda", dtype=torch.bfloat16)
+    offs_E, x, w13, w2, upstream = _expert_operands([100, 3, 0, 153])
     grads = []
     for fn in (gated_experts, gated_experts_reference):
         w13i, w2i = w13.clone().requires_grad_(), w2.clone().requires_grad_()
