@@ -37,6 +37,7 @@ def ops(device: str, shape: tuple) -> dict:
         "F.linear (cuBLAS on CUDA)": lambda: F.linear(x_TD, w_ED),
         "router_logits (autograd Function)": lambda: moe_router.router_logits(x_TD, w_ED),
         "softmax_topk (autograd Function)": lambda: moe_router.softmax_topk(logits_TE, top_k),
+        "route_softmax_topk (both in one launch)": lambda: moe_router.route_softmax_topk(x_TD, w_ED, top_k),
         "argsort, stable": lambda: torch.argsort(flat_N, stable=True),
         "expert_counts": lambda: moe_permute.expert_counts(flat_N, experts),
         "cumsum to int32": lambda: torch.cumsum(small, 0, dtype=torch.int32),

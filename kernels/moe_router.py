@@ -18,6 +18,9 @@ Legend: T tokens, D model dim, E experts, K experts per token.
   gates = the chosen scores, divided by their sum (+1e-20) when `normalize`. One program per
   block of tokens instead of softmax, sort, gather, sum and divide; the backward (scores and
   gates to logits) is plain PyTorch, launched while the expert GEMMs run.
+- `route_softmax_topk(x_TD, w_ED, k, bias_E, normalize)`: the two above as one launch forward
+  (the logits kernel's blocks go on to the softmax and the top k in registers), which the MoE
+  layer calls: one launch and one autograd node fewer before the first expert GEMM can start.
 
 Both fall back to their `*_reference` (plain PyTorch) off CUDA, under torch.compile (inductor
 fuses the references itself), without Triton, and for float32 activations (float32 runs check
@@ -85,6 +88,23 @@ def softmax_topk(
     return _SoftmaxTopK.apply(logits_TE.contiguous(), k, bias_E, normalize)
 
 
+def route_softmax_topk(
+    x_TD: torch.Tensor, w_ED: torch.Tensor, k: int, bias_E: torch.Tensor | None = None, normalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`softmax_topk(router_logits(x_TD, w_ED), k, bias_E, normalize)`; where both kernels apply,
+    in one launch forward (`logits_softmax_topk`: the logits stay in registers, unwritten)."""
+    fused = (
+        _fused_applies(x_TD)
+        and x_TD.dim() == 2
+        and x_TD.shape[0] > 0
+        and w_ED.is_cuda
+        and w_ED.shape[0] <= _TOPK_MAX_EXPERTS
+    )
+    if not fused:
+        return softmax_topk(router_logits(x_TD, w_ED), k, bias_E, normalize)
+    return _RouteSoftmaxTopK.apply(x_TD.contiguous(), w_ED, k, bias_E, normalize)
+
+
 def _fused_applies(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in _DTYPES and not torch.compiler.is_compiling() and _kernels() is not None
 
@@ -102,10 +122,15 @@ class _RouterLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_TE):
         x_TD, w_ED = ctx.saved_tensors
-        grad_TE, w_ED = grad_TE.contiguous(), w_ED.contiguous()
-        grad_x = fused_input_grad(grad_TE, x_TD, w_ED) if ctx.needs_input_grad[0] else None
-        grad_w = fused_weight_grad(grad_TE, x_TD, w_ED) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w
+        return logits_backward(grad_TE, x_TD, w_ED, *ctx.needs_input_grad[:2])
+
+
+def logits_backward(grad_TE, x_TD, w_ED, x_needs_grad: bool, w_needs_grad: bool):
+    """(grad x, grad w) of the logits x @ w^T, each None where not needed."""
+    grad_TE, w_ED = grad_TE.contiguous(), w_ED.contiguous()
+    grad_x = fused_input_grad(grad_TE, x_TD, w_ED) if x_needs_grad else None
+    grad_w = fused_weight_grad(grad_TE, x_TD, w_ED) if w_needs_grad else None
+    return grad_x, grad_w
 
 
 # One launch each, contiguous CUDA operands (`bench/router_kernels.py --sweep` times them alone).
@@ -119,13 +144,16 @@ def fused_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     logits_TE = torch.empty(T, E, dtype=torch.float32, device=x_TD.device)
     E_P = _experts_padded(E)
     launch = _launch("logits", E_P)
-    math = "tf32x3"
-    if x_TD.dtype == torch.bfloat16:
-        math = {torch.bfloat16: "native", torch.float32: "bf16_pieces"}.get(w_ED.dtype, "tf32x3")
     _kernels().logits[(cdiv(T, launch.block_t),)](
-        x_TD, w_ED, logits_TE, T, D, E, zero=0.0, E_P=E_P, MATH=math, BLOCK_T=launch.block_t, BLOCK_D=launch.block_d,
-        num_warps=launch.warps, num_stages=launch.stages)
+        x_TD, w_ED, logits_TE, T, D, E, zero=0.0, E_P=E_P, MATH=_logits_math(x_TD, w_ED), BLOCK_T=launch.block_t,
+        BLOCK_D=launch.block_d, num_warps=launch.warps, num_stages=launch.stages)
     return logits_TE
+
+
+def _logits_math(x_TD: torch.Tensor, w_ED: torch.Tensor) -> str:
+    if x_TD.dtype == torch.bfloat16:
+        return {torch.bfloat16: "native", torch.float32: "bf16_pieces"}.get(w_ED.dtype, "tf32x3")
+    return "tf32x3"
 
 
 def fused_input_grad(grad_TE: torch.Tensor, x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
@@ -167,32 +195,72 @@ class _SoftmaxTopK(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_TE, k, bias_E, normalize):
         T, E = logits_TE.shape
-        scores_TE = torch.empty_like(logits_TE)
-        gates_TK = torch.empty(T, k, dtype=torch.float32, device=logits_TE.device)
-        expert_idx_TK = torch.empty(T, k, dtype=torch.long, device=logits_TE.device)
-        has_bias = bias_E is not None
-        bias = bias_E.float().contiguous() if has_bias else logits_TE  # unread without a bias
+        outputs, bias, has_bias = _routing_outputs(logits_TE, T, E, k, bias_E)
         _kernels().softmax_topk[(cdiv(T, _TOPK_BLOCK_T),)](
-            logits_TE, bias, scores_TE, gates_TK, expert_idx_TK, T, E, K=k, K_P=next_pow2(k),
-            E_P=_experts_padded(E), HAS_BIAS=has_bias, NORMALIZE=normalize, BLOCK_T=_TOPK_BLOCK_T)
-        ctx.save_for_backward(scores_TE, gates_TK, expert_idx_TK)
-        ctx.normalize = normalize
-        ctx.mark_non_differentiable(expert_idx_TK)
-        return scores_TE, gates_TK, expert_idx_TK
+            logits_TE, bias, *outputs, T, E, K=k, K_P=next_pow2(k), E_P=_experts_padded(E), HAS_BIAS=has_bias,
+            NORMALIZE=normalize, BLOCK_T=_TOPK_BLOCK_T)
+        return _save_routing(ctx, outputs, normalize)
 
     @staticmethod
     def backward(ctx, grad_scores_TE, grad_gates_TK, _):
-        scores_TE, gates_TK, expert_idx_TK = ctx.saved_tensors
-        grad_TE = torch.zeros_like(scores_TE) if grad_scores_TE is None else grad_scores_TE.clone()
-        if grad_gates_TK is not None:
-            grad_chosen_TK = grad_gates_TK
-            if ctx.normalize:  # gates = s / Z: d s_j = (g_j - sum_k g_k gates_k) / Z
-                chosen_TK = scores_TE.gather(1, expert_idx_TK)
-                total_T1 = chosen_TK.sum(dim=-1, keepdim=True) + 1e-20
-                grad_chosen_TK = (grad_gates_TK - (grad_gates_TK * gates_TK).sum(-1, keepdim=True)) / total_T1
-            grad_TE.scatter_add_(1, expert_idx_TK, grad_chosen_TK)
-        grad_logits_TE = scores_TE * (grad_TE - (grad_TE * scores_TE).sum(dim=-1, keepdim=True))
-        return grad_logits_TE, None, None, None
+        return softmax_topk_backward(ctx, grad_scores_TE, grad_gates_TK), None, None, None
+
+
+class _RouteSoftmaxTopK(torch.autograd.Function):
+    """`_RouterLogits` then `_SoftmaxTopK`, forward in one launch; the backward is theirs."""
+
+    @staticmethod
+    def forward(ctx, x_TD, w_ED, k, bias_E, normalize):
+        (T, D), E = x_TD.shape, w_ED.shape[0]
+        outputs, bias, has_bias = _routing_outputs(x_TD, T, E, k, bias_E)
+        E_P = _experts_padded(E)
+        launch = _launch("logits", E_P)
+        w_ED = w_ED.contiguous()
+        _kernels().logits_softmax_topk[(cdiv(T, launch.block_t),)](
+            x_TD, w_ED, bias, *outputs, T, D, E, zero=0.0, K=k, K_P=next_pow2(k), E_P=E_P, HAS_BIAS=has_bias,
+            NORMALIZE=normalize, MATH=_logits_math(x_TD, w_ED), BLOCK_T=launch.block_t, BLOCK_D=launch.block_d,
+            num_warps=launch.warps, num_stages=launch.stages)
+        return _save_routing(ctx, outputs, normalize, x_TD, w_ED)
+
+    @staticmethod
+    def backward(ctx, grad_scores_TE, grad_gates_TK, _):
+        grad_logits_TE = softmax_topk_backward(ctx, grad_scores_TE, grad_gates_TK)
+        x_TD, w_ED = ctx.saved_tensors[3:]
+        grad_x, grad_w = logits_backward(grad_logits_TE, x_TD, w_ED, *ctx.needs_input_grad[:2])
+        return grad_x, grad_w, None, None, None
+
+
+def _routing_outputs(like: torch.Tensor, T: int, E: int, k: int, bias_E: torch.Tensor | None):
+    """((scores_TE, gates_TK, expert_idx_TK) to be written, the bias pointer, whether there is one)."""
+    scores_TE = torch.empty(T, E, dtype=torch.float32, device=like.device)
+    gates_TK = torch.empty(T, k, dtype=torch.float32, device=like.device)
+    expert_idx_TK = torch.empty(T, k, dtype=torch.long, device=like.device)
+    has_bias = bias_E is not None
+    bias = bias_E.float().contiguous() if has_bias else scores_TE  # unread without a bias
+    return (scores_TE, gates_TK, expert_idx_TK), bias, has_bias
+
+
+def _save_routing(ctx, outputs, normalize: bool, *inputs: torch.Tensor):
+    """Saves the outputs (then `inputs`) for the backward and returns the outputs."""
+    ctx.save_for_backward(*outputs, *inputs)
+    ctx.normalize = normalize
+    ctx.mark_non_differentiable(outputs[2])
+    return outputs
+
+
+def softmax_topk_backward(ctx, grad_scores_TE, grad_gates_TK) -> torch.Tensor:
+    """The logits' gradient from those of the scores and the gates (plain PyTorch: it runs
+    while the expert GEMMs do)."""
+    scores_TE, gates_TK, expert_idx_TK = ctx.saved_tensors[:3]
+    grad_TE = torch.zeros_like(scores_TE) if grad_scores_TE is None else grad_scores_TE.clone()
+    if grad_gates_TK is not None:
+        grad_chosen_TK = grad_gates_TK
+        if ctx.normalize:  # gates = s / Z: d s_j = (g_j - sum_k g_k gates_k) / Z
+            chosen_TK = scores_TE.gather(1, expert_idx_TK)
+            total_T1 = chosen_TK.sum(dim=-1, keepdim=True) + 1e-20
+            grad_chosen_TK = (grad_gates_TK - (grad_gates_TK * gates_TK).sum(-1, keepdim=True)) / total_T1
+        grad_TE.scatter_add_(1, expert_idx_TK, grad_chosen_TK)
+    return scores_TE * (grad_TE - (grad_TE * scores_TE).sum(dim=-1, keepdim=True))
 
 
 # ---- Triton --------------------------------------------------------------------------------------

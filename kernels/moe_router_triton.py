@@ -32,9 +32,9 @@ def dot_pieces(hi, mid, lo, b, acc):
 
 
 @triton.jit
-def logits(x_ptr, w_ptr, out_ptr, T, D, E, zero, E_P: tl.constexpr, MATH: tl.constexpr, BLOCK_T: tl.constexpr,
-           BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+def logits_block(x_ptr, w_ptr, t, T, D, E, zero, E_P: tl.constexpr, MATH: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """The float32 logits of the BLOCK_T rows `t` against every expert, [BLOCK_T, E_P]; 0 past T and E."""
     e = tl.arange(0, E_P)
     acc = tl.zeros((BLOCK_T, E_P), dtype=tl.float32)
     for start in range(0, D, BLOCK_D):
@@ -52,6 +52,15 @@ def logits(x_ptr, w_ptr, out_ptr, T, D, E, zero, E_P: tl.constexpr, MATH: tl.con
         else:
             part = tl.dot(x.to(tl.float32), w.to(tl.float32), part, input_precision="tf32x3")
         acc += part
+    return acc
+
+
+@triton.jit
+def logits(x_ptr, w_ptr, out_ptr, T, D, E, zero, E_P: tl.constexpr, MATH: tl.constexpr, BLOCK_T: tl.constexpr,
+           BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, E_P)
+    acc = logits_block(x_ptr, w_ptr, t, T, D, E, zero, E_P, MATH, BLOCK_T, BLOCK_D)
     tl.store(out_ptr + t[:, None] * E + e[None, :], acc, mask=(t[:, None] < T) & (e[None, :] < E))
 
 
@@ -99,13 +108,14 @@ def weight_grad(g_ptr, x_ptr, out_ptr, T, D, E, rows_per_split, zero, E_P: tl.co
 
 
 @triton.jit
-def softmax_topk(logits_ptr, bias_ptr, scores_ptr, gates_ptr, idx_ptr, T, E, K: tl.constexpr, K_P: tl.constexpr,
-                 E_P: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+def store_softmax_topk(logits, t, bias_ptr, scores_ptr, gates_ptr, idx_ptr, T, E, K: tl.constexpr, K_P: tl.constexpr,
+                       E_P: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Softmax over the experts of the logits of the BLOCK_T rows `t` ([BLOCK_T, E_P], finite),
+    then the top k (scores + bias), largest first, ties to the lower expert; stores scores, gates
+    and ids."""
     e = tl.arange(0, E_P)
     j = tl.arange(0, K_P)
     inside = (t[:, None] < T) & (e[None, :] < E)
-    logits = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=inside, other=0.0)
     logits = tl.where(e[None, :] < E, logits, -float("inf"))  # rows past T stay finite
     shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     scores = shifted / tl.sum(shifted, axis=1)[:, None]
@@ -129,3 +139,24 @@ def softmax_topk(logits_ptr, bias_ptr, scores_ptr, gates_ptr, idx_ptr, T, E, K: 
     stored = (t[:, None] < T) & (j[None, :] < K)
     tl.store(gates_ptr + at, gates, mask=stored)
     tl.store(idx_ptr + at, idx, mask=stored)
+
+
+@triton.jit
+def softmax_topk(logits_ptr, bias_ptr, scores_ptr, gates_ptr, idx_ptr, T, E, K: tl.constexpr, K_P: tl.constexpr,
+                 E_P: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, E_P)
+    logits = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=(t[:, None] < T) & (e[None, :] < E), other=0.0)
+    store_softmax_topk(logits, t, bias_ptr, scores_ptr, gates_ptr, idx_ptr, T, E, K, K_P, E_P, HAS_BIAS, NORMALIZE,
+                       BLOCK_T)
+
+
+@triton.jit
+def logits_softmax_topk(x_ptr, w_ptr, bias_ptr, scores_ptr, gates_ptr, idx_ptr, T, D, E, zero, K: tl.constexpr,
+                        K_P: tl.constexpr, E_P: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
+                        MATH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`logits` and then `softmax_topk` on its block in registers: one launch, the logits unwritten."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    logits = logits_block(x_ptr, w_ptr, t, T, D, E, zero, E_P, MATH, BLOCK_T, BLOCK_D)
+    store_softmax_topk(logits, t, bias_ptr, scores_ptr, gates_ptr, idx_ptr, T, E, K, K_P, E_P, HAS_BIAS, NORMALIZE,
+                       BLOCK_T)

@@ -4,7 +4,7 @@ Legend: T tokens, D model dim, E experts, K experts per token (top_k), N = T*K a
 F expert ffn dim, H shared-expert ffn dim, G expert groups, S sequences.
 
 Router (all in float32, autocast off; `kernels/moe_router.py` runs the logits and the default
-softmax top-k on CUDA in one pass each), with the defaults first:
+softmax top-k on CUDA in one launch forward), with the defaults first:
 - scores = softmax(x @ router) or sigmoid(x @ router).
 - Selection is the top k of a key: the scores, or the logits when topk_before_softmax; plus the
   aux-loss-free expert bias when enabled (the bias changes which experts are chosen, never a gate
@@ -58,7 +58,7 @@ from torch import nn
 from dyad.kernels.expert_weight_grads import expert_grouped_mm
 from dyad.kernels.gated_experts import gated_experts, gated_experts_reference
 from dyad.kernels.moe_permute import expert_counts, permute, unpermute
-from dyad.kernels.moe_router import router_logits, softmax_topk
+from dyad.kernels.moe_router import route_softmax_topk, router_logits
 from dyad.kernels.swiglu import swiglu
 from dyad.llm_service.config import MoEConfig
 from dyad.parallel.tensor import all_reduce_sum_grad
@@ -258,14 +258,13 @@ class MoELayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (scores_TE, gates_TK, expert_idx_TK), all routing math in float32."""
         cfg = self.cfg
-        logits_TE = self.router_logits(x_TD)
         with torch.autocast(x_TD.device.type, enabled=False):
             if cfg.score_func == "softmax" and not cfg.topk_before_softmax and cfg.n_groups == 1:
-                scores_TE, gates_TK, expert_idx_TK = softmax_topk(
-                    logits_TE, cfg.top_k, self.expert_bias_E, cfg.norm_topk_prob
+                scores_TE, gates_TK, expert_idx_TK = route_softmax_topk(
+                    x_TD, self.router.weight, cfg.top_k, self.expert_bias_E, cfg.norm_topk_prob
                 )
             else:
-                scores_TE, gates_TK, expert_idx_TK = self._select(logits_TE)
+                scores_TE, gates_TK, expert_idx_TK = self._select(self.router_logits(x_TD))
             if cfg.capacity_factor is not None:
                 capacity = expert_capacity(cfg.capacity_factor, x_TD.shape[0], cfg.top_k, cfg.num_experts)
                 chosen_scores_TK = scores_TE.gather(1, expert_idx_TK)

@@ -32,6 +32,9 @@ def test_off_cuda_the_router_runs_the_references():
     logits_TE = torch.randn(20, 8)
     for a, b in zip(moe_router.softmax_topk(logits_TE, 2), moe_router.softmax_topk_reference(logits_TE, 2)):
         assert torch.equal(a, b)
+    routed = moe_router.route_softmax_topk(x_TD, w_ED, 2)
+    for a, b in zip(routed, moe_router.softmax_topk_reference(moe_router.router_logits_reference(x_TD, w_ED), 2)):
+        assert torch.equal(a, b)
 
 
 needs_cuda = pytest.mark.skipif(
@@ -113,6 +116,53 @@ def test_cuda_softmax_top_k_agrees_with_the_reference(E, k, with_bias, normalize
             assert _relative(got, expected) < 1e-6, name
 
 
+def _route_and_grads(route, x_TD, w_ED, k, bias_E, normalize, grad_scores_TE, grad_gates_TK):
+    x_TD, w_ED = x_TD.clone().requires_grad_(), w_ED.clone().requires_grad_()
+    scores_TE, gates_TK, expert_idx_TK = route(x_TD, w_ED, k, bias_E, normalize)
+    torch.autograd.backward([scores_TE, gates_TK], [grad_scores_TE, grad_gates_TK])
+    return scores_TE.detach(), gates_TK.detach(), expert_idx_TK, x_TD.grad, w_ED.grad, gates_TK.grad_fn
+
+
+def _two_launches(x_TD, w_ED, k, bias_E, normalize):
+    return moe_router.softmax_topk(moe_router.router_logits(x_TD, w_ED), k, bias_E, normalize)
+
+
+@needs_cuda
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "T, D, E, k", [(1031, 200, 8, 2), (300, 2048, 128, 8), (70, 96, 5, 3), (16384, 4096, 8, 2)]
+)
+@pytest.mark.parametrize("with_bias, normalize", [(False, True), (True, False)])
+def test_cuda_the_one_launch_route_is_the_two_kernels(weight_dtype, T, D, E, k, with_bias, normalize):
+    """The logits in registers go through the same softmax top-k as the logits read back: the
+    same experts, the same scores and gates, and the same gradients (both backward passes run
+    the same kernels from the logits' gradient)."""
+    assert moe_router._kernels() is not None, "Triton missing: the fused path would not run"
+    torch.manual_seed(4)
+    x_TD = torch.randn(T, D, device="cuda").to(torch.bfloat16)
+    w_ED = (torch.randn(E, D, device="cuda") * 0.05).to(weight_dtype)
+    bias_E = torch.randn(E, device="cuda") * 0.05 if with_bias else None
+    grads = torch.randn(T, E, device="cuda"), torch.randn(T, k, device="cuda")
+    one = _route_and_grads(moe_router.route_softmax_topk, x_TD, w_ED, k, bias_E, normalize, *grads)
+    two = _route_and_grads(_two_launches, x_TD, w_ED, k, bias_E, normalize, *grads)
+    assert "RouteSoftmaxTopK" in type(one[5]).__name__, "the one-launch path did not run"
+    assert torch.equal(one[2], two[2]), "chosen experts"
+    for name, got, expected in zip(("scores", "gates"), one[:2], two[:2]):
+        assert _relative(got, expected) < 1e-6, name
+    _assert_rounded_alike(one[3], two[3], "grad x")
+    if weight_dtype == torch.float32:
+        assert _relative(one[4], two[4]) < 1e-6, "grad w"
+    else:
+        _assert_rounded_alike(one[4], two[4], "grad w")
+
+
+@needs_cuda
+def test_cuda_the_moe_layer_routes_in_one_launch():
+    layer = _layer().cuda()
+    x_TD = torch.randn(40, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert "RouteSoftmaxTopK" in type(layer.route(x_TD)[1].grad_fn).__name__
+
+
 @needs_cuda
 def test_cuda_float32_activations_take_the_reference():
     x_TD = torch.randn(4, 16, device="cuda", requires_grad=True)
@@ -128,3 +178,5 @@ def test_cuda_zero_tokens_route_to_nothing():
     assert logits_TE.shape == scores_TE.shape == (0, 8) and gates_TK.shape == expert_idx_TK.shape == (0, 2)
     (scores_TE.sum() + gates_TK.sum()).backward()
     assert x_TD.grad.shape == (0, 16)
+    routed = moe_router.route_softmax_topk(x_TD, torch.randn(8, 16, device="cuda"), 2)
+    assert routed[0].shape == (0, 8) and routed[1].shape == routed[2].shape == (0, 2)
