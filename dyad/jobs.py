@@ -14,6 +14,7 @@ from tqdm import tqdm
 from dyad import config as config_lib
 from dyad.client import RouterClient, local_router
 from dyad.config import RunConfig
+from dyad.router.checkpoints import checkpoint_dir
 from dyad.wire import as_dict, pb
 
 
@@ -27,7 +28,7 @@ class JobResult:
         return self.info.state == pb.RUN_STATE_SUCCEEDED
 
     def final_checkpoint(self) -> Path:
-        return Path(self.info.out_dir) / "checkpoints" / f"step_{self.info.total_steps:08d}"
+        return checkpoint_dir(self.info.out_dir, self.info.total_steps)
 
 
 def run_job(
