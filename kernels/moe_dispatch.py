@@ -22,6 +22,11 @@ backward of each collective is its adjoint (all-to-all <-> reversed all-to-all, 
 reduce-scatter). `split_replicated` / `gather_replicated` are for rows replicated over a group
 (tp without sequence parallelism), whose gradients are replicated too: split <-> all-gather.
 Dropped assignments (gate 0) travel like any other.
+
+Under torch.compile the expert-parallel dispatchers run eagerly (`torch.compiler.disable`): their
+split sizes come to the host, so dynamo would break the graph there anyway and specialize the
+pieces after the break on the sizes' values, recompiling them as the sizes change from one
+microbatch to the next.
 """
 
 from __future__ import annotations
@@ -234,6 +239,7 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
     """counts all-to-all -> one host sync -> permute by destination -> variable all-to-all over ep ->
     all-gather over etp -> sort to local-expert-major; combine runs the inverse path."""
 
+    @torch.compiler.disable
     def dispatch(self, x_TD, expert_idx_TK):
         P, Q, L = self.ep, self.etp, self.num_local
         # Experts are numbered rank-major, so permute's expert-major order is also destination-major.
@@ -261,6 +267,7 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         x_local_MD = permute_rows(x_grid_MD, expert_order_M, expert_inverse_M)
         return x_local_MD, counts_QPL.sum(dim=(0, 1)), handle
 
+    @torch.compiler.disable
     def combine(self, y_local_MD, gates_TK, handle: AllToAllHandle):
         y_grid_MD = permute_rows(y_local_MD, handle.expert_inverse_M, handle.expert_order_M)
         y_recv_ND = reduce_scatter(y_grid_MD, handle.etp_sizes, self.etp_group)
@@ -284,6 +291,7 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
     def _gather(self, t_TX: torch.Tensor, etp_sizes: list[int], ep_sizes: list[int]) -> torch.Tensor:
         return all_gather(all_gather(t_TX, etp_sizes, self.etp_group), ep_sizes, self.ep_group)
 
+    @torch.compiler.disable
     def dispatch(self, x_TD, expert_idx_TK):
         T, K = expert_idx_TK.shape
         L, me = self.num_local, group_rank(self.ep_group)
@@ -304,6 +312,7 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
         handle = AllGatherHandle(local_order_M, sum(ep_sizes), etp_sizes, ep_sizes)
         return x_all_TD.index_select(0, local_order_M // K), counts_L, handle
 
+    @torch.compiler.disable
     def combine(self, y_local_MD, gates_TK, handle: AllGatherHandle):
         K, D = gates_TK.shape[1], y_local_MD.shape[1]
         gates_all_TK = self._gather(gates_TK, handle.etp_sizes, handle.ep_sizes)
