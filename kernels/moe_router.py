@@ -66,7 +66,7 @@ def softmax_topk_reference(
 
 
 def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
-    if not (_fused_applies(x_TD) and x_TD.dim() == 2 and x_TD.shape[0] > 0 and w_ED.is_cuda):
+    if not _logits_kernel_applies(x_TD, w_ED):
         return router_logits_reference(x_TD, w_ED)
     return _RouterLogits.apply(x_TD.contiguous(), w_ED)
 
@@ -93,20 +93,21 @@ def route_softmax_topk(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`softmax_topk(router_logits(x_TD, w_ED), k, bias_E, normalize)`; where both kernels apply,
     in one launch forward (`logits_softmax_topk`: the logits stay in registers, unwritten)."""
-    fused = (
-        _fused_applies(x_TD)
-        and x_TD.dim() == 2
-        and x_TD.shape[0] > 0
-        and w_ED.is_cuda
-        and w_ED.shape[0] <= _TOPK_MAX_EXPERTS
-    )
-    if not fused:
+    if not (_logits_kernel_applies(x_TD, w_ED) and w_ED.shape[0] <= _TOPK_MAX_EXPERTS):
         return softmax_topk(router_logits(x_TD, w_ED), k, bias_E, normalize)
     return _RouteSoftmaxTopK.apply(x_TD.contiguous(), w_ED, k, bias_E, normalize)
 
 
-def _fused_applies(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype in _DTYPES and not torch.compiler.is_compiling() and _kernels() is not None
+def _logits_kernel_applies(x_TD: torch.Tensor, w_ED: torch.Tensor) -> bool:
+    return (
+        x_TD.is_cuda
+        and w_ED.is_cuda
+        and x_TD.dtype in _DTYPES
+        and x_TD.dim() == 2
+        and x_TD.shape[0] > 0
+        and not torch.compiler.is_compiling()
+        and _kernels() is not None
+    )
 
 
 def _experts_padded(E: int) -> int:
