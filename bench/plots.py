@@ -11,8 +11,11 @@
   layout it measured (", working weights": run with `train.working_weights`; hatched: layouts
   known to have computed wrong gradients in that run, E2E_WRONG_GRADIENTS; a layout that failed
   in a run, e.g. out of memory, is labelled so).
+- `e2e_560_two_gpus.png`: every 560-pixel invocation of "Three rounds ahead" and its first start
+  (dp2 against one GPU a pool, two and three rounds ahead), tokens/s and the LLM GPU's wait for
+  rows, one point each.
 
-Only the files named in MOE_RUNS and E2E_RUNS are read; a missing one is an error naming it.
+Only the files named in MOE_RUNS and E2E_RUNS and those under E2E_560_STARTS are read; a missing one is an error naming it.
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ MOE_RUNS = {  # label: result file under --results, every run interleaved with t
     **{f"H200 Q{run}": f"{INTERLEAVED_H200}/run{run}.json" for run in (1, 2, 3)},
     # Two more H200 starts, beside the interleaved layer with QuACK's autotuner (not drawn).
     **{f"H200 A{run}": f"{AUTOTUNE_H200}/start{2 if run <= 3 else 3}/run{run}.json" for run in range(1, 6)},
+    # The prologue in fewer launches, the router in one launch (two starts), the current code.
+    **{f"H200 P{run}": f"moe_prologue_h200/moe_layer_run{run}.json" for run in (1, 2)},
+    **{f"H200 R{run}": f"moe_route_one_launch_h200/moe_layer_run{run}.json" for run in (1, 2, 3)},
+    **{f"H200 S{run}": f"moe_route_one_launch_h200/start2/quack_run{run}.json" for run in (1, 2)},
+    "H200 C1": "current_code_h200/moe_layer_run1.json",
+    "H200 C2": "current_code_h200/moe_layer_run2.json",
 }
 RECOMPUTE_H100 = "e2e_recompute_h100/start_1"
 MICROBATCH_H100 = "e2e_microbatch_h100"
@@ -92,6 +101,11 @@ E2E_RUNS = {  # label: one result file, or several whose layouts together make t
     "H200, 64 samples c": tuple(f"{WORKING_WEIGHTS}/h200/e2e_{n}.json" for n in ("0-d64w", "1-h64w")),
     "H200, 64 samples d": tuple(f"{WORKING_WEIGHTS}/h200/e2e_{n}.json" for n in ("2-h64", "3-d64")),
 }
+E2E_560_STARTS = {  # machine start: the folder of its 560-pixel invocations, one layout each ("Three rounds ahead")
+    f"start {n}": f"e2e_send_ahead_depth_2xh200/start{n}" for n in (1, 2, 3)
+}
+E2E_560_FILES = "**/e2e-64-*.json"  # 64 samples a step; the folders' e2e-16-* files are 448-pixel runs
+LAYOUT_NAMES = {"homogeneous-colocated": "(a) dp2", "heterogeneous": "(b) one GPU a pool"}
 # Per run of E2E_RUNS, the layouts that computed wrong gradients (torch 2.11 lost the backward of
 # the expert-parallel all-to-all in compiled blocks, fixed before the H100 runs;
 # docs/performance.md): drawn hatched.
@@ -186,6 +200,51 @@ def plot_e2e(results: Path, out: Path) -> Path:
     return path
 
 
+def e2e_setting(result: dict) -> str:
+    """'(b) one GPU a pool, 3 rounds ahead' from one invocation's layout and its --set overrides
+    (later ones win, as in the job's config); ', step not sent ahead' where router.send_ahead was off.
+    Without an override the depth is 2, the default when these runs were made."""
+    overrides = dict(item.split("=", 1) for item in result.get("config", []))
+    (layout,) = result["layouts"]
+    setting = f"{LAYOUT_NAMES.get(layout, layout)}, {overrides.get('boundary.prefetch_depth', '2')} rounds ahead"
+    return setting + (", step not sent ahead" if overrides.get("router.send_ahead") == "false" else "")
+
+
+def plot_e2e_560(results: Path, out: Path) -> Path:
+    """Tokens/s and the LLM GPU's exposed wait of every 560-pixel invocation, one row per setting,
+    one colour per machine start: a few points per setting read better than the table's rows."""
+    rows: dict[str, list[tuple[str, dict]]] = {}
+    for start, folder in E2E_560_STARTS.items():
+        paths = sorted((results / folder).glob(E2E_560_FILES))
+        if not paths:
+            raise FileNotFoundError(f"no {E2E_560_FILES} under {results / folder} (see E2E_560_STARTS in bench/plots.py)")
+        for path in paths:
+            result = json.loads(path.read_text())
+            rows.setdefault(e2e_setting(result), []).append((start, next(iter(result["layouts"].values()))))
+    settings = sorted(rows)
+    colours = {start: f"C{i}" for i, start in enumerate(E2E_560_STARTS)}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.9 + 0.45 * len(settings)), sharey=True)
+    for ax, key, scale, label in ((axes[0], "tokens_per_s", 1, "tokens/s (median step)"),
+                                  (axes[1], "llm_wait_share", 100, "LLM GPU waiting for rows, % of the step")):
+        for y, setting in enumerate(settings):
+            for start, measured in rows[setting]:
+                ax.plot(measured[key] * scale, y, "o", color=colours[start], alpha=0.8)
+        ax.set_xlabel(label)
+        ax.grid(axis="x", alpha=0.3)
+    axes[1].axvline(3, color="k", linestyle=":", label="goal: 3 %")
+    axes[0].set_yticks(range(len(settings)), settings, fontsize=8)
+    axes[0].invert_yaxis()
+    handles = [plt.Line2D([], [], marker="o", linestyle="", color=c) for c in colours.values()]
+    axes[0].legend(handles, [f"H200 pair, {start}" for start in colours], fontsize=8, loc="upper right")
+    axes[1].legend(fontsize=8, loc="lower right")
+    fig.suptitle("Two H200s: ViT-L/14 at 560 px + MoE LLM, compiled blocks, 64 samples a step")
+    fig.tight_layout()
+    path = out / "e2e_560_two_gpus.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _why_no_bar(result: dict | None) -> str:
     if result is None:
         return "not run"
@@ -200,7 +259,7 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out or args.results
     out.mkdir(parents=True, exist_ok=True)
-    for path in (plot_moe_runs(args.results, out), plot_e2e(args.results, out)):
+    for path in (plot_moe_runs(args.results, out), plot_e2e(args.results, out), plot_e2e_560(args.results, out)):
         print(f"wrote {path}")
 
 
