@@ -15,7 +15,8 @@
   (dp2 against one GPU a pool, two and three rounds ahead), tokens/s and the LLM GPU's wait for
   rows, one point each.
 
-Only the files named in MOE_RUNS and E2E_RUNS and those under E2E_560_STARTS are read; a missing one is an error naming it.
+Only the files named in MOE_RUNS and E2E_RUNS and those under E2E_560_STARTS are read; a missing
+one is an error naming it.
 """
 
 from __future__ import annotations
