@@ -1,0 +1,348 @@
+"""Pool checkpoints (`dyad.checkpoint`) restore under another layout or pool size.
+
+Each pool trains two AdamW steps under layout A, saves, and takes a third step. Then:
+- the same ranks restore the checkpoint and redo the third step: bit for bit the same loss,
+  parameters and RNG draws;
+- a fresh pool under layout B (another sharding, or one rank) trains a step of its own, restores
+  over it, and holds exactly the saved full model and optimizer state; its third step matches
+  layout A's (1e-5: the layouts sum the same numbers in another order);
+- a single process without a process group reads the full model state back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from dyad import checkpoint
+from dyad import config as config_lib
+from dyad.checkpoint import full_pool_state, load_pool_state, pool_dir, restore_pool, save_pool, saved_ranks
+from dyad.clipping import clip_scale
+from dyad.data import make_dataset
+from dyad.data.batch import collate
+from dyad.encoder_service.parallelize import parallelize_encoder
+from dyad.layout import EncoderLayout, LLMLayout
+from dyad.llm_service.config import MoEConfig
+from dyad.llm_service.moe import MoELayer, update_expert_biases
+from dyad.llm_service.parallelize import parallelize_llm
+from dyad.llm_service.sharding import shard_microbatch
+from dyad.llm_service.step import microbatch_loss
+from dyad.optim import apply_update, build_optimizer
+from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm, reduce_gradients
+from dyad.parallel.groups import ProcessGroups
+from dyad.router.sampler import EpochSampler, split_microbatches
+from dyad.service import build_model
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import assert_close, assert_tensors_close
+
+SAVED_STEP = 2
+LR = 1e-2
+MICROBATCHES, GLOBAL_BATCH = 2, 4  # LLM: fixed whatever the layout's dp
+IMAGES = 4  # encoder: the global batch, split over dp
+
+LAYOUTS = {"encoder": EncoderLayout, "llm": LLMLayout}
+PARALLELIZE = {"encoder": parallelize_encoder, "llm": parallelize_llm}
+
+
+def _config(pool):
+    if pool == "encoder":
+        config = config_lib.load(None, ["encoder.heads=4", "train.grad_clip=0.1"])
+        return config_lib.resolve(config, vocab_size=32), None
+    config = config_lib.load(None, [
+        "data.multi_image_fraction=0.3", "data.text_only_fraction=0.2",
+        "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.num_experts=8", "llm.moe.top_k=2",
+        "llm.moe.shared_expert_dim=32", "llm.moe.expert_dim=32", "llm.dense_ffn_dim=64",
+        "llm.moe.expert_bias=true", "train.grad_clip=0.5",
+    ])
+    dataset = make_dataset(config.data)
+    return config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size), dataset
+
+
+class _Pool:
+    """One rank of a pool, trained the way the workers train it."""
+
+    def __init__(self, pool, layout_kwargs):
+        self.pool = pool
+        self.config, self.dataset = _config(pool)
+        self.groups = ProcessGroups.build(LAYOUTS[pool](**layout_kwargs))
+        self.model = build_model(self.config, pool)
+        self.plan = self.parallelize(self.model)
+        self.optimizer = build_optimizer(self.model, self.config.train)
+
+    def parallelize(self, model):
+        return PARALLELIZE[self.pool](model, self.groups)
+
+    def train_step(self, step: int, lr: float = LR) -> float:
+        """The pool's loss for `step`'s batch, after updating the model."""
+        loss = self._encoder_loss(step) if self.pool == "encoder" else self._llm_loss(step)
+        if self.pool == "llm":
+            update_expert_biases(self.model, group=self.groups.group("world"))
+        reduce_gradients(self.plan, self.groups)
+        sq_norm = pool_grad_sq_norm(self.plan, self.groups)
+        apply_update(self.optimizer, lr=lr, grad_scale=clip_scale(sq_norm, self.config.train.grad_clip))
+        total = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total)
+
+    def _encoder_loss(self, step):
+        images = torch.rand(IMAGES, 1, 16, 16, generator=torch.Generator().manual_seed(step))
+        upstream = torch.randn(IMAGES, 16, self.config.encoder.out_dim,
+                               generator=torch.Generator().manual_seed(99 + step))
+        per_rank = IMAGES // self.groups.size("dp")
+        mine = slice(per_rank * self.groups.index("dp"), per_rank * (self.groups.index("dp") + 1))
+        loss = (self.model(images[mine]) * upstream[mine]).sum()
+        loss.backward()
+        return float(loss) if self.groups.index("tp") == 0 else 0.0
+
+    def _llm_loss(self, step):
+        layout, dataset = self.groups.layout, self.dataset
+        sampler = EpochSampler(dataset.train_ids, seed=0)
+        for _ in range(step):
+            sampler.next_batch(GLOBAL_BATCH)
+        microbatches = split_microbatches(sampler.next_batch(GLOBAL_BATCH), MICROBATCHES)
+        tokens_per_image = self.config.encoder.tokens_per_image
+        batches = [collate(dataset.tokenizer, [dataset.sample(s) for s in mb], tokens_per_image)
+                   for mb in microbatches]
+        targets = sum(b.n_targets for b in batches)
+        total = 0.0
+        for index, batch in enumerate(batches):
+            if index * layout.dp // MICROBATCHES != self.groups.index("dp"):
+                continue
+            rows = torch.randn(batch.image_positions.numel(), self.config.llm.dim,
+                               generator=torch.Generator().manual_seed(1000 * step + index))
+            local = shard_microbatch(batch, pad_id=dataset.tokenizer.pad_id, cp=layout.cp,
+                                     cp_rank=self.groups.index("cp"), tp=layout.tp)
+            loss = microbatch_loss(self.model, local, rows[local.image_rows_Nl] if rows.numel() else None,
+                                   global_target_tokens=targets, global_microbatches=MICROBATCHES)
+            loss.total.backward()
+            total += (float(loss.lm) if self.groups.index("tp") == 0 else 0.0) + float(loss.aux)
+        return total
+
+    def save(self, directory):
+        save_pool(directory, self.pool, self.model, self.optimizer, self.groups, step=SAVED_STEP)
+
+    def restore(self, directory, batch_bytes=None) -> int:
+        extra = {} if batch_bytes is None else {"batch_bytes": batch_bytes}
+        return restore_pool(directory, self.pool, self.model, self.optimizer, self.groups, **extra)
+
+    def state(self) -> dict:
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v
+                for k, v in full_pool_state(self.model, self.optimizer, self.groups).items()}
+
+
+def _assert_same_state(actual: dict, expected: dict, what: str) -> None:
+    assert actual.keys() == expected.keys(), f"{what}: {sorted(set(actual) ^ set(expected))}"
+    for key, value in expected.items():
+        same = torch.equal(actual[key], value) if isinstance(value, torch.Tensor) else actual[key] == value
+        assert same, f"{what}: {key} differs"
+
+
+def _save_body(rank, world_size, pool, layout_kwargs, tmp):
+    """Layout A: two steps, save, a third step; then restore and redo the third step."""
+    run = _Pool(pool, layout_kwargs)
+    for step in range(SAVED_STEP):
+        run.train_step(step)
+    run.save(tmp / "checkpoint")
+    saved = run.state()
+    _assert_rank_holds_its_share(run, saved, rank, world_size)
+    if pool == "llm":  # the expert biases are part of the state, and have moved
+        assert all(saved[k].abs().sum() > 0 for k in saved if k.endswith("expert_bias_E"))
+    draws = torch.rand(8)
+    loss = run.train_step(SAVED_STEP)
+    params = {k: v.clone() for k, v in full_tensors(run.model, run.groups).items()}
+    assert any(not torch.equal(params[k], saved[f"model.{k}"]) for k in params)  # the third step moved them
+    if rank == 0:
+        torch.save({"state": saved, "loss": loss, "params": params}, tmp / "expected.pt")
+    torch.save(draws, tmp / f"draws-rank{rank}.pt")
+
+    assert run.restore(tmp / "checkpoint") == SAVED_STEP
+    assert all(p.grad is None for p in run.model.parameters())
+    assert torch.equal(torch.rand(8), draws)
+    _assert_same_state(run.state(), saved, "restored under the same layout")
+    assert run.train_step(SAVED_STEP) == loss
+    _assert_same_state(full_tensors(run.model, run.groups), params, "the third step again")
+
+
+def _restore_body(rank, world_size, pool, layout_kwargs, tmp):
+    """Layout B: a step of its own (so nothing matches by accident), restore (one full tensor in
+    host memory at a time), the third step."""
+    expected = torch.load(tmp / "expected.pt")
+    run = _Pool(pool, layout_kwargs)
+    run.train_step(7, lr=3 * LR)
+    assert run.restore(tmp / "checkpoint", batch_bytes=1) == SAVED_STEP
+    assert torch.equal(torch.rand(8), torch.load(tmp / f"draws-rank{rank}.pt"))
+    _assert_same_state(run.state(), expected["state"], f"restored under {layout_kwargs}")
+    loss = run.train_step(SAVED_STEP)
+    assert_close(loss, expected["loss"], "the third step's loss")
+    # 2-norm: AdamW turns a rounding difference of a near-zero gradient entry into a visible
+    # difference of that entry's update (tests/helpers/parity.py).
+    assert_tensors_close(full_tensors(run.model, run.groups), expected["params"], "the third step", norm="l2")
+
+
+def _assert_rank_holds_its_share(run, full_state, rank, world_size):
+    """While saving, a rank keeps in host memory only the full tensors it writes: about
+    1/world_size of the state (within the largest tensor)."""
+    sizes = [v.numel() * v.element_size() for v in full_state.values() if isinstance(v, torch.Tensor)]
+    held = checkpoint._owned_full_state(run.model, run.optimizer, run.groups, rank, world_size)
+    held_bytes = sum(v.numel() * v.element_size() for v in held.values() if isinstance(v, torch.Tensor))
+    assert all(v.device.type == "cpu" for v in held.values() if isinstance(v, torch.Tensor))
+    assert 0 < held_bytes <= sum(sizes) / world_size + max(sizes), (held_bytes, sum(sizes))
+
+
+def _assert_ranks_share_the_writing(directory, pool, ranks):
+    """Each full tensor is written by one rank, and the ranks' bytes differ by at most the
+    largest tensor: no rank holds the whole state while saving."""
+    metadata = dcp.FileSystemReader(pool_dir(directory, pool)).read_metadata()
+    written = dict.fromkeys(range(ranks), 0)
+    largest = 0
+    for index, storage in metadata.storage_data.items():
+        meta = metadata.state_dict_metadata[index.fqn]
+        if not index.fqn.startswith(("model.", "optimizer.")) or not isinstance(meta, TensorStorageMetadata):
+            continue
+        nbytes = meta.size.numel() * meta.properties.dtype.itemsize
+        written[int(storage.relative_path.split("_")[2])] += nbytes
+        largest = max(largest, nbytes)
+    assert all(written.values()), written
+    assert max(written.values()) - min(written.values()) <= largest, written
+
+
+def _check_round_trip(tmp_path, pool, saved_under, restored_under):
+    saving_ranks = LAYOUTS[pool](**saved_under).world_size
+    run_distributed(_save_body, saving_ranks, pool, saved_under, tmp_path)
+    assert saved_ranks(tmp_path / "checkpoint", pool) == list(range(saving_ranks))
+    _assert_ranks_share_the_writing(tmp_path / "checkpoint", pool, saving_ranks)
+    # A single process, no process group: the full model state.
+    state = load_pool_state(tmp_path / "checkpoint", pool)
+    expected = torch.load(tmp_path / "expected.pt")["state"]
+    _assert_same_state({f"model.{k}": v for k, v in state.items()},
+                       {k: v for k, v in expected.items() if k.startswith("model.")}, "load_pool_state")
+    for layout in restored_under:
+        run_distributed(_restore_body, LAYOUTS[pool](**layout).world_size, pool, layout, tmp_path)
+
+
+def test_llm_checkpoint_restores_under_other_layouts(tmp_path):
+    # Saved with tp2 and the experts split over ep; restored with the experts' ffn dim split
+    # over etp (no tp), and on a single rank.
+    _check_round_trip(tmp_path, "llm", dict(tp=2, ep=2), [dict(dp=2, etp=2), dict()])
+
+
+def test_encoder_checkpoint_restores_under_other_layouts(tmp_path):
+    _check_round_trip(tmp_path, "encoder", dict(dp=2), [dict(tp=2), dict()])
+
+
+def _meta(*size, dtype=torch.float32):
+    return TensorStorageMetadata(properties=dcp.metadata.TensorProperties(dtype=dtype), size=torch.Size(size),
+                                 chunks=[])
+
+
+def test_a_restore_batch_is_read_into_one_reused_buffer_cut_into_aligned_tensors():
+    staging = checkpoint._Staging(torch.device("cpu"))
+    first = staging.holders({"a": _meta(3, 5), "b": _meta(7, dtype=torch.bfloat16), "c": _meta(2, 2)})
+    assert [t.shape for t in first.values()] == [(3, 5), (7,), (2, 2)]
+    assert [t.dtype for t in first.values()] == [torch.float32, torch.bfloat16, torch.float32]
+    base = staging._buffer.data_ptr()
+    assert [t.data_ptr() - base for t in first.values()] == [0, 64, 128]  # 60 and 14 bytes, each aligned to 64
+    for value, tensor in enumerate(first.values()):
+        tensor.fill_(value)
+    assert [t.unique().tolist() for t in first.values()] == [[0.0], [1.0], [2.0]]  # no overlap
+    smaller = staging.holders({"d": _meta(4, 4)})
+    assert smaller["d"].data_ptr() == base  # the same buffer, not a new one
+    larger = staging.holders({"e": _meta(100)})
+    assert larger["e"].numel() == 100 and staging._buffer.numel() >= 400
+    staging.release()
+    assert staging._buffer.numel() == 0
+
+
+def _stored(tmp_path, tensors: dict) -> tuple:
+    path = tmp_path / "stored"
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, thread_count=2), no_dist=True)
+    return path, dcp.FileSystemReader(path).read_metadata()
+
+
+def test_a_rank_reads_its_tensors_of_a_batch_with_threads_each_tensor_once(tmp_path):
+    tensors = {f"t{i}": torch.randn(10 + 7 * i) for i in range(7)}
+    path, metadata = _stored(tmp_path, tensors)
+    with checkpoint._ThreadedReader(path, metadata, threads=3) as reader:
+        shares = reader._shares({key: torch.empty_like(t) for key, t in tensors.items()})
+        assert sorted(key for share in shares for key in share) == sorted(tensors)  # each once
+        share_bytes = [sum(t.nbytes for t in share.values()) for share in shares]
+        assert max(share_bytes) - min(share_bytes) <= max(t.nbytes for t in tensors.values())
+        holders = {key: torch.zeros_like(t) for key, t in tensors.items()}
+        reader.load(holders)
+    assert all(torch.equal(holders[key], tensors[key]) for key in tensors)
+
+
+def test_a_failed_read_in_a_reader_thread_fails_the_restore_and_no_threads_is_refused(tmp_path):
+    path, metadata = _stored(tmp_path, {"a": torch.ones(4), "b": torch.ones(5)})
+    reader = checkpoint._ThreadedReader(path, metadata, threads=2)
+    with reader, pytest.raises(dcp.api.CheckpointException) as failed:
+        reader.load({"a": torch.empty(4), "missing": torch.empty(3)})
+    assert "missing" in str(next(iter(failed.value.failures.values())))
+    with pytest.raises(ValueError, match="reader_threads"):
+        checkpoint._ThreadedReader(path, metadata, threads=0)
+
+
+def _cuda_round_trip_body(rank, world_size, tmp):
+    dims = [96 + 8 * i for i in range(9)]  # sizes that do not fill the buffer evenly
+    model = torch.nn.Sequential(*[torch.nn.Linear(a, b, bias=False) for a, b in itertools.pairwise(dims)]).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    model(torch.randn(2, dims[0], device="cuda")).sum().backward()
+    optimizer.step()
+    groups = ProcessGroups.build(LLMLayout())
+    saved = {key: full.clone() for key, full in checkpoint._full_entries(model, optimizer, groups)}
+    save_pool(tmp, "llm", model, optimizer, groups, step=1)
+    with torch.no_grad():
+        for param in model.parameters():
+            for tensor in (param, *(optimizer.state[param][moment] for moment in checkpoint.MOMENTS)):
+                tensor.fill_(7.0)
+    restore_pool(tmp, "llm", model, optimizer, groups, batch_bytes=100_000)  # several batches, the buffer reused
+    restored = dict(checkpoint._full_entries(model, optimizer, groups))
+    assert [key for key in saved if not torch.equal(saved[key], restored[key])] == []
+
+
+def _other_layout_body(rank, world_size, tmp):
+    def moe(gate_up):
+        cfg = MoEConfig(num_experts=4, top_k=2, expert_dim=8, gate_up=gate_up)
+        model = torch.nn.ModuleDict({"moe": MoELayer(8, cfg)})
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+    groups = ProcessGroups.build(LLMLayout())
+    save_pool(tmp, "llm", *moe("separate"), groups, step=1)
+    with pytest.raises(ValueError, match=r"has no model\.moe\.w13_ED2F.*written for another model.*"
+                                         r"set llm\.moe\.gate_up=separate to resume it"):
+        restore_pool(tmp, "llm", *moe("interleaved"), groups)
+    save_pool(tmp, "llm", *moe("interleaved"), groups, step=2)
+    with pytest.raises(ValueError, match=r"has no model\.moe\.w1_EDF.*set llm\.moe\.gate_up=interleaved"):
+        restore_pool(tmp, "llm", *moe("separate"), groups)
+
+
+def test_a_checkpoint_of_another_expert_layout_is_refused_naming_the_tensor(tmp_path):
+    run_distributed(_other_layout_body, 1, tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the page-locked staging of a restore is not exercised")
+def test_cuda_a_restore_through_the_page_locked_buffer_brings_back_every_tensor(tmp_path):
+    run_distributed(_cuda_round_trip_body, 1, tmp_path)
+
+
+def _files_synced_by_save(rank, world_size, tmp):
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    groups = ProcessGroups.build(LLMLayout())
+    synced, real_fsync = [], os.fsync
+    os.fsync = lambda fd: (synced.append(fd), real_fsync(fd))[1]
+    save_pool(tmp / "background", "llm", model, optimizer, groups, step=1, sync_files=False)
+    assert synced == []  # left to the router's commit (`dyad.router.checkpoints.commit`)
+    save_pool(tmp / "synced", "llm", model, optimizer, groups, step=1, sync_files=True)
+    assert len(synced) >= 2  # the data file and the metadata at least
+    assert load_pool_state(tmp / "background", "llm").keys() == load_pool_state(tmp / "synced", "llm").keys()
+
+
+def test_a_save_leaves_its_files_unsynced_only_when_asked(tmp_path):
+    run_distributed(_files_synced_by_save, 1, tmp_path)

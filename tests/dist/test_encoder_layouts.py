@@ -1,0 +1,63 @@
+"""Encoder layouts (dp × tp) reproduce the single-device encoder: outputs, gradients gathered to
+full shapes, gradient norm and updated parameters (float32, 1e-5, max norm, every step). Plain
+SGD steps the models, for the reason given in tests/dist/test_llm_layouts.py."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from dyad import config as config_lib
+from dyad.clipping import clip_scale
+from dyad.encoder_service.parallelize import parallelize_encoder
+from dyad.layout import EncoderLayout, validate_encoder_layout
+from dyad.optim import apply_update, grad_sq_norm
+from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm
+from dyad.parallel.groups import ProcessGroups
+from dyad.parallel.overlap import GradientReduction
+from dyad.service import build_model
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import assert_close, assert_tensors_close
+
+
+def _encoder_body(rank, world_size, dp, tp, merge):
+    layout = EncoderLayout(dp=dp, tp=tp)
+    overrides = ["encoder.heads=4", "train.grad_clip=0.1", f"encoder.spatial_merge={merge}"]
+    config = config_lib.resolve(config_lib.load(None, overrides), vocab_size=32)
+    tokens = config.encoder.tokens_per_image
+    validate_encoder_layout(layout, config.encoder)
+    groups = ProcessGroups.build(layout)
+    reference = build_model(config, "encoder")
+    model = copy.deepcopy(reference)
+    plan = parallelize_encoder(model, groups)
+    reduction = GradientReduction(plan, groups, bucket_bytes=16 * 2**10)  # many buckets
+    ref_opt, opt = torch.optim.SGD(reference.parameters()), torch.optim.SGD(model.parameters())
+    for step in range(3):
+        images = torch.rand(2 * dp, 1, 16, 16, generator=torch.Generator().manual_seed(step))
+        upstream = torch.randn(2 * dp, tokens, config.encoder.out_dim,
+                               generator=torch.Generator().manual_seed(99 + step))
+        expected = reference(images)
+        (expected * upstream).sum().backward()
+        mine = slice(2 * groups.index("dp"), 2 * groups.index("dp") + 2)  # this dp rank's images
+        out = model(images[mine])
+        reduction.arm()  # as the encoder worker does before its step's last backward
+        (out * upstream[mine]).sum().backward()
+        assert_tensors_close({"out": out.detach()}, {"out": expected[mine].detach()}, f"step {step}")
+        reduction.finish()
+        assert_tensors_close(full_tensors(model, groups, grads=True),
+                             {n: p.grad for n, p in reference.named_parameters()}, f"step {step} grad",
+                             )
+        ref_sq, sq = grad_sq_norm(reference.parameters()), pool_grad_sq_norm(plan, groups)
+        assert_close(math.sqrt(sq), math.sqrt(ref_sq), f"step {step} grad norm")
+        apply_update(ref_opt, lr=0.1, grad_scale=clip_scale(ref_sq, config.train.grad_clip))
+        apply_update(opt, lr=0.1, grad_scale=clip_scale(sq, config.train.grad_clip))
+    assert_tensors_close(full_tensors(model, groups), {n: p.detach() for n, p in reference.named_parameters()}, "params")
+
+
+# merge: encoder.spatial_merge (2: the tensor-parallel projector reads merged 2 x 2 squares)
+@pytest.mark.parametrize("dp, tp, merge", [(2, 1, 1), (1, 2, 2), (2, 2, 1)])
+def test_encoder_layout_matches_single_device(dp, tp, merge):
+    run_distributed(_encoder_body, dp * tp, dp, tp, merge)

@@ -1,0 +1,162 @@
+"""Every benchmark script runs once at toy size on CPU, only to keep it working (the numbers
+mean nothing here; docs/performance.md has the GPU ones)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.mark.parametrize(
+    "script,args",
+    [
+        ("moe_layer.py", ["--iters", "2"]),
+        ("moe_layer.py", ["--iters", "2", "--interleave", "--layers", "dyad,dyad-reference-router"]),
+        ("router_kernels.py", ["--iters", "2"]),
+        ("expert_order.py", ["--iters", "2"]),
+        ("layer_clocks.py", ["--layers", "dyad"]),
+        ("launch_costs.py", ["--iters", "2"]),
+        ("boundary_bandwidth.py", ["--iters", "2", "--windows", "1", "2"]),
+        ("ucx_message_cost.py", ["--iters", "2", "--variants", "perftest,dyad,ucxx-thread-polling+header+hop+event"]),
+        ("llm_step.py", ["--iters", "2"]),
+        ("expert_gemms.py", ["--iters", "2"]),
+        ("e2e_hetero.py", []),
+        ("e2e_hetero.py", ["--set", "train.overlap_grad_reduce=false"]),
+        ("ep_alltoall.py", ["--iters", "2"]),
+        ("e2e_8gpu.py", []),
+        ("resize.py", []),
+        ("recovery.py", []),
+        ("fp8_convergence.py", []),
+        ("worker_threads.py", []),
+        ("checkpoint_io.py", []),
+        ("compiled_gradients.py", ["--variants", "eager,all-blocks,moe-eager,dyad-compile"]),
+    ],
+)
+def test_bench_script_runs_at_toy_size(tmp_path, script, args):
+    out = tmp_path / "result.json"
+    result = subprocess.run(
+        [sys.executable, str(BENCH / script), "--toy", *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(out.read_text())["device"] == "cpu"
+
+
+def test_the_gpu_configs_of_the_scripts_load():
+    """The toy runs above do not read the GPU-size configs; a bad value there would only show on
+    a GPU host, after its machine time was spent."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from e2e_8gpu import EIGHT_GPU, LARGER_ENCODER
+        from e2e_hetero import VIT_L_224, WORKLOADS, layouts_for
+        from resize import GPU_POOLS, RESIZE, device_lists, gpu_pools, parse_devices, pool_overrides
+        from worker_threads import GPU_POOLS as THREAD_POOLS
+
+        from dyad import config as config_lib
+    finally:
+        sys.path.remove(str(BENCH))
+    resize_eight = pool_overrides(GPU_POOLS, device_lists(GPU_POOLS["encoder"], GPU_POOLS["llm"], GPU_POOLS["move"]))
+    resize_two = pool_overrides(gpu_pools("1+2"), parse_devices("0,1/1,0"))
+    configs = [EIGHT_GPU, [*RESIZE, *resize_eight], [*RESIZE, *resize_two], [*VIT_L_224, *LARGER_ENCODER, *THREAD_POOLS]]
+    configs += [
+        [*workload, f"train.global_batch={samples}", *overrides]
+        for workload in WORKLOADS.values()
+        for samples in (16, 64)
+        for overrides, _ in layouts_for(samples).values()
+    ]
+    for overrides in configs:
+        config = config_lib.load(None, overrides)
+        assert config.train.device == "cuda"
+    assert config_lib.load(None, EIGHT_GPU).train.lr == 3e-4
+
+
+def test_e2e_layouts_keep_their_samples_a_microbatch_at_every_global_batch():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from e2e_hetero import WORKLOADS, layouts_for
+
+        from dyad import config as config_lib
+    finally:
+        sys.path.remove(str(BENCH))
+    for samples in (16, 32, 64):
+        for name, (overrides, _) in layouts_for(samples).items():
+            config = config_lib.load(None, [*WORKLOADS["vit-l-448-merge2"], f"train.global_batch={samples}", *overrides])
+            per_microbatch = samples // (config.train.microbatches * config.parallel.llm.dp)
+            assert per_microbatch == (4 if name.endswith("-4mb") else 8), (name, samples)
+    with pytest.raises(SystemExit, match="--global-batch 24: not a multiple of 2 lanes x 8 samples"):
+        layouts_for(24)
+    assert list(layouts_for(24, ["heterogeneous"])) == ["heterogeneous"]  # the layouts not run are not checked
+
+
+def test_e2e_layouts_run_in_the_order_named_and_an_unknown_one_is_named():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from e2e_hetero import chosen_layouts, layouts_for
+    finally:
+        sys.path.remove(str(BENCH))
+    layouts = layouts_for(16)
+    assert list(chosen_layouts(layouts, None)) == list(layouts)
+    assert list(layouts_for(16, ["heterogeneous", "homogeneous-colocated"])) == ["heterogeneous", "homogeneous-colocated"]
+    names = ["heterogeneous", "homogeneous-colocated-ep2"]
+    assert list(chosen_layouts(layouts, names)) == names
+    assert list(chosen_layouts(layouts, list(reversed(names)))) == list(reversed(names))
+    with pytest.raises(SystemExit, match="no layout named heterogenous; there are homogeneous-colocated"):
+        chosen_layouts(layouts, ["heterogenous"])
+
+
+def test_the_plots_draw_from_the_committed_results(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "plots.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("moe_layer_runs.png", "e2e_two_gpus.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_profiled_step_is_left_out_of_the_medians_and_its_kernel_tables_are_written(tmp_path):
+    """Toy runs take steps 0-2 and leave out step 0: profiling step 2 leaves step 1 alone."""
+    out, tables = tmp_path / "result.json", tmp_path / "tables"
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "e2e_hetero.py"), "--toy", "--profile-step", "2",
+         "--profile-dir", str(tables), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(out.read_text())["layouts"]["toy"]["steps_measured"] == 1
+    written = sorted(p.name for p in (tables / "profile-toy").iterdir())
+    assert {"encoder-0-step2.txt", "llm-0-step2.txt"} <= set(written), written
+
+
+def test_the_eight_gpu_sweep_tries_smaller_microbatches_only_after_running_out_of_memory():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from e2e_8gpu import ran_out_of_memory, run_microbatch_sizes
+    finally:
+        sys.path.remove(str(BENCH))
+    oom = {"error": "1 of 6 steps done: worker llm/0 ran out of GPU memory in its step; ..."}
+    other = {"error": "0 of 6 steps done: worker encoder/1 failed: RuntimeError: NCCL timeout"}
+    assert ran_out_of_memory(oom) and ran_out_of_memory({"error": "torch.OutOfMemoryError: CUDA out of memory."})
+    assert not ran_out_of_memory(other) and not ran_out_of_memory({"step_s": 1.0})
+    for outcomes, tried in (
+        ({4: oom, 2: {"step_s": 2.0}, 1: {"step_s": 3.0}}, [4, 2]),  # fits at 2: 1 is not run
+        ({4: {"step_s": 1.0}, 2: {"step_s": 2.0}}, [4]),
+        ({4: other, 2: {"step_s": 2.0}}, [4]),  # another failure is not a reason to shrink
+        ({4: oom, 2: oom, 1: oom}, [4, 2, 1]),
+    ):
+        assert list(run_microbatch_sizes(list(outcomes), outcomes.__getitem__)) == tried

@@ -1,0 +1,238 @@
+"""Runs survive: a SIGKILLed encoder or LLM worker, pools resized mid-run, a resume under
+another layout, a truncated checkpoint, a router killed and started again — each run ends with the losses of an uninterrupted run
+(fp32, 1e-5) and trains on every sample of the epoch exactly once."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dyad import config as config_lib
+from dyad.cli import _describe_step, main
+from dyad.client import RouterClient
+from dyad.router.checkpoints import MANIFEST
+from dyad.router.launcher import free_ports
+from dyad.wire import pb
+from tests.helpers.resilience import (
+    CREDENTIALS,
+    assert_losses_match,
+    follow,
+    in_process_router,
+    job_config,
+    kill,
+    run_followed,
+    trained_samples,
+)
+
+
+@pytest.fixture(scope="module")
+def baseline_router():
+    """Serves the uninterrupted run's history for the module (the run itself is over)."""
+    with in_process_router() as (client, _):
+        yield client
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, baseline_router):
+    out_dir = tmp_path_factory.mktemp("uninterrupted")
+    run = run_followed(baseline_router, job_config(out_dir))
+    assert run.info.state == 3, run.info.message  # RUN_STATE_SUCCEEDED
+    assert sorted(run.steps) == list(range(8))
+    return out_dir, run
+
+
+def test_watch_from_a_step_replays_only_that_step_on(uninterrupted, baseline_router, capsys,
+                                                      monkeypatch):
+    """`dyad watch RUN_ID --from-step 5` on the finished run: the same step events as the live
+    watch from step 5 on, the checkpoints committed at steps 6 and 8, nothing earlier."""
+    _, baseline = uninterrupted
+    for name in ("DYAD_TLS_CA", "DYAD_TLS_CERT", "DYAD_TLS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DYAD_TOKEN", CREDENTIALS.client_token)
+    run_id = baseline.info.run_id
+    with pytest.raises(SystemExit) as exited:
+        main(["watch", run_id, "--from-step", "5", "--router", baseline_router.address])
+    lines = capsys.readouterr().out.splitlines()
+    assert exited.value.code == 0, lines
+    steps = [line for line in lines if line.startswith("step ")]
+    assert steps == [_describe_step(baseline.steps[step]) for step in (5, 6, 7)], lines
+    notices = [line.split(":")[0] for line in lines if line.startswith("checkpoint ")]
+    assert notices == ["checkpoint at step 6", "checkpoint at step 8"], lines
+    assert len(steps) + len(notices) == lines.index(f"run {run_id}: SUCCEEDED, step 8/8")
+
+
+def _assert_same_training(out_dir, run, uninterrupted) -> None:
+    baseline_dir, baseline = uninterrupted
+    assert run.info.state == 3, run.info.message
+    assert_losses_match(run.steps, baseline.steps)
+    samples, expected = trained_samples(out_dir), trained_samples(baseline_dir)
+    assert samples == expected
+    flat = [s for step in sorted(samples) for s in samples[step]]
+    assert len(flat) == len(set(flat)), "a sample was trained on twice in the epoch"
+
+
+# The LLM case runs two data-parallel ranks (one survives the kill), each taking one of the
+# step's two microbatches: the same microbatches as the uninterrupted run.
+KILL_LAYOUTS = {"encoder": [], "llm": ["parallel.llm.dp=2", "train.microbatches=1"]}
+
+
+@pytest.mark.parametrize("pool", sorted(KILL_LAYOUTS))
+def test_a_killed_worker_is_recovered_from_the_last_checkpoint(tmp_path, uninterrupted, pool):
+    """No interval checkpoints here: the client asks for one after step 1, a worker is
+    SIGKILLed after step 4, and the run goes back to that checkpoint."""
+    killed = []
+
+    with in_process_router() as (client, state):
+        def act(metrics):  # the run may have ended by the last step's event: look it up only to act
+            if metrics.step == 1:
+                client.checkpoint(state.active_run_ids()[0])
+            if metrics.step == 4 and not killed:
+                killed.append(state.get(state.active_run_ids()[0]).pids[f"{pool}/0"])
+                kill(killed[0])
+
+        config = job_config(tmp_path, "checkpoint.interval_steps=0", *KILL_LAYOUTS[pool])
+        run = run_followed(client, config, act)
+    assert killed
+    kinds = [(n.kind, n.step) for n in run.notices]
+    on_demand = kinds[0]
+    assert on_demand[0] == "checkpoint" and 2 <= on_demand[1] <= 4, kinds
+    assert kinds[1] == ("recovery", on_demand[1]), kinds
+    assert run.info.recoveries == 1 and run.info.generation == 2
+    assert '"event": "recovery"' in (tmp_path / "metrics.jsonl").read_text()
+    # The restarted workers, told that they restore the checkpoint, drew no initial weights; the
+    # same training shows that the restore left nothing of what they were built with.
+    for worker in ("encoder-0", "llm-0"):
+        starts = re.findall(r"generation \d: started in .*", (tmp_path / "logs" / f"{worker}.log").read_text())
+        assert [line.endswith("no initial weights drawn (a checkpoint is restored)") for line in starts] == [
+            False, True], starts
+    _assert_same_training(tmp_path, run, uninterrupted)
+
+
+def test_recoveries_are_bounded_by_max_recoveries(tmp_path):
+    """With router.max_recoveries=0 a SIGKILLed worker ends the run: FAILED, naming the bound,
+    and no recovery counted or announced."""
+    killed = []
+
+    with in_process_router() as (client, state):
+        def kill_once(metrics):
+            if not killed:
+                killed.append(state.get(state.active_run_ids()[0]).pids["encoder/0"])
+                kill(killed[0])
+
+        run = run_followed(client, job_config(tmp_path, "router.max_recoveries=0"), kill_once)
+    assert killed
+    assert run.info.state == pb.RUN_STATE_FAILED, run.info
+    assert "gave up after router.max_recoveries=0" in run.info.message, run.info.message
+    assert run.info.recoveries == 0 and run.info.generation == 1
+    assert [n.kind for n in run.notices if n.kind != "checkpoint"] == [], run.notices
+    assert max(run.steps) < 7
+
+
+def test_a_hung_worker_is_detected_by_its_silence_and_replaced(tmp_path, uninterrupted):
+    """SIGSTOP freezes every thread of the LLM worker, its heartbeats included."""
+    frozen = []
+
+    with in_process_router() as (client, state):
+        def freeze_once(metrics):
+            if metrics.step == 3 and not frozen:
+                frozen.append(state.get(state.active_run_ids()[0]).pids["llm/0"])
+                kill(frozen[0], signal.SIGSTOP)
+
+        config = job_config(tmp_path, "router.worker_timeout_s=4")
+        run = run_followed(client, config, freeze_once)
+    recoveries = [n for n in run.notices if n.kind == "recovery"]
+    assert len(recoveries) == 1 and "silent" in recoveries[0].message, run.notices
+    _assert_same_training(tmp_path, run, uninterrupted)
+
+
+def test_pools_resized_mid_run_keep_the_math(tmp_path, uninterrupted):
+    """Encoder 1 -> 2 -> 1 and LLM data-parallel 1 -> 2, each at a step boundary."""
+    requests = {1: ("encoder", 2), 3: ("encoder", 1), 5: ("llm", 2)}
+
+    with in_process_router() as (client, state):
+        def resize(metrics):
+            if metrics.step in requests:
+                client.scale_pool(state.active_run_ids()[0], *requests.pop(metrics.step))
+
+        run = run_followed(client, job_config(tmp_path), resize)
+    resizes = [n for n in run.notices if n.kind == "resize"]
+    assert [n.message.split(" in ")[0] for n in resizes] == [
+        "encoder 1 -> 2", "encoder 2 -> 1", "llm 1 -> 2"], resizes
+    phases = r"in [\d.]+s \(stopping [\d.]+ s, starting and registering [\d.]+ s, setting up and restoring [\d.]+ s\)$"
+    assert all(re.search(phases, n.message) for n in resizes), resizes  # where each restart's time went
+    assert run.info.llm_replicas == 2 and run.info.encoder_replicas == 1
+    assert run.info.recoveries == 0
+    _assert_same_training(tmp_path, run, uninterrupted)
+
+
+def test_resume_under_another_llm_layout_skips_a_truncated_checkpoint(tmp_path, uninterrupted):
+    """Resume from a copy of the uninterrupted run whose newest checkpoints lost their
+    manifests (as if the router died while committing): the run continues from the newest
+    committed one, under LLM tp=2 instead of 1, with the same losses."""
+    baseline_dir, baseline = uninterrupted
+    source = tmp_path / "source"
+    shutil.copytree(baseline_dir / "checkpoints", source / "checkpoints")
+    for step in (6, 8):
+        (source / "checkpoints" / f"step_{step:08d}" / MANIFEST).unlink()
+
+    with in_process_router() as (client, _):
+        config = job_config(tmp_path / "resumed", "parallel.llm.tp=2",
+                            f"checkpoint.resume_from={source}")
+        run = run_followed(client, config)
+    assert run.info.state == 3, run.info.message
+    assert sorted(run.steps) == [4, 5, 6, 7]
+    assert_losses_match(run.steps, {s: baseline.steps[s] for s in (4, 5, 6, 7)})
+    resumed = trained_samples(tmp_path / "resumed")
+    assert resumed == {s: trained_samples(baseline_dir)[s] for s in (4, 5, 6, 7)}
+
+
+def _start_router(tmp_path, port: int, name: str) -> subprocess.Popen:
+    port_file = tmp_path / f"{name}.address"
+    env = os.environ | {"DYAD_TOKEN": CREDENTIALS.client_token,
+                        "DYAD_JOIN_TOKEN": CREDENTIALS.join_token}
+    with open(tmp_path / f"{name}.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dyad.router", "--port", str(port), "--port-file",
+             str(port_file), "--state-db", str(tmp_path / "router.db")],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()
+        assert time.monotonic() < deadline, "router did not start"
+        time.sleep(0.1)
+    return proc
+
+
+def test_a_restarted_router_finishes_the_run(tmp_path, uninterrupted):
+    port = free_ports(1)[0]
+    first = _start_router(tmp_path, port, "router-1")
+    client = RouterClient(f"127.0.0.1:{port}", token=CREDENTIALS.client_token)
+    second = None
+    try:
+        info = client.start_run(config_lib.to_yaml(job_config(tmp_path / "run")))
+        for event in client.watch(info.run_id):
+            if event.HasField("step") and event.step.step == 4:
+                first.send_signal(signal.SIGKILL)
+                break
+        first.wait(10)
+        second = _start_router(tmp_path, port, "router-2")
+        run = follow(client, info.run_id)
+        assert run.info.state == 3, (run.info.message, (tmp_path / "router-2.log").read_text()[-3000:])
+        # Workers either re-registered and continued in place, or (one of them waiting
+        # mid-step for a peer that never got its step command) were replaced.
+        assert {n.kind for n in run.notices} & {"resume", "recovery"}, run.notices
+        _assert_same_training(tmp_path / "run", run, uninterrupted)
+    finally:
+        client.close()
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(30)
