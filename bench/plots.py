@@ -3,17 +3,16 @@
     python bench/plots.py                      # reads docs/results, writes the PNGs there
     python bench/plots.py --results DIR --out DIR
 
-- `moe_layer_runs.png`: each interleaved run of `bench/moe_layer.py` (its JSON), dyad's layer
-  (two expert weights, and with the interleaved gate-up weight where the run timed it) against
-  torchtitan's, from an idle GPU and with the host ahead, beside the goal (torchtitan's
-  time in the same run over 1.2): a run's spread reads better as points than as a table.
-- `e2e_two_gpus.png`: tokens/s of `bench/e2e_hetero.py`, one group of bars per run, one bar per
-  layout it measured (", working weights": run with `train.working_weights`; hatched: layouts
-  known to have computed wrong gradients in that run, E2E_WRONG_GRADIENTS; a layout that failed
-  in a run, e.g. out of memory, is labelled so).
-- `e2e_560_two_gpus.png`: every 560-pixel invocation of "Three rounds ahead" and its first start
-  (dp2 against one GPU a pool, two and three rounds ahead), tokens/s and the LLM GPU's wait for
-  rows, one point each.
+- `moe_layer_runs.png`: each interleaved run of `bench/moe_layer.py` with the current layer code
+  (its JSON), dyad's interleaved layer against torchtitan's, from an idle GPU and with the host
+  ahead, beside the goal (torchtitan's time in the same run over 1.2): a run's spread reads better
+  as points than as a table.
+- `e2e_two_gpus.png`: tokens/s of `bench/e2e_hetero.py`, one group of bars per comparison (448,
+  560 and 672 pixels on two H200s, 448 pixels on two H100s), one bar per layout it measured (a
+  layout that failed in a run, e.g. out of memory, is labelled so).
+- `e2e_560_two_gpus.png`: every 560-pixel invocation on two H200s (dp2 against one GPU a pool, two
+  and three rounds ahead, the next step sent with the update or not), tokens/s and the LLM GPU's
+  wait for rows, one point each.
 
 Only the files named in MOE_RUNS and E2E_RUNS and those under E2E_560_STARTS are read; a missing
 one is an error naming it.
@@ -33,84 +32,40 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only bac
 GOAL = 1.2  # the performance issue's bound: dyad's layer at least 1.2x faster than torchtitan's
 PEER = "torchtitan-0.3.0"
 DYAD_LAYERS = {"dyad": ("C0", "dyad"), "dyad-gate-up-interleaved": ("C2", "dyad, interleaved gate-up")}
-INTERLEAVED_H100 = "moe_gate_up_interleaved_h100"
-INTERLEAVED_H200 = "moe_gate_up_interleaved_h200/start1"
-AUTOTUNE_H200 = "moe_gate_up_interleaved_h200/autotune"
+ROUTE_ONE_LAUNCH = "moe_route_one_launch_h200"
 MOE_RUNS = {  # label: result file under --results, every run interleaved with the host ahead too
-    "H100 1": "moe_wgrads_deferred_h100/run1_dyad_first.json",
-    "H100 2": "moe_wgrads_deferred_h100/run2_dyad_last.json",
-    "H100 3": "moe_wgrads_deferred_h100/run3_narrow_sort_dyad_first.json",
-    "H200 B": "moe_deferred_h200/run_b_dyad_last.json",
-    "H200 C": "moe_deferred_h200/run_c_timelines.json",
-    "H200 D": "moe_deferred_h200/run_d_dyad_first.json",
-    "H200 E": "moe_deferred_h200/run_e_dyad_last.json",
-    # From here with the interleaved gate-up layer (QuACK's epilogues) beside two weights.
-    **{
-        f"H100 {start}.{run}": f"{INTERLEAVED_H100}/start{start}/run{run}.json"
-        for start, runs in ((1, (1, 2)), (2, (1, 2, 3)), (4, (1, 2, 3)))
-        for run in runs
-    },
-    **{f"H200 Q{run}": f"{INTERLEAVED_H200}/run{run}.json" for run in (1, 2, 3)},
-    # Two more H200 starts, beside the interleaved layer with QuACK's autotuner (not drawn).
-    **{f"H200 A{run}": f"{AUTOTUNE_H200}/start{2 if run <= 3 else 3}/run{run}.json" for run in range(1, 6)},
-    # The prologue in fewer launches, the router in one launch (two starts), the current code.
-    **{f"H200 P{run}": f"moe_prologue_h200/moe_layer_run{run}.json" for run in (1, 2)},
-    **{f"H200 R{run}": f"moe_route_one_launch_h200/moe_layer_run{run}.json" for run in (1, 2, 3)},
-    **{f"H200 S{run}": f"moe_route_one_launch_h200/start2/quack_run{run}.json" for run in (1, 2)},
+    # The router in one launch, the layer's code since (docs/performance.md, "MoE layer"): one
+    # start with HF's block too, a second with QuACK (S) and without it (N), then the current code.
+    **{f"H200 R{run}": f"{ROUTE_ONE_LAUNCH}/moe_layer_run{run}.json" for run in (1, 2, 3)},
+    **{f"H200 S{run}": f"{ROUTE_ONE_LAUNCH}/start2/quack_run{run}.json" for run in (1, 2)},
+    **{f"H200 N{run} (no QuACK)": f"{ROUTE_ONE_LAUNCH}/start2/plain_run{run}.json" for run in (1, 2)},
     "H200 C1": "current_code_h200/moe_layer_run1.json",
     "H200 C2": "current_code_h200/moe_layer_run2.json",
 }
+SEND_AHEAD = "e2e_send_ahead_depth_2xh200/start2"
 RECOMPUTE_H100 = "e2e_recompute_h100/start_1"
-MICROBATCH_H100 = "e2e_microbatch_h100"
-WORKING_WEIGHTS = "working_weights_e2e"
 E2E_RUNS = {  # label: one result file, or several whose layouts together make the run
-    "H200 run 1": "e2e_2xh200_vit448_compiled.json",
-    "H200 run 2": "e2e_2xh200_vit448_compiled_repeat.json",
-    "H100 run 1": "e2e_2xh100_vit448_compiled.json",
-    "H100 run 2": "e2e_2xh100_vit448_compiled_repeat.json",
-    "H200 run 3": "e2e_2xh200_vit448_compiled_correct_1.json",
-    "H200 run 4": "e2e_2xh200_vit448_compiled_correct_2.json",
-    # From here the pools sum gradients during the last backward pass (train.overlap_grad_reduce).
-    "H200 run 6, overlapped": "e2e_2xh200_run6_overlapped.json",
-    "H200 run 6, after backward": "e2e_2xh200_run6_after_backward.json",
-    "H200 run 6, again": "e2e_2xh200_run6_heterogeneous_again.json",
-    # From here the LLM's microbatch has no host sync; one invocation per layout, in pairs.
-    "H200 run 11 a": ("e2e_no_host_sync_2xh200/run11_hn0.json", "e2e_no_host_sync_2xh200/run11_dn1.json"),
-    "H200 run 11 b": ("e2e_no_host_sync_2xh200/run11_hn4.json", "e2e_no_host_sync_2xh200/run11_dn5.json"),
-    "H200 run 12 a": ("e2e_no_host_sync_2xh200/run12_hn0.json", "e2e_no_host_sync_2xh200/run12_dn1.json"),
-    "H200 run 12 b": ("e2e_no_host_sync_2xh200/run12_hn4.json", "e2e_no_host_sync_2xh200/run12_dn5.json"),
-    "H200 run 13 a": ("e2e_no_host_sync_2xh200/run13_hn0.json", "e2e_no_host_sync_2xh200/run13_dn1.json"),
-    "H200 run 13 b": ("e2e_no_host_sync_2xh200/run13_hn2.json", "e2e_no_host_sync_2xh200/run13_dn3.json"),
-    # From here 64 or 32 samples a step, eight in every LLM microbatch (--global-batch).
-    "H200, 64 samples a": ("e2e_global_batch/h200/e2e_0-d64.json", "e2e_global_batch/h200/e2e_1-h64.json"),
-    "H200, 32 samples": ("e2e_global_batch/h200/e2e_2-d32.json", "e2e_global_batch/h200/e2e_3-h32.json"),
-    "H200, 64 samples b": ("e2e_global_batch/h200/e2e_4-h64.json", "e2e_global_batch/h200/e2e_5-d64.json"),
-    # Two H100s, where dp2 fits these only with its encoder's blocks recomputing.
-    "H100, 64 samples a": (f"{RECOMPUTE_H100}/e2e_0-r64.json", f"{RECOMPUTE_H100}/e2e_1-h64.json"),
-    "H100, 64 samples b": (f"{RECOMPUTE_H100}/e2e_3-h64.json", f"{RECOMPUTE_H100}/e2e_4-r64.json"),
-    "H100, 32 samples a": (f"{RECOMPUTE_H100}/e2e_5-r32.json", f"{RECOMPUTE_H100}/e2e_6-h32.json"),
-    "H100, 32 samples b": (f"{RECOMPUTE_H100}/e2e_7-h32.json", f"{RECOMPUTE_H100}/e2e_8-r32.json"),
-    # Another start of two H100s, 64 samples: dp2 fitting with four-sample microbatches instead,
-    # and both layouts at four samples (the same math).
-    "H100, 64 samples c": tuple(f"{MICROBATCH_H100}/e2e_{n}.json" for n in ("0-h64", "1-f64", "2-g64")),
-    "H100, 64 samples d": tuple(f"{MICROBATCH_H100}/e2e_{n}.json" for n in ("5-h64", "6-g64", "7-f64", "8-r64")),
-    # bf16 working weights (train.working_weights) against none, one start of each kind of host.
-    "H100, 64 samples e": tuple(
-        f"{WORKING_WEIGHTS}/h100/e2e_{n}.json" for n in ("0-h64w", "1-d64w", "2-d64", "3-h64", "4-r64w", "5-r64")
-    ),
-    "H100, 64 samples f": tuple(f"{WORKING_WEIGHTS}/h100/e2e_{n}.json" for n in ("6-r64w", "7-h64w", "8-h64")),
-    "H200, 64 samples c": tuple(f"{WORKING_WEIGHTS}/h200/e2e_{n}.json" for n in ("0-d64w", "1-h64w")),
-    "H200, 64 samples d": tuple(f"{WORKING_WEIGHTS}/h200/e2e_{n}.json" for n in ("2-h64", "3-d64")),
+    "H200, 448 px, 16 samples": (f"{SEND_AHEAD}/call1/e2e-16-5-heterogeneous-ahead.json",
+                                 f"{SEND_AHEAD}/call1/e2e-16-6-homogeneous-colocated-ahead.json"),
+    "H200, 560 px, 2 rounds ahead": (f"{SEND_AHEAD}/call1/e2e-64-1-homogeneous-colocated-ahead.json",
+                                     f"{SEND_AHEAD}/call1/e2e-64-2-heterogeneous-ahead.json"),
+    "H200, 560 px, 3 rounds ahead": (f"{SEND_AHEAD}/call3/e2e-64-1-homogeneous-colocated-d3.json",
+                                     f"{SEND_AHEAD}/call3/e2e-64-2-heterogeneous-d3.json"),
+    "H200, 672 px, 32 samples": ("e2e_672_2xh200/e2e-32-heterogeneous.json",
+                                 "e2e_672_2xh200/e2e-32-homogeneous-colocated.json"),
+    "H200, 672 px, 64 samples": ("e2e_672_2xh200/e2e-64-homogeneous-colocated.json",
+                                 "e2e_672_2xh200/e2e-64-heterogeneous.json"),
+    # Two H100s, where dp2 fits 32 and 64 samples a step only with its encoder's blocks recomputing.
+    "H100, 448 px, 64 samples a": (f"{RECOMPUTE_H100}/e2e_0-r64.json", f"{RECOMPUTE_H100}/e2e_1-h64.json"),
+    "H100, 448 px, 64 samples b": (f"{RECOMPUTE_H100}/e2e_3-h64.json", f"{RECOMPUTE_H100}/e2e_4-r64.json"),
+    "H100, 448 px, 32 samples a": (f"{RECOMPUTE_H100}/e2e_5-r32.json", f"{RECOMPUTE_H100}/e2e_6-h32.json"),
+    "H100, 448 px, 32 samples b": (f"{RECOMPUTE_H100}/e2e_7-h32.json", f"{RECOMPUTE_H100}/e2e_8-r32.json"),
 }
-E2E_560_STARTS = {  # machine start: the folder of its 560-pixel invocations, one layout each ("Three rounds ahead")
+E2E_560_STARTS = {  # machine start: the folder of its 560-pixel invocations, one layout each
     f"start {n}": f"e2e_send_ahead_depth_2xh200/start{n}" for n in (1, 2, 3)
 }
 E2E_560_FILES = "**/e2e-64-*.json"  # 64 samples a step; the folders' e2e-16-* files are 448-pixel runs
 LAYOUT_NAMES = {"homogeneous-colocated": "(a) dp2", "heterogeneous": "(b) one GPU a pool"}
-# Per run of E2E_RUNS, the layouts that computed wrong gradients (torch 2.11 lost the backward of
-# the expert-parallel all-to-all in compiled blocks, fixed before the H100 runs;
-# docs/performance.md): drawn hatched.
-E2E_WRONG_GRADIENTS = {"H200 run 1": {"homogeneous-colocated-ep2"}, "H200 run 2": {"homogeneous-colocated-ep2"}}
 
 
 def load(results: Path, name: str) -> dict:
@@ -156,13 +111,10 @@ def plot_moe_runs(results: Path, out: Path, shapes=("mixtral-like", "qwen3-like"
 
 
 def e2e_layouts(results: Path, names: str | tuple[str, ...]) -> dict:
-    """The layouts of one run of E2E_RUNS, merged from its files (a file run with bf16 working
-    weights names its layouts so)."""
+    """The layouts of one run of E2E_RUNS, merged from its files."""
     merged = {}
     for name in (names,) if isinstance(names, str) else names:
-        result = load(results, name)
-        suffix = ", working weights" if "train.working_weights=true" in result.get("config", []) else ""
-        merged.update({layout + suffix: measured for layout, measured in result["layouts"].items()})
+        merged.update(load(results, name)["layouts"])
     return merged
 
 
@@ -175,12 +127,11 @@ def plot_e2e(results: Path, out: Path) -> Path:
     y, ticks = 0.0, []
     for label, measured in runs.items():
         first = y
-        wrong = E2E_WRONG_GRADIENTS.get(label, set())
         for layout in layouts:
             if layout not in measured:
                 continue
             value = measured[layout].get("tokens_per_s", 0)
-            ax.barh(y, value, height=0.9, color=colours[layout], hatch="//" if layout in wrong else "")
+            ax.barh(y, value, height=0.9, color=colours[layout])
             ax.text(value, y, f" {value:,.0f}" if value else f" {layout}: {_why_no_bar(measured[layout])}",
                     va="center", fontsize=7)
             y += 1
@@ -191,8 +142,8 @@ def plot_e2e(results: Path, out: Path) -> Path:
     ax.set_xlim(0, 1.45 * most)  # room on the right for the legend
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()], labels=list(colours),
               fontsize=8, loc="upper right")
-    ax.set_xlabel("tokens/s (median step); hatched: wrong gradients (since fixed)")
-    ax.set_title("Two GPUs: ViT-L/14 at 448 px + MoE LLM, compiled blocks")
+    ax.set_xlabel("tokens/s (median step)")
+    ax.set_title("Two GPUs: ViT-L/14 + MoE LLM, compiled blocks, one GPU a pool against dp2")
     ax.invert_yaxis()
     fig.tight_layout()
     path = out / "e2e_two_gpus.png"
