@@ -43,12 +43,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_REQUIREMENT}"
 COPY pyproject.toml README.md /tmp/src/
 COPY proto/ /tmp/src/proto/
 COPY dyad/ /tmp/src/dyad/
-COPY router/ /tmp/src/router/
-COPY encoder_service/ /tmp/src/encoder_service/
-COPY llm_service/ /tmp/src/llm_service/
-COPY kernels/ /tmp/src/kernels/
-COPY configs/ /tmp/src/configs/
-COPY configs/ /opt/dyad/configs/
+COPY dyad/configs/ /opt/dyad/configs/
 
 # The gRPC stubs are build products (dyad/wire/__init__.py): generate them into the source tree
 # so that the installed package carries them (it has no proto/ to generate from at run time).

@@ -35,8 +35,8 @@ import tempfile
 from pathlib import Path
 
 from dyad import config as config_lib
+from dyad.app.jobs import run_job
 from dyad.data import make_dataset
-from dyad.jobs import run_job
 
 COMMON = [
     "train.device=cuda",
@@ -281,7 +281,7 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-e2e-"))
     results = {}
     for name, (overrides, gpus) in layouts.items():
-        if args.profile_step is not None:  # read by the workers (dyad/worker.py)
+        if args.profile_step is not None:  # read by the workers (dyad/app/worker.py)
             profile_dir = Path(args.profile_dir or work) / f"profile-{name}"
             profile_dir.mkdir(parents=True, exist_ok=True)
             os.environ.update(

@@ -38,8 +38,8 @@ from moe_layer import expert_flops
 
 from dyad.layout import LLMLayout
 from dyad.llm_service.config import MoEConfig
+from dyad.llm_service.expert_parallel import DISPATCHERS, parallelize_moe
 from dyad.llm_service.moe import MoELayer
-from dyad.parallel.expert import DISPATCHERS, parallelize_moe
 from dyad.parallel.groups import ProcessGroups
 from dyad.router.launcher import free_ports
 

@@ -5,7 +5,7 @@ them) on balanced routing, computed several ways on one GPU, and the pieces arou
   gradients added into `.grad` as the layer benchmark's layers do (never cleared);
 - `grouped-fresh`: the same with `.grad` cleared before each call (gradients written, not added);
 - `grouped-into-grad`: `grouped`, the weight gradients added into `.grad` by one cuBLAS GEMM per
-  expert (`kernels/expert_weight_grads.py`, what the layer runs on CUDA with few experts; with
+  expert (`dyad/kernels/expert_weight_grads.py`, what the layer runs on CUDA with few experts; with
   more than its MAX_EXPERTS this is `grouped`);
 - `w13-into-grad`: `grouped-into-grad` with w1 and w3 as one [E, D, 2F] weight: one GEMM for
   both up-projections forward, one input-gradient GEMM over both (no add of two), the gate
@@ -21,7 +21,7 @@ them) on balanced routing, computed several ways on one GPU, and the pieces arou
   cleared: the same FLOPs in the largest GEMMs there are, the floor no layer gets under;
 - `swiglu` / `swiglu-fused` / `swiglu-compiled`: SwiGLU's gate alone (silu(h1) * h3, forward
   and backward) on the rows' hidden activations: eager, dyad's Triton kernels
-  (`kernels/swiglu.py`, what the layer runs on CUDA), and compiled by inductor.
+  (`dyad/kernels/swiglu.py`, what the layer runs on CUDA), and compiled by inductor.
 
     python bench/expert_gemms.py --out $OUT/expert_gemms.json
     python bench/expert_gemms.py --shapes mixtral-like --methods grouped-fresh-compiled,grouped-fresh-autotuned-compiled

@@ -1,5 +1,5 @@
 """The permutation's stable sort of top-k expert ids, on one GPU: `torch.argsort` of the int64 ids
-top-k returns against `stable_expert_order` (`kernels/moe_permute.py`: the same order, sorted
+top-k returns against `stable_expert_order` (`dyad/kernels/moe_permute.py`: the same order, sorted
 as the narrowest integer type that holds the ids), for the MoE layer benchmark's shapes. Each
 row is the kernels' own time, summed from a profile (`kernel_timeline.kernel_ms`); both orders
 are checked equal.

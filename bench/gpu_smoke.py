@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from dyad import config as config_lib
+from dyad.app.evaluate import caption_accuracy, load_trained
+from dyad.app.jobs import run_job
+from dyad.app.verify import compare_with_reference
 from dyad.data import make_dataset
-from dyad.evaluate import caption_accuracy, load_trained
-from dyad.jobs import run_job
-from dyad.verify import compare_with_reference
 
 
 def _config(out_dir: Path, overrides: list[str]):

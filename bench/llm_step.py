@@ -14,7 +14,6 @@ retries.
     python bench/llm_step.py --out $OUT/llm_step.json [--profile-dir $OUT]
     python bench/llm_step.py --toy                       # CPU, tiny (CI)
     python bench/llm_step.py --variants bf16-2mb-x4-compiled --without-reload-barrier
-    python bench/llm_step.py --variants bf16-2mb-x4-compiled --gate-up interleaved
 
 `--without-reload-barrier` compiles the blocks without dyad/inductor_reloads.py's barrier, only to
 measure what the barrier costs: without it the compiled bf16 gradients can be wrong on a GPU.
@@ -28,7 +27,6 @@ projection (the input embedding is a lookup).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 from typing import NamedTuple
@@ -40,7 +38,7 @@ from run_info import bench_device, run_header, write_json  # beside this script
 from dyad import inductor_reloads
 from dyad.compile import compile_blocks
 from dyad.kernels.fp8 import compile_quantization
-from dyad.llm_service.config import GATE_UP_LAYOUTS, LLMConfig, MoEConfig
+from dyad.llm_service.config import LLMConfig, MoEConfig
 from dyad.llm_service.fp8 import convert_to_fp8
 from dyad.llm_service.model import MoELM
 from dyad.optim import build_optimizer
@@ -187,20 +185,16 @@ def main() -> None:
     parser.add_argument("--profile-dir", help="GPU: a kernel table of each variant's step is written here")
     parser.add_argument("--without-reload-barrier", action="store_true",
                         help="compiled blocks without the barrier before reloads (its cost; gradients can be wrong)")
-    parser.add_argument("--gate-up", choices=GATE_UP_LAYOUTS,
-                        help="llm.moe.gate_up for the experts' w1 and w3 (default: MoEConfig's)")
     args = parser.parse_args()
     if args.without_reload_barrier:
         inductor_reloads.install = lambda: None  # compile_blocks calls it through the module
     device = bench_device(args.toy)
     spec = CONFIGS["toy" if device == "cpu" else "1b-active"]
     cfg, S, N = spec["llm"], spec["seq"], spec["image_rows"]
-    if args.gate_up:
-        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, gate_up=args.gate_up))
     active = active_parameters(cfg)
     flops_per_token = 6 * active + 12 * cfg.n_layers * cfg.dim * S
     result = {
-        **run_header(device), "reload_barrier": not args.without_reload_barrier, "gate_up": cfg.moe.gate_up,
+        **run_header(device), "reload_barrier": not args.without_reload_barrier,
         "active_params": active, "seq": S, "image_rows": N, "variants": {},
     }
     eager = [name for name in VARIANTS if not needs_compiler(name)]

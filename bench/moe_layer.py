@@ -7,9 +7,9 @@ and Hugging Face transformers' Qwen3-MoE sparse block, same shapes, same run, bf
     python bench/moe_layer.py --interleave --head-start --layers dyad,torchtitan-0.3.0   # in turn, also host ahead
     python bench/moe_layer.py --toy                             # CPU, tiny shape (CI)
 
-`dyad` is the layer with w1 and w3 as two weights (`llm.moe.gate_up: separate`), the name kept so
-that earlier results compare; the LLM service's default since 2026-11-29 is
-`dyad-gate-up-interleaved`'s layout (`interleaved`).
+`dyad` is the layer with w1 and w3 as two weights (`TwoWeightsLayer`, the layout before
+2026-11-29, once `llm.moe.gate_up: separate`), the name kept so that earlier results compare; the
+LLM service's layer is `dyad-gate-up-interleaved` (one interleaved weight).
 
 Also times the grouped-matmul ceiling of each shape (the three expert GEMMs forward and backward
 on perfectly balanced routing, nothing else) and reports each layer's share of it. Peers that
@@ -36,8 +36,9 @@ from dyad.kernels.fp8 import forget_quantized, fp8_grouped_mm
 from dyad.kernels.gated_experts import gated_experts
 from dyad.kernels.grouped_mm import grouped_mm
 from dyad.kernels.moe_router import router_logits_reference
+from dyad.kernels.swiglu import swiglu
 from dyad.llm_service.config import MoEConfig
-from dyad.llm_service.moe import MoELayer
+from dyad.llm_service.moe import GroupedSwiGLU, MoELayer
 
 SHAPES = {  # name: (dim, expert hidden, experts, top-k, tokens)
     "qwen3-like": (2048, 768, 128, 8, 16384),
@@ -99,32 +100,52 @@ def expert_flops(dim, hidden, tokens, top_k) -> float:
     return 3 * 3 * 2 * tokens * top_k * dim * hidden
 
 
-def dyad_layer(dim, hidden, experts, top_k, layer_type=MoELayer, gate_up="separate"):
-    cfg = MoEConfig(num_experts=experts, top_k=top_k, expert_dim=hidden, aux_loss_coef=0.01, gate_up=gate_up)
+class TwoWeightsLayer(MoELayer):
+    """dyad's layer with w1 and w3 as two weights, each up-projection its own grouped GEMM
+    (`expert_matmul`; float8's for `dyad-fp8`): the A/B baseline of the one interleaved weight."""
+
+    def __init__(self, dim, cfg, expert_matmul=expert_weight_grads.expert_grouped_mm):
+        super().__init__(dim, cfg)
+        del self.w13_ED2F
+        self.w1_EDF = nn.Parameter(torch.empty(cfg.num_experts, dim, cfg.expert_dim).normal_(std=0.02))
+        self.w3_EDF = nn.Parameter(torch.empty(cfg.num_experts, dim, cfg.expert_dim).normal_(std=0.02))
+        self.expert_matmul = expert_matmul
+
+    def experts(self, x_sorted_ND, counts_E):
+        offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        h1_NF = self.expert_matmul(x_sorted_ND, self.w1_EDF, offs_E)
+        h3_NF = self.expert_matmul(x_sorted_ND, self.w3_EDF, offs_E)
+        return self.expert_matmul(swiglu(h1_NF, h3_NF), self.w2_EFD, offs_E)
+
+
+def dyad_layer(dim, hidden, experts, top_k, layer_type=TwoWeightsLayer):
+    cfg = MoEConfig(num_experts=experts, top_k=top_k, expert_dim=hidden, aux_loss_coef=0.01)
     return layer_type(dim, cfg)
 
 
 def dyad_interleaved_layer(dim, hidden, experts, top_k):
     """w1 and w3 as one interleaved weight: SwiGLU in QuACK's GEMM epilogues where it is installed."""
-    return dyad_layer(dim, hidden, experts, top_k, gate_up="interleaved")
+    return dyad_layer(dim, hidden, experts, top_k, MoELayer)
 
 
-class AutotunedGatedExpertsLayer(MoELayer):
-    """dyad's interleaved layer with QuACK's autotuner choosing the fused GEMMs' tiles on the first
-    (warm-up) calls instead of its default configuration, for A/B runs. bf16 experts only."""
+class AutotunedGroupedSwiGLU(GroupedSwiGLU):
+    """The interleaved layer's experts with QuACK's autotuner choosing the fused GEMMs' tiles on the
+    first (warm-up) calls instead of its default configuration, for A/B runs. bf16 experts only."""
 
-    def experts(self, x_sorted_ND, counts_E):
-        offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
-        return gated_experts(x_sorted_ND, self.w13_ED2F, self.w2_EFD, offs_E, self.expert_matmul, autotune=True)
+    def forward(self, x_sorted_ND, w13_ED2F, w2_EFD, offs_E):
+        matmul = expert_weight_grads.expert_grouped_mm
+        return gated_experts(x_sorted_ND, w13_ED2F, w2_EFD, offs_E, matmul, autotune=True)
 
 
 def dyad_interleaved_autotuned_layer(dim, hidden, experts, top_k):
-    return dyad_layer(dim, hidden, experts, top_k, AutotunedGatedExpertsLayer, gate_up="interleaved")
+    layer = dyad_interleaved_layer(dim, hidden, experts, top_k)
+    layer.grouped_swiglu = AutotunedGroupedSwiGLU()
+    return layer
 
 
-class ReferenceRouterLayer(MoELayer):
+class ReferenceRouterLayer(TwoWeightsLayer):
     """dyad's layer with the router's plain-PyTorch references (float32 copies, softmax, sort,
-    gather): the path before `kernels/moe_router.py`, for A/B runs. Default router options only."""
+    gather): the path before `dyad/kernels/moe_router.py`, for A/B runs. Default router options only."""
 
     def router_logits(self, x_TD):
         return router_logits_reference(x_TD, self.router.weight)
@@ -138,9 +159,7 @@ def dyad_reference_router_layer(dim, hidden, experts, top_k):
 
 
 def dyad_fp8_layer(dim, hidden, experts, top_k):
-    layer = dyad_layer(dim, hidden, experts, top_k)
-    layer.expert_matmul = fp8_grouped_mm
-    return layer
+    return dyad_layer(dim, hidden, experts, top_k, functools.partial(TwoWeightsLayer, expert_matmul=fp8_grouped_mm))
 
 
 def dyad_fp8_compiled_layer(dim, hidden, experts, top_k):

@@ -43,7 +43,7 @@ from pathlib import Path
 from e2e_hetero import DP2, TOY, VIT_L_224, microbatches, run_arguments, with_compile, write_results
 
 from dyad import config as config_lib
-from dyad.client import RouterClient, local_router
+from dyad.app.client import RouterClient, local_router
 from dyad.wire import as_dict, pb
 
 RECOVERY = [*VIT_L_224, *DP2, microbatches(16, 2)]
@@ -70,7 +70,7 @@ def worker_pid(run_id: str, pool: str, rank: int) -> int:
         except OSError:
             continue
         flags = dict(itertools.pairwise(argv))  # each flag -> the word after it
-        if "dyad.worker" in argv and all(flags.get(flag) == value for flag, value in wanted.items()):
+        if "dyad.app.worker" in argv and all(flags.get(flag) == value for flag, value in wanted.items()):
             return int(proc.name)
     raise RuntimeError(f"no worker process of run {run_id} is {pool}/{rank}")
 

@@ -46,7 +46,7 @@ from e2e_8gpu import LARGER_ENCODER, parse_pool  # beside this script
 from e2e_hetero import TOY, VIT_L_224, run_arguments, summarize, with_compile, write_results
 
 from dyad import config as config_lib
-from dyad.client import RouterClient, local_router
+from dyad.app.client import RouterClient, local_router
 from dyad.wire import as_dict, pb
 
 RESIZE = [*VIT_L_224, *LARGER_ENCODER]

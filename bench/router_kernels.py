@@ -1,4 +1,4 @@
-"""The MoE router's kernels (`kernels/moe_router.py`) against their plain-PyTorch references, on
+"""The MoE router's kernels (`dyad/kernels/moe_router.py`) against their plain-PyTorch references, on
 one GPU: the logits forward, its backward (input and weight gradients), and the softmax top-k,
 for the MoE layer benchmark's shapes, with bf16 activations and a bf16 or float32 router weight
 (float32: a master weight under autocast). On a GPU each row is the kernels' own time (summed
@@ -12,7 +12,7 @@ the device's copy bandwidth, measured in the same run.
 
 `--sweep` times each of the three logits kernels alone (`fused_logits`, `fused_input_grad`,
 `fused_weight_grad`) under each candidate launch (`SWEEP`), checks each result against float32
-math, and prints the fastest that agree: how `_LAUNCHES` in `kernels/moe_router.py` was chosen.
+math, and prints the fastest that agree: how `_LAUNCHES` in `dyad/kernels/moe_router.py` was chosen.
 """
 
 from __future__ import annotations

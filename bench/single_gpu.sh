@@ -13,9 +13,9 @@ python3 -c "import torch; print(torch.__version__, torch.version.cuda)" >> "$OUT
 source bench/parts.sh
 # The float8 job test starts a router, whose gRPC stubs need grpc_tools, absent on the GPU hosts
 # (CI runs it on CPU).
-part kernel_tests 150 python3 -m pytest -q -rs tests/test_fp8.py tests/test_kernels.py tests/test_moe_router.py \
-    tests/test_swiglu.py tests/test_token_rows.py tests/test_expert_weight_grads.py tests/test_gated_experts.py \
-    tests/test_checkpoint.py::test_cuda_a_restore_through_the_page_locked_buffer_brings_back_every_tensor --deselect tests/test_fp8.py::test_a_disaggregated_job_trains_with_llm_fp8
+part kernel_tests 150 python3 -m pytest -q -rs tests/integration/test_fp8.py tests/unit/test_kernels.py tests/unit/test_moe_router.py \
+    tests/unit/test_swiglu.py tests/unit/test_token_rows.py tests/unit/test_expert_weight_grads.py tests/unit/test_gated_experts.py \
+    tests/dist/test_checkpoint.py::test_cuda_a_restore_through_the_page_locked_buffer_brings_back_every_tensor --deselect tests/integration/test_fp8.py::test_a_disaggregated_job_trains_with_llm_fp8
 part moe_layer 170 python3 bench/moe_layer.py --out "$OUT/moe_layer.json" --profile-dir "$OUT"
 part moe_layer_interleaved 200 python3 bench/moe_layer.py --interleave --head-start --iters 40 \
     --layers dyad,dyad-gate-up-interleaved,torchtitan-0.3.0 --out "$OUT/moe_layer_interleaved.json"

@@ -8,7 +8,7 @@ import os
 
 import grpc
 
-from dyad.router.auth import read_file
+from dyad.credentials import read_file
 from dyad.wire import GRPC_OPTIONS
 
 TLS_ENV = {"tls_ca": "DYAD_TLS_CA", "tls_cert": "DYAD_TLS_CERT", "tls_key": "DYAD_TLS_KEY"}

@@ -176,31 +176,13 @@ def restore_pool(
     return int(small["step"])
 
 
-# llm.moe.gate_up's layouts by the expert weight only each one has
-_GATE_UP_WEIGHTS = {"separate": ".w1_EDF", "interleaved": ".w13_ED2F"}
-
-
 def _check_holds(stored: dict, targets: dict, path: Path) -> None:
     absent = [key for key in targets if key not in stored]
     if absent:
         raise ValueError(
             f"checkpoint {path} has no {', '.join(absent[:3])}{' ...' if len(absent) > 3 else ''} "
             f"({len(absent)} of the model's {len(targets)} tensors): it was written for another model"
-            f"{_gate_up_hint(stored, targets)}"
         )
-
-
-def _gate_up_hint(stored: dict, targets: dict) -> str:
-    """How to resume when only the experts' gate-up layout differs (the default changed from
-    'separate' to 'interleaved')."""
-    def layouts(keys):
-        return {name for name, suffix in _GATE_UP_WEIGHTS.items() if any(k.endswith(suffix) for k in keys)}
-
-    written, wanted = layouts(stored), layouts(targets)
-    if len(written) == 1 and written != wanted:
-        (layout,) = written
-        return f": its experts keep w1 and w3 as llm.moe.gate_up {layout!r}; set llm.moe.gate_up={layout} to resume it"
-    return " (e.g. llm.moe.gate_up 'separate' keeps w1_EDF and w3_EDF, 'interleaved' one w13_ED2F)"
 
 
 def _restore_targets(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

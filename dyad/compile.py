@@ -11,7 +11,7 @@ block are traced as torch's functional collectives (`dyad/parallel/collectives.p
 why); the expert-parallel dispatcher's one host sync splits its block's graph there. Checked
 on torch 2.11 (the GPU hosts') and 2.13 (CI's): on 2.11 a traced autograd.Function's backward
 is lost, silently, where its forward returns a tensor that a no-op cast or an in-place c10d
-collective produced (`kernels/traceable.py`, `dyad/parallel/collectives.py` avoid both).
+collective produced (`dyad/kernels/traceable.py`, `dyad/parallel/collectives.py` avoid both).
 Compiling is for GPUs in bf16: in float32 on CPUs the grouped matmul falls back to a loop over
 the experts' row counts, left out of dynamo's graphs (traced, it would recompile for every new
 count): still the same function.

@@ -1,4 +1,6 @@
-"""A run's config, composed of each component's own small config.
+"""A run's config, composed of each component's own small config: the sections every run has,
+and one `<pool>:` section and `parallel.<pool>:` layout per registered pool type
+(`dyad.pools`).
 
 Loaded from YAML (a file, a string or dotted `--set key=value` overrides). Unknown keys and bad
 values raise ValueError naming the dotted field.
@@ -7,6 +9,7 @@ values raise ValueError naming the dotted field.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
 import typing
@@ -18,11 +21,9 @@ from typing import Any
 import yaml
 
 from dyad.data import DataConfig
-from dyad.encoder_service.config import EncoderConfig
-from dyad.layout import POOLS, EncoderLayout, LLMLayout, validate_encoder_layout, validate_llm_layout
-from dyad.llm_service.config import LLMConfig
+from dyad.pools import PoolType, pool_names, pool_type, pool_types
 
-# configs/ installs as package data (`dyad.configs`), so a wheel install has its default too.
+# dyad/configs/ installs as package data (`dyad.configs`), so a wheel install has its default too.
 DEFAULT_CONFIG = Path(str(resources.files("dyad.configs").joinpath("digits.yaml")))
 
 
@@ -76,11 +77,10 @@ class TrainConfig:
             raise ValueError(f"train.device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.working_weights and self.dtype != "bfloat16":
             raise ValueError(f"train.working_weights needs train.dtype 'bfloat16', got {self.dtype!r}")
-        unknown = [pool for pool in self.recompute if pool not in POOLS]
+        unknown = [pool for pool in self.recompute if pool not in pool_names()]
         if unknown or len(set(self.recompute)) != len(self.recompute):
-            raise ValueError(
-                f"train.recompute must list distinct pools out of 'encoder' and 'llm', got {list(self.recompute)}"
-            )
+            pools = " and ".join(repr(name) for name in pool_names())
+            raise ValueError(f"train.recompute must list distinct pools out of {pools}, got {list(self.recompute)}")
         if self.compile:
             from dyad.compile import compile_backends  # imports torch._dynamo: only when asked for
 
@@ -95,32 +95,28 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class BoundaryConfig:
     prefetch_depth: int = 2  # rounds (one microbatch per LLM dp lane) the encoder works ahead
-    # "broadcast": the LLM tp rank 0 receives and broadcasts inside the pool; "direct": every tp
-    # rank receives its rows over UCX. Broadcast measured faster (docs/boundary.md).
-    tp_delivery: str = "broadcast"
 
     def __post_init__(self) -> None:
         if self.prefetch_depth < 1:
             raise ValueError(f"boundary.prefetch_depth must be >= 1, got {self.prefetch_depth}")
-        if self.tp_delivery not in ("direct", "broadcast"):
-            raise ValueError(f"boundary.tp_delivery must be 'direct' or 'broadcast', got {self.tp_delivery!r}")
 
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    encoder: EncoderLayout = field(default_factory=EncoderLayout)
-    llm: LLMLayout = field(default_factory=LLMLayout)
+    """`parallel:`. With each pool type's two fields (`composed_types`): `<pool>`, its layout, and
+    `<pool>_devices`: on one GPU host, the GPUs its ranks use, in rank order (rank r on
+    devices[r % len]). Empty: rank r on GPU r % count, so the pools share the GPUs (colocated);
+    e.g. encoder_devices [0] and llm_devices [1] put the pools on disjoint GPUs."""
+
     sequence_parallel: bool = False  # LLM pool: split the residual stream over tp (needs tp > 1)
-    # Local processes on one GPU host: the GPUs each pool's ranks use, in rank order (rank r on
-    # devices[r % len]). Empty: rank r on GPU r % count, so the pools share the GPUs (colocated);
-    # e.g. encoder_devices [0] and llm_devices [1] put the pools on disjoint GPUs.
-    encoder_devices: tuple[int, ...] = ()
-    llm_devices: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("encoder_devices", "llm_devices"):
-            if any(index < 0 for index in getattr(self, name)):
+        for name in (f"{pool}_devices" for pool in pool_names()):
+            if any(index < 0 for index in getattr(self, name, ())):
                 raise ValueError(f"parallel.{name} must hold GPU indices >= 0, got {getattr(self, name)}")
+
+    def __reduce__(self):  # composed classes are rebuilt from their values (see `composed_types`)
+        return _rebuilt, ("parallel", to_dict(self))
 
     def local_gpu(self, pool: str, rank: int, gpu_count: int) -> int:
         """The local GPU index of `pool`'s `rank`."""
@@ -181,16 +177,48 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True)
 class RunConfig:
+    """A run's config: the sections every run has and, in the class `composed_types` builds from
+    the registered pool types, one `<pool>:` section per pool (e.g. `config.llm`)."""
+
     seed: int = 0
     out_dir: str = ""
     data: DataConfig = field(default_factory=DataConfig)
-    encoder: EncoderConfig = field(default_factory=EncoderConfig)
-    llm: LLMConfig = field(default_factory=LLMConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     boundary: BoundaryConfig = field(default_factory=BoundaryConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __reduce__(self):  # composed classes are rebuilt from their values (see `composed_types`)
+        return _rebuilt, ("run", to_dict(self))
+
+
+def composed_types() -> tuple[type, type]:
+    """(RunConfig, ParallelConfig) with a section and a layout for each registered pool type."""
+    return _composed(pool_types())
+
+
+@functools.cache
+def _composed(pools: tuple[PoolType, ...]) -> tuple[type, type]:
+    namespace = {"__module__": __name__}
+    parallel = dataclasses.make_dataclass(
+        "ParallelConfig",
+        [(pool.name, pool.layout, field(default_factory=pool.layout)) for pool in pools]
+        + [(f"{pool.name}_devices", tuple[int, ...], field(default=())) for pool in pools],
+        bases=(ParallelConfig,), kw_only=True, namespace=namespace,
+    )
+    run = dataclasses.make_dataclass(
+        "RunConfig",
+        [(pool.name, pool.config, field(default_factory=pool.config)) for pool in pools]
+        + [("parallel", parallel, field(default_factory=parallel))],
+        bases=(RunConfig,), kw_only=True, namespace=namespace,
+    )
+    return run, parallel
+
+
+def _rebuilt(kind: str, values: dict[str, Any]):
+    run, parallel = composed_types()
+    return build(run if kind == "run" else parallel, values, prefix="" if kind == "run" else "parallel")
 
 
 # ----------------------------------------------------------------------------- building
@@ -299,54 +327,20 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig
     values = load_yaml_text(Path(path or DEFAULT_CONFIG).read_text())
     for assignment in overrides:
         values = merge(values, parse_override(assignment))
-    return build(RunConfig, values)
+    return build(composed_types()[0], values)
 
 
 def from_yaml(text: str) -> RunConfig:
-    return build(RunConfig, load_yaml_text(text))
+    return build(composed_types()[0], load_yaml_text(text))
 
 
-def resolve(config: RunConfig, *, vocab_size: int) -> RunConfig:
+def resolve(config: RunConfig, *, vocab_size: int | None = None) -> RunConfig:
     """Fill the fields one component derives from another (documented in configs/) and check
-    what spans components: the layouts against the models, the batch against the layout."""
-    encoder = dataclasses.replace(
-        config.encoder,
-        out_dim=config.llm.dim,
-        image_size=config.data.image_size,
-        channels=config.data.channels,
-    )
-    llm = dataclasses.replace(config.llm, vocab_size=vocab_size)
-    validate_llm_layout(config.parallel.llm, llm)
-    validate_encoder_layout(config.parallel.encoder, encoder)
-    if config.parallel.sequence_parallel and config.parallel.llm.tp == 1:
-        raise ValueError("parallel.sequence_parallel needs parallel.llm.tp > 1 (it splits over tp)")
-    if config.llm.fp8 and config.train.dtype != "bfloat16":
-        raise ValueError(f"llm.fp8 needs train.dtype 'bfloat16' (its GEMMs return bf16), got {config.train.dtype!r}")
-    if config.llm.fp8 and (config.parallel.llm.tp > 1 or config.parallel.llm.etp > 1):
-        raise ValueError(
-            f"llm.fp8 needs parallel.llm.tp == 1 and etp == 1 (tensor-parallel linears have no float8 path "
-            f"yet), got tp={config.parallel.llm.tp}, etp={config.parallel.llm.etp}"
-        )
-    if config.train.working_weights and config.llm.fp8:
-        raise ValueError(
-            "train.working_weights cannot be combined with llm.fp8: the float8 layers quantize their float32 "
-            "weights themselves"
-        )
-    if "llm" in config.train.recompute and config.llm.moe.expert_bias and config.train.compile and (
-        config.train.dtype == "float32"
-    ):
-        raise ValueError(
-            "train.recompute cannot hold 'llm' with llm.moe.expert_bias under train.compile in float32 "
-            "train.dtype: there the grouped matmul breaks the MoE block's graph, and the part after the "
-            "break would count the block's tokens again when it is recomputed (use bfloat16, or no compile)"
-        )
-    needed = config.train.microbatches * config.parallel.llm.dp
-    if config.train.global_batch < needed:
-        raise ValueError(
-            f"train.global_batch ({config.train.global_batch}) must be >= train.microbatches "
-            f"({config.train.microbatches}) * parallel.llm.dp ({config.parallel.llm.dp})"
-        )
-    return dataclasses.replace(config, encoder=encoder, llm=llm)
+    what spans components: each pool type checks its own section against the others and its
+    layout (`PoolType.resolve`). `vocab_size`: the tokenizer's; None keeps the one a resolved
+    config has."""
+    sections = {pool.name: pool.resolve(config, vocab_size) for pool in pool_types()}
+    return dataclasses.replace(config, **sections)
 
 
 def scaled(config: RunConfig, pool: str, replicas: int) -> RunConfig:
@@ -355,35 +349,5 @@ def scaled(config: RunConfig, pool: str, replicas: int) -> RunConfig:
     like a new config (ValueError naming the field)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
-    if pool == "encoder":
-        layout = config.parallel.encoder
-        if replicas % layout.tp:
-            raise ValueError(
-                f"replicas ({replicas}) must be a multiple of parallel.encoder.tp ({layout.tp})"
-            )
-        layout = dataclasses.replace(layout, dp=replicas // layout.tp)
-    elif pool == "llm":
-        layout = config.parallel.llm
-        per_replica = layout.tp * layout.cp
-        if replicas % per_replica:
-            raise ValueError(
-                f"replicas ({replicas}) must be a multiple of parallel.llm.tp*cp "
-                f"({layout.tp}*{layout.cp})"
-            )
-        dp = replicas // per_replica
-        # The step keeps its microbatches (the aux losses are per microbatch): each of the
-        # new data-parallel ranks takes an equal share of them.
-        total = config.train.microbatches * config.parallel.llm.dp
-        if total % dp:
-            raise ValueError(
-                f"replicas ({replicas}) gives parallel.llm.dp={dp}, which must divide the step's "
-                f"{total} microbatches (train.microbatches * parallel.llm.dp)"
-            )
-        config = dataclasses.replace(
-            config, train=dataclasses.replace(config.train, microbatches=total // dp)
-        )
-        layout = dataclasses.replace(layout, dp=dp)
-    else:
-        raise ValueError(f"pool must be 'encoder' or 'llm', got {pool!r}")
-    parallel = dataclasses.replace(config.parallel, **{pool: layout})
-    return resolve(dataclasses.replace(config, parallel=parallel), vocab_size=config.llm.vocab_size)
+    scaled_config = pool_type(pool).scale(config, replicas)
+    return resolve(scaled_config)

@@ -12,13 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from math import prod
-from typing import TYPE_CHECKING, ClassVar
-
-if TYPE_CHECKING:  # the configs' modules import torch; the layout math does not
-    from dyad.encoder_service.config import EncoderConfig
-    from dyad.llm_service.config import LLMConfig
-
-POOLS = ("encoder", "llm")  # a run's two services, each with its own layout (`parallel.<pool>`)
+from typing import ClassVar
 
 
 def _check_positive(section: str, layout) -> None:
@@ -174,8 +168,8 @@ def _check_divides(section: str, axis: str, degree: int, field: str, value: int)
         raise ValueError(f"{section}: {axis} ({degree}) must divide {field} ({value})")
 
 
-def validate_llm_layout(layout: LLMLayout, llm_cfg: LLMConfig) -> None:
-    """Refuse a layout that cannot shard this model, naming both values."""
+def validate_llm_layout(layout: LLMLayout, llm_cfg) -> None:
+    """Refuse a layout that cannot shard this model (an `LLMConfig`), naming both values."""
     section, moe = "parallel.llm", llm_cfg.moe
     _check_divides(section, "tp", layout.tp, "n_heads", llm_cfg.n_heads)
     _check_divides(section, "tp", layout.tp, "n_kv_heads", llm_cfg.n_kv_heads)
@@ -187,8 +181,9 @@ def validate_llm_layout(layout: LLMLayout, llm_cfg: LLMConfig) -> None:
     _check_divides(section, "etp", layout.etp, "moe.expert_dim", moe.expert_dim)
 
 
-def validate_encoder_layout(layout: EncoderLayout, enc_cfg: EncoderConfig) -> None:
-    """Refuse a layout that cannot shard this encoder (the projector's hidden is split over tp)."""
+def validate_encoder_layout(layout: EncoderLayout, enc_cfg) -> None:
+    """Refuse a layout that cannot shard this encoder (an `EncoderConfig`; the projector's hidden
+    is split over tp)."""
     section = "parallel.encoder"
     _check_divides(section, "tp", layout.tp, "heads", enc_cfg.heads)
     _check_divides(section, "tp", layout.tp, "mlp_dim", enc_cfg.mlp_dim)

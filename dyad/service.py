@@ -1,7 +1,8 @@
-"""What the encoder and LLM workers share: the pool's process groups, the parallelized model and
-its optimizer, the gradient reduction, the update and the save.
+"""What every pool's worker shares: the pool's process groups, the parallelized model and its
+optimizer, the gradient reduction, the update and the save.
 
-Each pool's worker (`encoder_service.worker`, `llm_service.worker`) adds its own step.
+Each pool type's service (`dyad.pools`: e.g. `encoder_service.worker`, `llm_service.worker`)
+subclasses `PoolService` with its single-device model, how to parallelize it, and its step.
 """
 
 from __future__ import annotations
@@ -24,16 +25,13 @@ from dyad.optim import apply_update, build_optimizer
 from dyad.parallel.gradients import pool_grad_sq_norm
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.overlap import GradientReduction
+from dyad.pools import pool_type
 from dyad.recompute import recompute_blocks
 from dyad.transport import Transport
-from dyad.wire import POOL_ENUMS, pb
+from dyad.wire import pb
 from dyad.working_weights import WorkingWeights, trained_parameters
 
 log = logging.getLogger(__name__)
-
-# Each pool's weights come from its own stream of the run seed, whatever the layout.
-_POOL_SEED_OFFSET = {"encoder": 1, "llm": 2}
-
 
 def build_model(
     config: RunConfig, pool: str, device: str | torch.device | None = None, *, initialize: bool = True
@@ -43,20 +41,11 @@ def build_model(
     `initialize` its parameters keep the values the modules were built with: for a model a
     checkpoint is restored into, which overwrites every one (drawing the initial weights of a
     model of billions of parameters takes seconds of CPU)."""
+    kind = pool_type(pool)
     with torch.device(device or config.train.device):
-        if pool == "encoder":
-            from dyad.encoder_service.model import VisionEncoder
-
-            model = VisionEncoder(config.encoder)
-        else:
-            from dyad.llm_service.fp8 import convert_to_fp8
-            from dyad.llm_service.model import MoELM
-
-            model = MoELM(config.llm)
-            if config.llm.fp8:
-                convert_to_fp8(model)
-    if initialize:
-        init_parameters(model, config.seed * 10 + _POOL_SEED_OFFSET[pool])
+        model = kind.service_class().single_device_model(config)
+    if initialize:  # each pool's weights come from its own stream of the run seed
+        init_parameters(model, config.seed * 10 + kind.seed_offset)
     return model
 
 
@@ -118,6 +107,12 @@ class PoolService(ABC):
         self.generation = 0
         self.run_secret = b""  # the run's data-plane secret, from the router's Register reply
 
+    @staticmethod
+    @abstractmethod
+    def single_device_model(config: RunConfig) -> nn.Module:
+        """The pool's model for one device, built on the current default device; its weights
+        are drawn afterwards (`build_model`)."""
+
     @abstractmethod
     def parallelize(self, model: nn.Module, groups: ProcessGroups):
         """Shard the pool's single-device model for this rank; returns its GradientPlan."""
@@ -136,7 +131,7 @@ class PoolService(ABC):
         self.peers = {(p.worker.pool, p.worker.rank): p.data_address for p in command.peers}
         self.transport.authorize(
             self.run_secret,
-            {p.data_address for p in command.peers if p.worker.pool != POOL_ENUMS[self.pool]},
+            {p.data_address for p in command.peers if p.worker.pool != pool_type(self.pool).wire_id},
         )
         restored = -1
         if self.awaits_restore and not command.restore_path:

@@ -9,7 +9,7 @@ so eager code and compiled blocks alike multiply with it directly; a hook adds e
 weight's bf16 gradient into its master's float32 `.grad` as autograd accumulates it, and
 `refresh()` copies the masters into the working weights after each update. The gradients are
 those of autocast's casts at each use, bit for bit: the same bf16 products, upcast exactly and
-summed in float32 in the same order (tests/test_working_weights.py).
+summed in float32 in the same order (tests/integration/test_working_weights.py).
 
 The masters keep every other role of the parameters: the optimizer (`trained_parameters`), the
 gradient norm, the gradient reduction (`register_accumulated_hook`) and checkpoints
@@ -27,19 +27,15 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from dyad.kernels.master_weights import MASTER_ATTRIBUTE as _MASTER
+from dyad.kernels.master_weights import master_of
 from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)  # modules whose `weight` a matmul reads
 FLOAT32_SUBMODULES = ("router",)  # modules that compute in float32 under autocast: not cast
 _EXPERT_WEIGHTS = ("w1_EDF", "w3_EDF", "w13_ED2F", "w2_EFD")
 
-_MASTER = "_dyad_master"  # the attribute of a working weight that holds its master
 _WORKING = "_dyad_working"  # and of a master, its working weight
-
-
-def master_of(weight: torch.Tensor) -> nn.Parameter | None:
-    """The float32 master of a working weight, None for any other tensor."""
-    return getattr(weight, _MASTER, None)
 
 
 class WorkingWeights:

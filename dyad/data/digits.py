@@ -2,7 +2,7 @@
 the digit seven". `digits.npz` beside this file holds them (pixels 0..16 and labels, as uint8), a
 copy of `sklearn.datasets.load_digits()` (from the UCI "Optical Recognition of Handwritten Digits"
 set, CC BY 4.0), so that no process pays scikit-learn's import (about 2 s) to read them;
-tests/test_data.py checks the copy against scikit-learn's.
+tests/unit/test_data.py checks the copy against scikit-learn's.
 
 Composition is fixed by seed 0, independent of the run seed: heldout_fraction of the IMAGES is
 held out, and held-out samples use only held-out images. Each image gets one single-image sample;

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from dyad.host_to_device import to_device
+from dyad.kernels.host_to_device import to_device
 
 
 def upsampled(images_N1hw: np.ndarray, size: int, channels: int, device: torch.device | str | None) -> torch.Tensor:

@@ -13,19 +13,26 @@ from torch import nn
 
 from dyad.byte_runs import byte_runs
 from dyad.optim import sq_norm
-from dyad.parallel.expert import EXPERT_TP_DIM, gather_expert_tensor, local_expert_shard
 from dyad.parallel.groups import ProcessGroups
-from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, all_gather_dim
+from dyad.parallel.sharded import ShardedParameters
 from dyad.working_weights import master_of
 
-_ROW_SHARDED = (ColumnParallelLinear, VocabParallelEmbedding)
+
+def sharded_by(module: nn.Module | None, name: str) -> ShardedParameters | None:
+    """The parallel counterpart that cut `module.<name>`: the module itself (a tensor-parallel
+    layer) or a part of it (expert parallelism's, which cuts its MoE layer's expert weights);
+    None where every rank holds the tensor whole (and for a buffer, whose module is None)."""
+    if module is None:
+        return None
+    for part in (module, *module.children()):
+        if isinstance(part, ShardedParameters) and part.cuts(module, name):
+            return part
+    return None
 
 
-def is_tp_sharded(module: nn.Module, name: str) -> bool:
-    """Whether `module.<name>` holds a different slice on each tensor-parallel rank."""
-    if isinstance(module, _ROW_SHARDED):
-        return True
-    return isinstance(module, RowParallelLinear) and name == "weight"
+def is_sharded(module: nn.Module, name: str) -> bool:
+    """Whether `module.<name>` holds a different piece on each rank of the groups it is cut over."""
+    return sharded_by(module, name) is not None
 
 
 @dataclass
@@ -118,28 +125,17 @@ def owned_parameters(model: nn.Module):
             yield (f"{module_name}.{name}" if module_name else name), module, name, param if master is None else master
 
 
-def gather_full(module, name, value, groups):
-    """`value`, shaped like `module.<name>` on this rank, gathered to the single-device shape.
-    Collective over the groups the parameter is sharded on."""
-    if isinstance(module, ColumnParallelLinear):
-        return module.unshard(all_gather_dim(value, groups.group("tp"), 0))
-    if isinstance(module, VocabParallelEmbedding):
-        return all_gather_dim(value, groups.group("tp"), 0)[: module.full_rows]
-    if isinstance(module, RowParallelLinear) and name == "weight":
-        return all_gather_dim(value, groups.group("tp"), 1)
-    if name in EXPERT_TP_DIM and hasattr(module, "routed_experts"):
-        return gather_expert_tensor(value, groups.group("ep"), groups.group("etp"), name)
-    return value
+def gather_full(module, name, value, groups=None):
+    """`value`, shaped like `module.<name>` on this rank, gathered to the single-device shape by
+    the counterpart that cut the parameter (collective over its groups; `groups`, the pool's,
+    is not needed: each counterpart holds its own)."""
+    counterpart = sharded_by(module, name)
+    return value if counterpart is None else counterpart.gather_full(name, value)
 
 
-def local_part(module, name, full, groups):
+def local_part(module, name, full, groups=None):
     """The inverse of `gather_full`: this rank's piece of the single-device tensor `full` (a
     parameter `module.<name>` or a tensor shaped like it, e.g. an AdamW moment), cut as the
     pool's `parallelize` cut the parameter."""
-    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-        return module.local_part(full)
-    if isinstance(module, RowParallelLinear) and name == "weight":
-        return module.local_part(full)
-    if name in EXPERT_TP_DIM and hasattr(module, "routed_experts"):
-        return local_expert_shard(full, name, groups.index("ep"), groups.size("ep"), groups.index("etp"), groups.size("etp"))
-    return full
+    counterpart = sharded_by(module, name)
+    return full if counterpart is None else counterpart.local_part(name, full)

@@ -13,12 +13,22 @@ order and keeps the one it belongs to. Axes of size 1 still get a real single-ra
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch.distributed as dist
 
-from dyad.layout import EncoderLayout, LLMLayout
 
-Layout = EncoderLayout | LLMLayout
+class Layout(Protocol):
+    """What groups are built from: any pool type's layout (`dyad.layout`'s, say)."""
+
+    GROUP_NAMES: tuple[str, ...]  # every kind of group, in the order they are built
+
+    @property
+    def world_size(self) -> int: ...
+
+    def coords(self, rank: int) -> dict[str, int]: ...
+
+    def groups(self, name: str) -> list[list[int]]: ...
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ over its group as soon as the backward pass has finished every gradient in it, w
 goes on with earlier layers, instead of all of them after the pass.
 
 The sums are those of `reduce_gradients` (the reference: the same buckets' values over the same
-groups, `tests/test_overlapped_reduction.py`). What must hold for that:
+groups, `tests/dist/test_overlapped_reduction.py`). What must hold for that:
 - Only the last backward of a step arms the reduction (`arm()`); earlier microbatches only
   accumulate. A bucket goes when each of its parameters' gradients has been accumulated in the
   armed pass (a post-accumulate-grad hook), so its values are final.
@@ -12,7 +12,7 @@ groups, `tests/test_overlapped_reduction.py`). What must hold for that:
   order backward mostly produces them), whatever order their hooks fire in: every rank of a
   group launches the same collectives in the same order, as NCCL requires.
 - Gradients that no hook reports (a parameter the last microbatch did not reach, or the expert
-  weights whose gradients `kernels/expert_weight_grads.py` adds into `.grad` itself) hold their
+  weights whose gradients `dyad/kernels/expert_weight_grads.py` adds into `.grad` itself) hold their
   bucket, and the group's later buckets, until `finish()`, which sends everything left (zeros
   for a parameter without a gradient) and waits for all of it.
 - A bucket of several gradients is summed in a flat copy and copied back; at most

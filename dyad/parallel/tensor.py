@@ -1,5 +1,7 @@
-"""Tensor parallelism applied from outside: autograd-aware collectives and the sharded layers that
-replace a single-device module's Linear / Embedding, built from the module's full weights.
+"""Tensor parallelism applied from outside: the sharded layers that replace a single-device
+module's Linear / Embedding, built from the module's full weights, and the loss over the
+vocabulary they split. Each layer says how its parameters are cut (`ShardedParameters`). The
+collectives are `dyad/parallel/collectives.py`'s autograd family.
 
 Convention (Megatron's): activations outside a tensor-parallel region are replicated on every rank
 of the group and carry identical gradients. A column-parallel layer enters the region (identity
@@ -18,135 +20,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dyad.kernels.traceable import as_contiguous
-from dyad.parallel.collectives import all_gather_cat, all_reduce_sum
-
-
-def _own_chunk(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """This rank's equal chunk of `x` along `dim` (a view where it is contiguous already)."""
-    return as_contiguous(x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)])
-
-
-class _CopyToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce_sum(grad, ctx.group), None
-
-
-class _ReduceFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce_sum(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _SplitToGroup(torch.autograd.Function):
-    """Forward: keep this rank's equal chunk along `dim`. Backward: all-gather the chunks."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _own_chunk(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_cat(grad, ctx.group, ctx.dim), None, None
-
-
-class _GatherFromGroup(torch.autograd.Function):
-    """Forward: all-gather equal chunks along `dim`. Backward: keep this rank's chunk."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather_cat(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_chunk(grad, ctx.group, ctx.dim), None, None
-
-
-class _ReduceScatterToGroup(torch.autograd.Function):
-    """Forward: sum every rank's tensor and keep this rank's chunk along `dim`. Backward:
-    all-gather the chunks' gradients (each rank's input fed every chunk)."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _own_chunk(all_reduce_sum(x, group), group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_cat(grad, ctx.group, ctx.dim), None, None
-
-
-class _AllReduceSumGrad(torch.autograd.Function):
-    """Forward: the sum over the group. Backward: the sum of every rank's gradient of it (each
-    rank's result feeds a different loss term, as torch.distributed.nn's all_reduce)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_reduce_sum(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce_sum(grad, ctx.group), None
-
-
-class _AllGatherSumGrad(torch.autograd.Function):
-    """Forward: all-gather along `dim`. Backward: every rank's gradient of the gathered tensor
-    summed, this rank's chunk kept (a reduce-scatter): for values each rank uses differently."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather_cat(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_chunk(all_reduce_sum(grad, ctx.group), ctx.group, ctx.dim), None, None
-
-
-def all_gather_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """Concatenation of every rank's `x` along `dim` (not differentiable)."""
-    return all_gather_cat(x, group, dim)
-
-
-def copy_to_group(x, group):
-    return _CopyToGroup.apply(x, group)
-
-
-def reduce_from_group(x, group):
-    return _ReduceFromGroup.apply(x, group)
-
-
-def split_to_group(x, group, dim):
-    return _SplitToGroup.apply(x, group, dim)
-
-
-def gather_from_group(x, group, dim):
-    return _GatherFromGroup.apply(x, group, dim)
-
-
-def all_reduce_sum_grad(x, group):
-    return _AllReduceSumGrad.apply(x, group)
-
-
-def all_gather_sum_grad(x, group, dim):
-    return _AllGatherSumGrad.apply(x, group, dim)
-
-
-def reduce_scatter_to_group(x, group, dim):
-    return _ReduceScatterToGroup.apply(x, group, dim)
+from dyad.parallel.collectives import (
+    all_gather_cat,
+    all_gather_sum_grad,
+    copy_to_group,
+    gather_from_group,
+    own_chunk,
+    reduce_from_group,
+    reduce_scatter_to_group,
+    split_to_group,
+)
+from dyad.parallel.sharded import ShardedParameters
 
 
 def shard_rows(full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
@@ -158,7 +42,7 @@ def shard_rows(full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
     return local
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(nn.Module, ShardedParameters):
     """y_TOl = x_TD @ W[rows of this rank].T: output features split over the group (the last
     slice zero-padded when they do not divide, as for a vocabulary). A fused projection of
     `parts` equal blocks (e.g. q, k, v) is split block by block, so each rank keeps its heads
@@ -168,12 +52,18 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.group, self.parts, self.sequence_parallel = group, parts, sequence_parallel
         self.full_rows = linear.out_features
-        self.weight = nn.Parameter(self.local_part(linear.weight.detach()))
-        self.bias = None if linear.bias is None else nn.Parameter(self.local_part(linear.bias.detach()))
+        self.weight = nn.Parameter(self.local_part("weight", linear.weight.detach()))
+        self.bias = None if linear.bias is None else nn.Parameter(self.local_part("bias", linear.bias.detach()))
 
-    def local_part(self, full: torch.Tensor) -> torch.Tensor:
+    def cuts(self, owner: nn.Module, name: str) -> bool:
+        return owner is self
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full weight or bias (or of a tensor shaped like one)."""
         return _shard_parts(full, self.parts, dist.get_world_size(self.group), dist.get_rank(self.group))
+
+    def gather_full(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        return self.unshard(all_gather_cat(value, self.group, 0))
 
     def forward(self, x):
         if self.sequence_parallel:  # x holds this rank's part of the sequence (dim -2)
@@ -198,7 +88,7 @@ def _shard_parts(full: torch.Tensor, parts: int, size: int, rank: int) -> torch.
     return torch.cat([block.chunk(size, dim=0)[rank] for block in blocks]).clone()
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(nn.Module, ShardedParameters):
     """y_TO = sum over ranks of x_TDl @ W[:, columns of this rank].T (+ bias once). With sequence
     parallelism the sum is scattered: each rank keeps its part of the sequence (dim -2)."""
 
@@ -208,12 +98,18 @@ class RowParallelLinear(nn.Module):
         if linear.in_features % size:
             raise ValueError(f"{linear.in_features} input features do not split over {size} ranks")
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = nn.Parameter(self.local_part(linear.weight.detach()).clone())
+        self.weight = nn.Parameter(self.local_part("weight", linear.weight.detach()).clone())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
-    def local_part(self, full_weight: torch.Tensor) -> torch.Tensor:
-        """This rank's columns of a full weight (or of a tensor shaped like it); the bias is whole."""
-        return full_weight.chunk(dist.get_world_size(self.group), dim=1)[dist.get_rank(self.group)]
+    def cuts(self, owner: nn.Module, name: str) -> bool:
+        return owner is self and name == "weight"  # the bias is whole on every rank
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of a full weight (or of a tensor shaped like it)."""
+        return full.chunk(dist.get_world_size(self.group), dim=1)[dist.get_rank(self.group)]
+
+    def gather_full(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        return all_gather_cat(value, self.group, 1)
 
     def forward(self, x_local):
         y = F.linear(x_local, self.weight)
@@ -224,7 +120,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(nn.Module, ShardedParameters):
     """Embedding rows split over the group (padded to equal slices); lookups outside this rank's
     slice give zeros and the partial results are summed."""
 
@@ -232,12 +128,18 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group = group
         self.full_rows = embedding.num_embeddings
-        self.weight = nn.Parameter(self.local_part(embedding.weight.detach()))
+        self.weight = nn.Parameter(self.local_part("weight", embedding.weight.detach()))
         self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
 
-    def local_part(self, full: torch.Tensor) -> torch.Tensor:
+    def cuts(self, owner: nn.Module, name: str) -> bool:
+        return owner is self
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the full table (zero-padded past the vocabulary)."""
         return shard_rows(full, dist.get_world_size(self.group), dist.get_rank(self.group))
+
+    def gather_full(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        return all_gather_cat(value, self.group, 0)[: self.full_rows]
 
     def forward(self, ids):
         local = ids - self.vocab_start
@@ -295,6 +197,21 @@ def vocab_parallel_cross_entropy_sum(
     )
 
 
+class VocabParallelCrossEntropy(nn.Module):
+    """The summed cross-entropy of logits whose vocabulary a `ColumnParallelLinear` output layer
+    splits over the group (replaces the model's single-device caption loss)."""
+
+    def __init__(self, output: ColumnParallelLinear, vocab_size: int):
+        super().__init__()
+        self.group, self.vocab_size = output.group, vocab_size
+        self.vocab_start = dist.get_rank(output.group) * output.weight.shape[0]
+
+    def forward(self, logits_BSVl: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy_sum(
+            logits_BSVl, targets_BS, self.group, vocab_start=self.vocab_start, vocab_size=self.vocab_size
+        )
+
+
 class SequenceParallel:
     """The decoder layers' residual stream split along the sequence over the tensor-parallel
     group (replaces `MoELM.sequence`): norms and residual adds run on 1/tp of the tokens; the
@@ -307,7 +224,7 @@ class SequenceParallel:
         return split_to_group(h_BSD, self.group, 1)
 
     def columns(self, x_BS: torch.Tensor) -> torch.Tensor:
-        return _own_chunk(x_BS, self.group, 1)
+        return own_chunk(x_BS, self.group, 1)
 
     def gather(self, h_BSD: torch.Tensor) -> torch.Tensor:
         return gather_from_group(h_BSD, self.group, 1)

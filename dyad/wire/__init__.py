@@ -68,14 +68,10 @@ _ensure_stubs()
 from dyad.wire import dyad_pb2 as pb  # noqa: E402
 from dyad.wire import dyad_pb2_grpc as rpc  # noqa: E402
 
-# The pools by name, as the wire names them.
-POOL_ENUMS = {"encoder": pb.POOL_ENCODER, "llm": pb.POOL_LLM}
-POOL_NAMES = {enum: name for name, enum in POOL_ENUMS.items()}
-
 
 def as_dict(message) -> dict:
     """A flat message's fields by name (metrics records, progress lines)."""
     return {field.name: getattr(message, field.name) for field in message.DESCRIPTOR.fields}
 
 
-__all__ = ["pb", "rpc", "GRPC_OPTIONS", "MAX_MESSAGE_BYTES", "POOL_ENUMS", "POOL_NAMES", "as_dict"]
+__all__ = ["pb", "rpc", "GRPC_OPTIONS", "MAX_MESSAGE_BYTES", "as_dict"]

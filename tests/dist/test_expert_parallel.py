@@ -8,12 +8,12 @@ ep*edp_i)) and both dispatchers:
   feeding its own slice of one global token set: outputs, input / gate grads, expert grads gathered
   to full shape and summed over edp, other grads summed over the world; all-to-all == all-gather;
 - routings: the router's own, all tokens to one expert, k=1, k=E; rank 1 always has no tokens;
-- token split: tokens replicated over a 2-rank group, each rank dispatching half (world 4).
+- token split: tokens replicated over a 2-rank group, each rank routing half through the layer's
+  `SplitTokens`, as the tensor-parallel layouts run it (world 4).
 One spawn per world size: starting ranks, not the checks, dominates the time.
 """
 
 import copy
-import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -21,22 +21,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dyad.kernels.moe_dispatch import LocalDispatcher, split_sizes
-from dyad.llm_service.config import MoEConfig
-from dyad.llm_service.moe import MoELayer
-from dyad.parallel.expert import (
+from dyad.layout import LLMLayout, validate_llm_layout
+from dyad.llm_service.config import LLMConfig, MoEConfig
+from dyad.llm_service.expert_parallel import (
     DISPATCHERS,
     EXPERT_TP_DIM,
+    SplitTokens,
     expert_param_names,
-    gather_expert_tensor,
     parallelize_moe,
 )
+from dyad.llm_service.moe import MoELayer
+from dyad.llm_service.moe_dispatch import LocalDispatcher
+from dyad.parallel.gradients import gather_full
 from tests.helpers.distributed import run_distributed
 
 GRIDS = {4: [(4, 1), (2, 2), (2, 1)], 8: [(8, 1), (4, 2), (2, 2)]}  # (ep, etp)
 DIM, NUM_EXPERTS = 8, 8
 CFG = MoEConfig(num_experts=NUM_EXPERTS, top_k=2, expert_dim=16, shared_expert_dim=8)
-SEPARATE_CFG = dataclasses.replace(CFG, gate_up="separate")  # CFG's default: "interleaved"
 ROUTINGS = ("router", "one_expert", "k1", "kE")  # "router": the layer routes (top_k=2)
 TOP_K = {"one_expert": 1, "k1": 1, "kE": NUM_EXPERTS}
 
@@ -190,7 +191,7 @@ def _check_grads(par: MoELayer, full: MoELayer, grid: Grid, replicas: int, what:
             assert param.grad is None, f"{what}: {name} has a gradient"
             continue
         if name in EXPERT_TP_DIM:
-            grad = gather_expert_tensor(param.grad, grid.ep_group, grid.etp_group, name)
+            grad = gather_full(par, name, param.grad)
             dist.all_reduce(grad, group=grid.edp_group)
         else:
             grad = param.grad.clone()
@@ -224,10 +225,12 @@ def _check_parity(grid: Grid, kind: str, rank: int, world: int, reference) -> No
 
 
 def _check_token_split(grid: Grid, split_axis: str, rank: int) -> None:
-    """Tokens identical on the 2 ranks of `split_axis`'s group (replica r holds block r of X)."""
+    """Tokens identical on the 2 ranks of `split_axis`'s group (replica r holds block r of X), each
+    rank routing its half as tensor parallelism splits them (`SplitTokens`, the stats summed over
+    the pair); the pairs' token counts differ."""
     split_group = {"ep": grid.ep_group, "etp": grid.etp_group}[split_axis]
     replica = rank // 2  # the 2-rank ep / etp groups of these grids are {0, 1} and {2, 3}
-    sizes = [7, 1]  # the second replica's one token leaves one rank of its pair with none
+    sizes = [8, 2]  # the second replica's two tokens leave each rank of its pair one
     rows = slice(sum(sizes[:replica]), sum(sizes[: replica + 1]))
     X_TD, upstream_TD = _randn(sum(sizes), DIM, seed=3), _randn(sum(sizes), DIM, seed=4)
     full = _full_layer()
@@ -236,39 +239,24 @@ def _check_token_split(grid: Grid, split_axis: str, rank: int) -> None:
         what = f"ep{grid.ep} etp{grid.etp} {dispatcher} split over {split_axis}"
         par = copy.deepcopy(full)
         par.zero_grad(set_to_none=True)
-        parallelize_moe(
-            par, ep_group=grid.ep_group, etp_group=grid.etp_group, dispatcher=dispatcher, token_split_group=split_group
-        )
+        parallelize_moe(par, ep_group=grid.ep_group, etp_group=grid.etp_group, dispatcher=dispatcher)
+        par.stats_group, par.tokens = split_group, SplitTokens(split_group, 2)
         y_TD, x_grad, _ = _forward_backward(par, "router", X_TD[rows], None, None, upstream_TD[rows])
         _close(y_TD, y_ref[rows], f"{what}: output")
         _close(x_grad, x_grad_ref[rows], f"{what}: input grad")
-        _check_grads(par, full, grid, 2, what)
+        _check_grads(par, full, grid, 1, what)  # every rank routes its own tokens: no replicas
 
 
-def _check_separate_gate_up(grid: Grid, rank: int, world: int) -> None:
-    """w1 and w3 as two weights (the parity checks above run the default, one interleaved weight
-    whose column slices keep every (gate, up) pair whole)."""
-    full = _full_layer(SEPARATE_CFG)
-    y_ref, x_grad_ref, _ = _forward_backward(full, "router", *_global_inputs("router", world))
-    what = f"ep{grid.ep} etp{grid.etp} separate gate-up"
-    par = copy.deepcopy(full)
-    par.zero_grad(set_to_none=True)
-    parallelize_moe(par, ep_group=grid.ep_group, etp_group=grid.etp_group)
-    for name in ("w1_EDF", "w3_EDF"):
-        assert getattr(par, name).shape == (NUM_EXPERTS // grid.ep, DIM, CFG.expert_dim // grid.etp), what
-    x_TD, gates_TK, expert_idx_TK, upstream_TD = (t[_token_rows(rank)] for t in _global_inputs("router", world))
-    y_TD, x_grad, _ = _forward_backward(par, "router", x_TD, gates_TK, expert_idx_TK, upstream_TD)
-    _close(y_TD, y_ref[_token_rows(rank)], f"{what}: output")
-    _close(x_grad, x_grad_ref[_token_rows(rank)], f"{what}: input grad")
-    _check_grads(par, full, grid, 1, what)
+def test_degrees_that_do_not_fit_the_experts_are_refused_by_the_layout():
+    llm = LLMConfig(vocab_size=32, moe=MoEConfig(num_experts=6))
+    with pytest.raises(ValueError, match=r"num_experts \(6\) must be divisible by ep \(4\)"):
+        validate_llm_layout(LLMLayout(dp=4, ep=4), llm)
+    llm = LLMConfig(vocab_size=32, moe=MoEConfig(expert_dim=15))
+    with pytest.raises(ValueError, match=r"etp \(2\) must divide moe.expert_dim \(15\)"):
+        validate_llm_layout(LLMLayout(dp=4, ep=2, etp=2), llm)
 
 
 def _check_config_errors(grids: dict) -> None:
-    with pytest.raises(ValueError, match=r"num_experts \(6\) must be divisible by ep \(4\)"):
-        parallelize_moe(MoELayer(DIM, MoEConfig(num_experts=6)), ep_group=grids[4, 1].ep_group)
-    with pytest.raises(ValueError, match=r"expert_dim \(15\) must be divisible by etp \(2\)"):
-        layer = MoELayer(DIM, MoEConfig(expert_dim=15))
-        parallelize_moe(layer, ep_group=grids[2, 2].ep_group, etp_group=grids[2, 2].etp_group)
     with pytest.raises(ValueError, match="dispatcher 'ring'"):
         parallelize_moe(_full_layer(), ep_group=grids[4, 1].ep_group, dispatcher="ring")
 
@@ -286,7 +274,6 @@ def _all_checks(rank: int, world: int) -> None:
     if world == 4:
         _check_token_split(grids[2, 1], "ep", rank)
         _check_token_split(grids[2, 2], "etp", rank)
-        _check_separate_gate_up(grids[2, 2], rank, world)
         _check_config_errors(grids)
 
 
@@ -304,15 +291,8 @@ def test_local_dispatcher_is_the_layers_routed_experts():
     torch.testing.assert_close(y_TD, layer.routed_experts(x_TD, gates_TK, expert_idx_TK), rtol=0, atol=0)
 
 
-def test_split_sizes_match_tensor_split():
-    for rows, parts in [(8, 2), (7, 2), (1, 2), (0, 3), (10, 4)]:
-        assert split_sizes(rows, parts) == [len(t) for t in torch.arange(rows).tensor_split(parts)]
-
-
 def test_expert_param_names():
     model = nn.ModuleDict({"embed": nn.Linear(DIM, DIM), "blocks": nn.ModuleList([_full_layer(), _full_layer()])})
     names = expert_param_names(model)
     assert names == {f"blocks.{i}.{n}" for i in range(2) for n in ("w13_ED2F", "w2_EFD")}
     assert names <= dict(model.named_parameters()).keys()
-    separate = nn.ModuleDict({"moe": _full_layer(SEPARATE_CFG)})
-    assert expert_param_names(separate) == {"moe.w1_EDF", "moe.w3_EDF", "moe.w2_EFD"}

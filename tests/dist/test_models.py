@@ -158,8 +158,7 @@ def _looped_moe(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "overrides",
-    [dict(), dict(top_k=1), dict(top_k=4), dict(norm_topk_prob=False), dict(shared_expert_dim=12),
-     dict(gate_up="separate")],
+    [dict(), dict(top_k=1), dict(top_k=4), dict(norm_topk_prob=False), dict(shared_expert_dim=12)],
 )
 def test_moe_grouped_matches_looped_experts(overrides):
     torch.manual_seed(0)

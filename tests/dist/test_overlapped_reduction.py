@@ -80,7 +80,7 @@ def test_without_overlap_every_bucket_goes_at_finish_with_the_same_sums():
 
 def _a_gradient_no_hook_reports(rank: int, world_size: int) -> None:
     """An extra parameter whose gradient is written into .grad directly after backward (as
-    kernels/expert_weight_grads.py does), placed so that its bucket comes first in the order:
+    dyad/kernels/expert_weight_grads.py does), placed so that its bucket comes first in the order:
     nothing may go during the pass, and finish() sums it with the rest."""
     groups = ProcessGroups.build(LLMLayout(dp=world_size))
     model = _model()

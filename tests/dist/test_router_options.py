@@ -1,5 +1,5 @@
 """Router options of the MoE layer against plain references written here with loops over floats
-(no code shared with llm_service/moe.py). The router weight is the identity, so a token's input
+(no code shared with dyad/llm_service/moe.py). The router weight is the identity, so a token's input
 row is its logits.
 """
 

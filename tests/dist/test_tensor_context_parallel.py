@@ -9,13 +9,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dyad.parallel.context import ContextParallelAttention, padded_length, zigzag_positions
+from dyad.llm_service.context_parallel import ContextParallelAttention, zigzag_positions
 from dyad.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy_sum,
 )
+from dyad.sequence_shards import sequence_shard
 from tests.helpers.distributed import run_distributed
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -75,7 +76,7 @@ def _vocab_parallel_matches(rank, world_size):
 
 def _cp_attention_matches(rank, world_size, heads, kv_heads):
     torch.manual_seed(2)
-    B, S, Dh = 2, padded_length(13, world_size), 4
+    B, S, Dh = 2, sequence_shard(13, cp=world_size, tp=1, cp_rank=rank).padded_len, 4
     q = torch.randn(B, heads, S, Dh, requires_grad=True)
     k = torch.randn(B, kv_heads, S, Dh, requires_grad=True)
     v = torch.randn(B, kv_heads, S, Dh, requires_grad=True)

@@ -1,4 +1,4 @@
-"""The MoE expert weights in either gate-up layout (`llm.moe.gate_up`)."""
+"""The MoE experts' w1 and w3, which the layer keeps as one weight of (gate, up) column pairs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,5 @@ def interleave_gate_up(w1_EDF: torch.Tensor, w3_EDF: torch.Tensor) -> torch.Tens
 
 
 def gate_and_up(layer: MoELayer) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w1_EDF, w3_EDF) of either layout: views of w13's (gate, up) columns when interleaved."""
-    if layer.cfg.gate_up == "interleaved":
-        return layer.w13_ED2F[..., 0::2], layer.w13_ED2F[..., 1::2]
-    return layer.w1_EDF, layer.w3_EDF
+    """(w1_EDF, w3_EDF): views of w13's (gate, up) columns."""
+    return layer.w13_ED2F[..., 0::2], layer.w13_ED2F[..., 1::2]

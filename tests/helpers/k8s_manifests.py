@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dyad.layout import POOLS
+from dyad.pools import pool_names
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
@@ -84,7 +84,7 @@ def pool_workloads(docs: list[dict]) -> dict[str, dict]:
     found = {}
     for doc in docs:
         component = doc["metadata"].get("labels", {}).get("app.kubernetes.io/component")
-        if doc["kind"] in ("StatefulSet", "LeaderWorkerSet") and component in POOLS:
+        if doc["kind"] in ("StatefulSet", "LeaderWorkerSet") and component in pool_names():
             found[component] = doc
     return found
 
@@ -348,7 +348,7 @@ def node_pool_problems(docs: list[dict]) -> list[str]:
     """Each pool on its own GPU node pool: node selectors that no node can satisfy both of."""
     problems = []
     pods = pool_pods(docs)
-    if set(pods) != set(POOLS):
+    if set(pods) != set(pool_names()):
         return [f"pools found: {sorted(pods)}"]
     selectors = {pool: [_node_selector(spec) for spec in specs] for pool, specs in pods.items()}
     for pool, specs in pods.items():

@@ -5,7 +5,7 @@ Relative error of a tensor: |actual - expected| / |expected|.
 - From identical parameters (the first step), gradients are compared in the max norm: no entry
   may be off by more than the tolerance relative to the tensor's largest entry.
 - After AdamW steps (end-to-end runs, `dyad verify`), parameters are compared in the 2-norm
-  (`dyad.verify`). AdamW divides each entry's update by that entry's own gradient magnitude, so a rounding
+  (`dyad.app.verify`). AdamW divides each entry's update by that entry's own gradient magnitude, so a rounding
   difference of ~1e-7 in a near-zero gradient entry becomes a visible difference in that entry's
   update while the update as a whole is unchanged; the max norm would then measure those entries,
   not the layout's math. Losses and gradient norms are compared at every step.

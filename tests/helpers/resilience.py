@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from dyad import config as config_lib
-from dyad.client import RouterClient
+from dyad.app.client import RouterClient
 from dyad.router.auth import Credentials
 from dyad.router.server import serve
 from dyad.wire import pb

@@ -8,9 +8,9 @@ import dataclasses
 import torch
 
 from dyad import config as config_lib
+from dyad.app.jobs import run_job
+from dyad.app.verify import compare_with_reference
 from dyad.data import make_dataset
-from dyad.jobs import run_job
-from dyad.verify import compare_with_reference
 
 
 def resolved_config(overrides=()):

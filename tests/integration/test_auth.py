@@ -11,9 +11,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dyad.app.client import RouterClient
 from dyad.channels import open_channel
-from dyad.client import RouterClient
-from dyad.router.auth import Credentials, load_token, server_credentials
+from dyad.credentials import load_token
+from dyad.router.auth import Credentials, server_credentials
 from dyad.router.server import serve
 from dyad.wire import GRPC_OPTIONS, MAX_MESSAGE_BYTES, pb, rpc
 

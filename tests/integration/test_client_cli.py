@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from dyad.cli import main
+from dyad.app.cli import main
 from dyad.router.auth import Credentials
 from dyad.router.launcher import Launcher
 from dyad.router.server import serve

@@ -1,5 +1,5 @@
-"""Float8 GEMMs (kernels/fp8.py) against their plain-PyTorch references and exact matmuls, and
-the LLM's float8 conversion (llm_service/fp8.py)."""
+"""Float8 GEMMs (dyad/kernels/fp8.py) against their plain-PyTorch references and exact matmuls, and
+the LLM's float8 conversion (dyad/llm_service/fp8.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import torch
 from dyad import config as config_lib
 from dyad.kernels import fp8
 from dyad.llm_service.config import LLMConfig, MoEConfig
-from dyad.llm_service.fp8 import Fp8Linear, convert_to_fp8
+from dyad.llm_service.fp8 import Float8GroupedSwiGLU, Fp8Linear, convert_to_fp8
 from dyad.llm_service.model import MoELM
+from dyad.llm_service.moe import MoELayer
 from dyad.optim import build_optimizer
+from tests.helpers.experts import interleave_gate_up
 
 E4M3_STEP = 2.0**-3  # e4m3 keeps 3 mantissa bits: relative rounding error <= 2^-4
 
@@ -183,12 +185,17 @@ def _tiny_llm(**overrides) -> MoELM:
         "n_kv_heads": 2,
         "dense_ffn_dim": 128,
         "max_seq_len": 64,
-        # two weights, the layout the float8 bounds below were measured on; float8 with the
-        # interleaved layout computes the same (tests/unit/test_gated_experts.py)
-        "moe": MoEConfig(num_experts=4, top_k=2, expert_dim=32, shared_expert_dim=32, gate_up="separate"),
+        "moe": MoEConfig(num_experts=4, top_k=2, expert_dim=32, shared_expert_dim=32),
     }
     torch.manual_seed(0)
-    return MoELM(LLMConfig(**{**fields, **overrides}))
+    model = MoELM(LLMConfig(**{**fields, **overrides}))
+    with torch.no_grad():  # the weights the float8 bounds below were measured on: w1 then w3, drawn
+        for module in model.modules():  # as two weights, whose draws fill w13 in that order
+            if isinstance(module, MoELayer):
+                w1_EDF, w3_EDF = module.w13_ED2F.flatten().chunk(2)
+                shape = (*module.w13_ED2F.shape[:2], -1)
+                module.w13_ED2F.copy_(interleave_gate_up(w1_EDF.view(shape), w3_EDF.view(shape)))
+    return model
 
 
 def test_conversion_keeps_parameters_and_skips_router_head_and_embeddings():
@@ -200,7 +207,7 @@ def test_conversion_keeps_parameters_and_skips_router_head_and_embeddings():
     converted = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
     assert "layers.0.attention.wq" in converted and "layers.1.feed_forward.shared_expert.w2" in converted
     assert not any("router" in n or "output" in n for n in converted)
-    assert model.layers[1].feed_forward.expert_matmul is fp8.fp8_grouped_mm
+    assert isinstance(model.layers[1].feed_forward.grouped_swiglu, Float8GroupedSwiGLU)
 
 
 def test_a_float8_training_step_stays_close_to_the_bf16_one():
@@ -311,7 +318,7 @@ def test_a_disaggregated_job_trains_with_llm_fp8(tmp_path):
     import dataclasses
     import math
 
-    from dyad.jobs import run_job
+    from dyad.app.jobs import run_job
 
     overrides = [
         "llm.fp8=true",

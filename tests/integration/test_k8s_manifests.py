@@ -43,7 +43,7 @@ def test_run_config_is_digits_on_cuda():
 
     (config_map,) = [d for d in render("base") if d["kind"] == "ConfigMap"]
     shipped = config_lib.load_yaml_text(config_map["data"]["run.yaml"])
-    digits = config_lib.load_yaml_text((REPO / "configs" / "digits.yaml").read_text())
+    digits = config_lib.load_yaml_text((REPO / "dyad" / "configs" / "digits.yaml").read_text())
     assert shipped["train"].pop("device") == "cuda"
     assert shipped == digits
     assert config_lib.from_yaml(config_map["data"]["run.yaml"]).train.device == "cuda"

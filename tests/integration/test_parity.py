@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from dyad import config as config_lib
+from dyad.app.jobs import JobResult, run_job
+from dyad.app.verify import compare_with_reference
 from dyad.checkpoint import load_pool_state, saved_ranks
 from dyad.data import make_dataset
-from dyad.jobs import JobResult, run_job
 from dyad.router.checkpoints import checkpoint_dir
 from dyad.router.steps import StepPlanner
 from dyad.service import build_model
-from dyad.verify import compare_with_reference
 
 TOLERANCE = 1e-5
 
@@ -35,29 +35,23 @@ LAYOUT_CASES = {
                 "train.grad_clip=0.05"],
     # The boundary's layouts (each with 0, 1 and 2 images per sample): encoder dp1 -> LLM dp2;
     # dp3 -> dp2 (sizes that do not divide); dp2·tp2 -> tp2·cp2 (rows split by context shard,
-    # tp ranks served over the boundary or by an in-pool broadcast, 2 x 2 patches merged per LLM
-    # token); dp4 -> cp2·dp2 with ep4. The last two update the aux-loss-free expert bias from
-    # counts that must be summed over the whole pool: their ep group spans it in one, tp·cp in
-    # the other, so a reduction over any smaller group breaks parity in one of them.
+    # tp ranks served by an in-pool broadcast, 2 x 2 patches merged per LLM token); dp4 -> cp2·dp2
+    # with ep4. The last two update the aux-loss-free expert bias from counts that must be summed
+    # over the whole pool: their ep group spans it in one, tp·cp in the other, so a reduction over
+    # any smaller group breaks parity in one of them.
     "enc-dp1-llm-dp2": [*VARIABLE_IMAGES, "parallel.llm.dp=2", "train.global_batch=8"],
     "enc-dp3-llm-dp2-ep2": [*VARIABLE_IMAGES, "parallel.encoder.dp=3", "parallel.llm.dp=2",
                             "parallel.llm.ep=2", "train.global_batch=12"],
-    **{
-        f"enc-dp2-tp2-llm-tp2-cp2-{delivery}": [
-            *VARIABLE_IMAGES, "parallel.encoder.dp=2", "parallel.encoder.tp=2", "parallel.llm.tp=2",
-            "parallel.llm.cp=2", f"boundary.tp_delivery={delivery}", "train.global_batch=8",
-            "encoder.spatial_merge=2", "llm.moe.expert_bias=true",
-        ]
-        for delivery in ("broadcast", "direct")
-    },
+    "enc-dp2-tp2-llm-tp2-cp2": [
+        *VARIABLE_IMAGES, "parallel.encoder.dp=2", "parallel.encoder.tp=2", "parallel.llm.tp=2",
+        "parallel.llm.cp=2", "train.global_batch=8", "encoder.spatial_merge=2", "llm.moe.expert_bias=true",
+    ],
     "enc-dp4-llm-cp2-dp2-ep4": [*VARIABLE_IMAGES, "parallel.encoder.dp=4", "parallel.llm.cp=2",
                                 "parallel.llm.dp=2", "parallel.llm.ep=4", "train.global_batch=8",
                                 "llm.moe.expert_bias=true", "llm.moe.expert_bias_rate=0.05"],
-    # w1 and w3 as two weights (llm.moe.gate_up; the default is one interleaved weight, sliced
-    # over etp in (gate, up) pairs), each sliced over etp.
-    "llm-dp4-ep2-etp2-gate-up-separate": [*VARIABLE_IMAGES, "parallel.llm.dp=4", "parallel.llm.ep=2",
-                                          "parallel.llm.etp=2", "llm.moe.gate_up=separate",
-                                          "train.global_batch=8"],
+    # The experts' w13 sliced over etp in (gate, up) pairs.
+    "llm-dp4-ep2-etp2": [*VARIABLE_IMAGES, "parallel.llm.dp=4", "parallel.llm.ep=2", "parallel.llm.etp=2",
+                         "train.global_batch=8"],
     # Both pools' blocks recomputing (train.recompute): the recomputed forward runs the
     # tensor-parallel, sequence-parallel and expert all-to-all collectives again in the backward
     # pass. The expert bias moves (at rates of 0.05 and 0.1 this layout's bias swings back and

@@ -15,10 +15,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dyad.pod import STUCK_EXIT_CODE, pod_ordinal_name, pod_ranks
+from dyad.app.pod import STUCK_EXIT_CODE, pod_ordinal_name, pod_ranks
 from dyad.router.launcher import free_ports
-from tests.helpers.resilience import CREDENTIALS, job_config
 from tests.helpers.launchers import NoWorkers
+from tests.helpers.resilience import CREDENTIALS, job_config
 
 
 def test_ranks_come_from_the_ordinal():
@@ -44,7 +44,7 @@ class PodUnderTest:
 
     def __init__(self, tmp_path, *overrides: str, **env: str):
         from dyad import config as config_lib
-        from dyad.client import RouterClient
+        from dyad.app.client import RouterClient
         from dyad.router.server import serve
 
         self.server, self.state = serve(launcher_factory=NoWorkers, credentials=CREDENTIALS)
@@ -55,7 +55,7 @@ class PodUnderTest:
         )
         self.run = self.state.get(self.client.start_run(config_lib.to_yaml(config)).run_id)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "dyad.cli", "worker", "--pool", "llm",
+            [sys.executable, "-m", "dyad.app.cli", "worker", "--pool", "llm",
              "--health-port", str(self.health_port)],
             env=os.environ | {
                 "POD_NAME": "dyad-llm-1", "DYAD_GPUS_PER_POD": "2", "POD_IP": "127.0.0.1",

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from dyad import config as config_lib
-from dyad.cli import _describe_step, main
-from dyad.client import RouterClient
+from dyad.app.cli import _describe_step, main
+from dyad.app.client import RouterClient
 from dyad.router.checkpoints import MANIFEST
 from dyad.router.launcher import free_ports
 from dyad.wire import pb

@@ -7,13 +7,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dyad.app.client import RouterClient
 from dyad.channels import open_channel
-from dyad.client import RouterClient
 from dyad.router.auth import Credentials
 from dyad.router.server import serve
 from dyad.wire import pb, rpc
 from tests.helpers.launchers import NoWorkers
-
 
 CREDENTIALS = Credentials(client_token="client-secret", join_token="join-secret")
 

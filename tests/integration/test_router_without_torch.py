@@ -11,7 +11,7 @@ import sys
 import time
 
 from dyad import config as config_lib
-from dyad.client import RouterClient
+from dyad.app.client import RouterClient
 from tests.helpers.resilience import CREDENTIALS, follow, job_config
 
 # `import torch` raises ModuleNotFoundError wherever it runs in this process.

@@ -19,7 +19,7 @@ REQUIRED = {"step", "loss", "lm_loss", "aux_loss", "tokens", "step_time_s", "tok
 
 def _dyad(*args, cwd):
     return subprocess.run(
-        [sys.executable, "-c", "from dyad.cli import main; main()", *args],
+        [sys.executable, "-c", "from dyad.app.cli import main; main()", *args],
         cwd=cwd, capture_output=True, text=True, timeout=900, env=dict(os.environ),
     )
 
@@ -70,7 +70,7 @@ def test_a_killed_dyad_train_takes_its_router_and_workers_with_it(tmp_path):
     the pipe on its stdin, stops the run and exits, and its workers with it."""
     out = tmp_path / "run"
     cli = subprocess.Popen(
-        [sys.executable, "-c", "from dyad.cli import main; main()", "train", "--out", str(out),
+        [sys.executable, "-c", "from dyad.app.cli import main; main()", "train", "--out", str(out),
          "--quiet", "--device", "cpu", "--set", "train.steps=100000"],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -80,7 +80,7 @@ def test_a_killed_dyad_train_takes_its_router_and_workers_with_it(tmp_path):
         time.sleep(0.2)
     routers = [pid for pid, command in _children(cli.pid).items() if "dyad.router" in command]
     assert len(routers) == 1, _children(cli.pid)
-    workers = [pid for pid, command in _children(routers[0]).items() if "dyad.worker" in command]
+    workers = [pid for pid, command in _children(routers[0]).items() if "dyad.app.worker" in command]
     assert len(workers) == 2, _children(routers[0])
 
     cli.kill()
@@ -127,7 +127,7 @@ def test_bad_override_is_reported_with_its_field(tmp_path):
 
 def test_job_arguments_compose_file_overrides_steps_device_and_default_out(tmp_path, monkeypatch):
     """--config FILE, then each --set, then --steps and --device; without --out, runs/<timestamp>/."""
-    from dyad.cli import _job_config, _parser
+    from dyad.app.cli import _job_config, _parser
 
     config_file = tmp_path / "run.yaml"
     config_file.write_text("train:\n  lr: 2.0e-3\n  global_batch: 12\n  steps: 50\n")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dyad import config as config_lib
+from dyad.app.jobs import run_job
 from dyad.checkpoint import load_pool_state
 from dyad.compile import compile_blocks
-from dyad.jobs import run_job
 from dyad.optim import build_optimizer
 from dyad.service import build_model
 from dyad.working_weights import WorkingWeights, master_of, register_accumulated_hook, trained_parameters

@@ -3,7 +3,7 @@ balance, for random layouts and microbatches; checked against the LLM's real `sh
 
 The simulation labels every image row by (microbatch, global image row), builds each encoder
 group's source rows from the plan's encoder work, applies every transfer's segments into the
-receivers' buffers (then the tp broadcast when asked) and compares each LLM rank's buffer with
+receivers' buffers (then tp rank 0's broadcast to its tp group) and compares each LLM rank's buffer with
 the rows `shard_microbatch` says it holds.
 """
 
@@ -23,7 +23,6 @@ from dyad.data.batch import Batch, collate
 from dyad.layout import EncoderLayout, LLMLayout
 from dyad.llm_service.sharding import shard_microbatch
 from dyad.router.boundary import (
-    TP_DELIVERIES,
     ImageSlot,
     PlannedMicrobatch,
     PlannedSample,
@@ -105,13 +104,12 @@ def deliver(plan, microbatches, encoder, llm) -> dict[tuple[int, int], list[int]
             for k in range(segment.length):
                 assert dst[segment.dst_row + k] is None, "a local row written twice"
                 dst[segment.dst_row + k] = src[segment.src_row + k]
-    if plan.tp_delivery == "broadcast":
-        for (rank, microbatch), buffer in buffers.items():
-            coords = llm.coords(rank)
-            if coords["tp"] > 0:
-                assert buffer == [None] * len(buffer), "a tp > 0 rank received over the boundary"
-                leader = llm.rank(tp=0, cp=coords["cp"], dp=coords["dp"])
-                buffer[:] = buffers[(leader, microbatch)]
+    for (rank, microbatch), buffer in buffers.items():
+        coords = llm.coords(rank)
+        if coords["tp"] > 0:
+            assert buffer == [None] * len(buffer), "a tp > 0 rank received over the boundary"
+            leader = llm.rank(tp=0, cp=coords["cp"], dp=coords["dp"])
+            buffer[:] = buffers[(leader, microbatch)]
     for buffer in buffers.values():
         assert None not in buffer, "a local row never written"
     return buffers
@@ -145,14 +143,11 @@ def steps(draw):
             next_sample_id += 1
         dp_rank = draw(st.integers(0, llm.dp - 1))
         microbatches.append(PlannedMicrobatch(index, dp_rank, tuple(mb_samples)))
-    return encoder, llm, microbatches, draw(st.sampled_from(TP_DELIVERIES))
+    return encoder, llm, microbatches
 
 
-def plan_of(encoder, llm, microbatches, delivery):
-    return plan_boundary(
-        microbatches, encoder=encoder, llm=llm, hidden=HIDDEN, element_size=ELEMENT_SIZE,
-        tp_delivery=delivery,
-    )
+def plan_of(encoder, llm, microbatches):
+    return plan_boundary(microbatches, encoder=encoder, llm=llm, hidden=HIDDEN, element_size=ELEMENT_SIZE)
 
 
 # ---- properties ---------------------------------------------------------------------------------
@@ -161,8 +156,8 @@ def plan_of(encoder, llm, microbatches, delivery):
 @settings(max_examples=400, deadline=None)
 @given(steps())
 def test_forward_rows_arrive_exactly_once_where_shard_microbatch_wants_them(step):
-    encoder, llm, microbatches, delivery = step
-    plan = plan_of(encoder, llm, microbatches, delivery)
+    encoder, llm, microbatches = step
+    plan = plan_of(encoder, llm, microbatches)
     buffers = deliver(plan, microbatches, encoder, llm)
     for mb in microbatches:
         for rank in range(llm.world_size):
@@ -172,15 +167,13 @@ def test_forward_rows_arrive_exactly_once_where_shard_microbatch_wants_them(step
 @settings(max_examples=400, deadline=None)
 @given(steps())
 def test_every_gradient_row_returns_to_its_source_exactly_once(step):
-    encoder, llm, microbatches, delivery = step
-    plan = plan_of(encoder, llm, microbatches, delivery)
+    encoder, llm, microbatches = step
+    plan = plan_of(encoder, llm, microbatches)
     sources = source_rows(plan, microbatches, encoder)
     by_index = {mb.index: mb for mb in microbatches}
     returned = Counter()
-    for transfer in plan.transfers:
-        assert transfer.returns_gradient == (llm.coords(transfer.dst_rank)["tp"] == 0)
-        if not transfer.returns_gradient:
-            continue
+    for transfer in plan.transfers:  # each returns its rows' gradient
+        assert llm.coords(transfer.dst_rank)["tp"] == 0, "only tp rank 0 of a shard receives and returns"
         local = expected_local_rows(by_index[transfer.microbatch], llm, transfer.dst_rank)
         src = sources[(transfer.src_rank, transfer.microbatch)]
         for segment in transfer.segments:  # mirrored: local rows -> source rows
@@ -194,16 +187,15 @@ def test_every_gradient_row_returns_to_its_source_exactly_once(step):
 @settings(max_examples=400, deadline=None)
 @given(steps())
 def test_bytes_are_the_minimum(step):
-    encoder, llm, microbatches, delivery = step
-    plan = plan_of(encoder, llm, microbatches, delivery)
-    forward, backward = minimum_bytes(
-        microbatches, llm=llm, hidden=HIDDEN, element_size=ELEMENT_SIZE, tp_delivery=delivery
-    )
+    encoder, llm, microbatches = step
+    plan = plan_of(encoder, llm, microbatches)
+    forward, backward = minimum_bytes(microbatches, hidden=HIDDEN, element_size=ELEMENT_SIZE)
     assert (plan.bytes_forward, plan.bytes_backward) == (forward, backward)
     rows = sum(n_rows(mb) for mb in microbatches)
+    assert forward == backward == rows * HIDDEN * ELEMENT_SIZE, "each row crosses once each way"
     traffic = plan.traffic()
     assert traffic.forward + traffic.intra_forward == rows * llm.tp * HIDDEN * ELEMENT_SIZE
-    assert traffic.intra_forward == (0 if delivery == "direct" else forward * (llm.tp - 1))
+    assert traffic.intra_forward == forward * (llm.tp - 1)
     leader = leader_broadcast_traffic(microbatches, llm=llm, hidden=HIDDEN, element_size=ELEMENT_SIZE)
     assert leader.forward + leader.intra_forward == rows * llm.tp * llm.cp * HIDDEN * ELEMENT_SIZE
     assert traffic.total <= leader.total
@@ -212,8 +204,8 @@ def test_bytes_are_the_minimum(step):
 @settings(max_examples=400, deadline=None)
 @given(steps())
 def test_encoder_work_covers_each_image_once_and_is_balanced(step):
-    encoder, llm, microbatches, delivery = step
-    plan = plan_of(encoder, llm, microbatches, delivery)
+    encoder, llm, microbatches = step
+    plan = plan_of(encoder, llm, microbatches)
     patches = [0] * encoder.dp
     for mb in microbatches:
         order = [im.image_id for sample in mb.samples for im in sample.images]
@@ -237,8 +229,8 @@ def test_encoder_work_covers_each_image_once_and_is_balanced(step):
 @settings(max_examples=400, deadline=None)
 @given(steps())
 def test_plan_lists_only_what_exists(step):
-    encoder, llm, microbatches, delivery = step
-    plan = plan_of(encoder, llm, microbatches, delivery)
+    encoder, llm, microbatches = step
+    plan = plan_of(encoder, llm, microbatches)
     keys = [(t.src_rank, t.dst_rank, t.microbatch) for t in plan.transfers]
     assert len(set(keys)) == len(keys), "one message per (source, destination, microbatch)"
     for transfer in plan.transfers:
@@ -277,23 +269,20 @@ def test_cp2_zigzag_splits_one_long_image_across_shards():
     assert [(e.llm_rank, e.rows) for e in plan.local_rows] == [(0, 6), (1, 10)]
 
 
-def test_cp2_tp2_padding_and_delivery_modes():
+def test_cp2_tp2_padding_and_broadcast_delivery():
     # cp=2, tp=2: padded to a multiple of 8 -> 24, chunks of 6; cp 0 holds 0-5, 18-23.
     # Ranks: (tp, cp) -> tp + 2*cp. Image at 1-16: cp 0 rows 0-4, cp 1 rows 5-15.
+    # Only tp rank 0 of each shard (ranks 0, 2) receives; ranks 1, 3 get the rows by broadcast.
     mb = one_sample(20, (7, 16, 1))
-    kwargs = dict(encoder=EncoderLayout(dp=2), llm=LLMLayout(cp=2, tp=2), hidden=1, element_size=1)
-    direct = plan_boundary([mb], tp_delivery="direct", **kwargs)
-    assert [(t.dst_rank, t.segments, t.returns_gradient) for t in direct.transfers] == [
-        (0, (Segment(0, 0, 5),), True),
-        (1, (Segment(0, 0, 5),), False),
-        (2, (Segment(5, 0, 11),), True),
-        (3, (Segment(5, 0, 11),), False),
+    plan = plan_boundary([mb], encoder=EncoderLayout(dp=2), llm=LLMLayout(cp=2, tp=2), hidden=1, element_size=1)
+    assert [(t.dst_rank, t.segments) for t in plan.transfers] == [
+        (0, (Segment(0, 0, 5),)),
+        (2, (Segment(5, 0, 11),)),
     ]
-    broadcast = plan_boundary([mb], tp_delivery="broadcast", **kwargs)
-    assert [t.dst_rank for t in broadcast.transfers] == [0, 2]
-    assert [(e.llm_rank, e.rows) for e in broadcast.local_rows] == [(0, 5), (1, 5), (2, 11), (3, 11)]
-    assert broadcast.traffic().intra_forward == 16
-    assert direct.encoder_imbalance == 2.0  # one image, two encoder groups
+    assert [(e.llm_rank, e.rows) for e in plan.local_rows] == [(0, 5), (1, 5), (2, 11), (3, 11)]
+    assert (plan.bytes_forward, plan.bytes_backward) == (16, 16)
+    assert plan.traffic().intra_forward == 16
+    assert plan.encoder_imbalance == 2.0  # one image, two encoder groups
 
 
 def test_two_encoder_groups_interleave_into_one_shard():
@@ -341,7 +330,6 @@ def test_leader_broadcast_traffic_counts():
 @pytest.mark.parametrize(
     "mb, kwargs, message",
     [
-        (one_sample(20, (7, 16, 1)), dict(tp_delivery="tree"), "tp_delivery"),
         (one_sample(20, (7, 16, 1), dp_rank=2), {}, "llm_dp_rank 2"),
         (one_sample(20, (7, 16, 1), (8, 2, 10)), {}, "image 8 at position 10"),
         (one_sample(10, (7, 16, 1)), {}, "seq_len 10"),
@@ -385,17 +373,14 @@ def test_local_rows_match_shard_microbatch_on_digits(digits, tokens_per_image, c
         batches.append(collate(digits.tokenizer, [digits.sample(s) for s in ids], tokens_per_image))
     assert any(len(s.images) > 1 for mb in microbatches for s in mb.samples)
     assert any(not s.images for mb in microbatches for s in mb.samples)
-    for delivery in TP_DELIVERIES:
-        plan = plan_of(encoder, llm, microbatches, delivery)
-        buffers = deliver(plan, microbatches, encoder, llm)
-        for mb, batch in zip(microbatches, batches):
-            assert batch.image_positions.numel() == n_rows(mb)
-            for rank in range(llm.world_size):
-                coords = llm.coords(rank)
-                if coords["dp"] != mb.llm_dp_rank:
-                    assert (rank, mb.index) not in buffers
-                    continue
-                local = shard_microbatch(
-                    batch, pad_id=digits.tokenizer.pad_id, cp=cp, cp_rank=coords["cp"], tp=tp
-                )
-                assert buffers.get((rank, mb.index), []) == local.image_rows_Nl.tolist()
+    plan = plan_of(encoder, llm, microbatches)
+    buffers = deliver(plan, microbatches, encoder, llm)
+    for mb, batch in zip(microbatches, batches):
+        assert batch.image_positions.numel() == n_rows(mb)
+        for rank in range(llm.world_size):
+            coords = llm.coords(rank)
+            if coords["dp"] != mb.llm_dp_rank:
+                assert (rank, mb.index) not in buffers
+                continue
+            local = shard_microbatch(batch, pad_id=digits.tokenizer.pad_id, cp=cp, cp_rank=coords["cp"], tp=tp)
+            assert buffers.get((rank, mb.index), []) == local.image_rows_Nl.tolist()

@@ -16,8 +16,8 @@ from dyad.router.driver import GenerationStart, RunDriver, WorkerLost
 from dyad.router.run import Run
 from dyad.router.sampler import Cursor
 from dyad.wire import pb
-from tests.helpers.resilience import job_config
 from tests.helpers.launchers import NoWorkers
+from tests.helpers.resilience import job_config
 
 
 def _driver(tmp_path, *overrides):

@@ -109,16 +109,32 @@ def test_cuda_weight_grads_are_complete_on_the_current_stream_when_backward_retu
     assert torch.equal(seen_at_return, w.grad)
 
 
-def _layer_gradients(expert_matmul, gate_up, dtype=None):
-    """Every parameter's gradient of a float32 MoE layer after two microbatches (the second
-    accumulating) under bf16 autocast, as training runs it; float32 math with `dtype` float32."""
+class _PlainExperts(torch.nn.Module):
+    """A MoE layer's `grouped_swiglu` on the plain path (SwiGLU between the GEMMs, not in their
+    epilogues), its grouped GEMMs by `matmul`."""
+
+    def __init__(self, matmul):
+        super().__init__()
+        self.matmul = matmul
+
+    def forward(self, x_sorted_ND, w13_ED2F, w2_EFD, offs_E):
+        from dyad.kernels.gated_experts import gated_experts_reference
+
+        return gated_experts_reference(x_sorted_ND, w13_ED2F, w2_EFD, offs_E, self.matmul)
+
+
+def _layer_gradients(experts=None, dtype=None):
+    """Every parameter's gradient of a float32 MoE layer (its `grouped_swiglu` replaced by
+    `experts`, when given) after two microbatches (the second accumulating) under bf16 autocast,
+    as training runs it; float32 math with `dtype` float32."""
     from dyad.llm_service.config import MoEConfig
     from dyad.llm_service.moe import MoELayer
 
     torch.manual_seed(3)
-    cfg = MoEConfig(num_experts=4, top_k=2, expert_dim=512, aux_loss_coef=0.01, gate_up=gate_up)
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_dim=512, aux_loss_coef=0.01)
     layer = MoELayer(256, cfg).cuda()
-    layer.expert_matmul = expert_matmul
+    if experts is not None:
+        layer.grouped_swiglu = experts
     for microbatch in range(2):
         x = torch.randn(1024, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(microbatch))
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype is None):
@@ -129,10 +145,10 @@ def _layer_gradients(expert_matmul, gate_up, dtype=None):
 
 @needs_cuda
 def test_cuda_moe_layer_gradients_match_autograds_over_two_microbatches():
-    """With w1 and w3 apart (the GEMMs that add into `.grad` and nothing else changed): every
+    """On the plain path (the GEMMs that add into `.grad` and nothing else changed): every
     parameter's gradient matches the layer with autograd's weight gradients within bf16 rounding."""
-    fused = _layer_gradients(expert_weight_grads.expert_grouped_mm, "separate")
-    plain = _layer_gradients(grouped_mm, "separate")
+    fused = _layer_gradients(_PlainExperts(expert_weight_grads.expert_grouped_mm))
+    plain = _layer_gradients(_PlainExperts(grouped_mm))
     assert fused.keys() == plain.keys()
     for name in fused:
         error = (fused[name] - plain[name]).norm() / plain[name].norm()
@@ -141,12 +157,12 @@ def test_cuda_moe_layer_gradients_match_autograds_over_two_microbatches():
 
 @needs_cuda
 def test_cuda_interleaved_moe_layer_gradients_over_two_microbatches():
-    """w1 and w3 as one weight, the input needing no gradient: every parameter gets one, and the
+    """The layer's own path, the input needing no gradient: every parameter gets one, and the
     layer's path (with QuACK installed, SwiGLU in the GEMMs' epilogues, its product rounded once)
     is within bf16 error of float32 math and no further from it than autograd's plain bf16 path."""
-    fused = _layer_gradients(expert_weight_grads.expert_grouped_mm, "interleaved")
-    plain = _layer_gradients(grouped_mm, "interleaved")
-    exact = _layer_gradients(grouped_mm, "interleaved", torch.float32)
+    fused = _layer_gradients()
+    plain = _layer_gradients(_PlainExperts(grouped_mm))
+    exact = _layer_gradients(_PlainExperts(grouped_mm), torch.float32)
     for name, e in exact.items():
         assert fused[name] is not None, f"{name}: no gradient"
         fused_err = ((fused[name] - e).norm() / e.norm()).item()

@@ -1,36 +1,55 @@
-"""The interleaved gate-up layout (`llm.moe.gate_up: interleaved`) computes the separate layout's
-function, and its fused GEMMs (kernels/gated_experts.py, QuACK on Hopper GPUs) agree with the
-plain path."""
+"""The experts' one gate-up weight (w13_ED2F, whose column pairs are (gate, up)) computes the
+function of SwiGLU experts with w1 and w3 as two weights, and its fused GEMMs
+(dyad/kernels/gated_experts.py, QuACK on Hopper GPUs) agree with the plain path."""
 
 import dataclasses
 import functools
 
 import pytest
 import torch
+from torch import nn
 
 from dyad.kernels import fp8
+from dyad.kernels.expert_weight_grads import expert_grouped_mm
 from dyad.kernels.gated_experts import gated_experts, gated_experts_reference, gated_up_projection
 from dyad.kernels.grouped_mm import grouped_mm
+from dyad.kernels.swiglu import swiglu
 from dyad.llm_service.config import MoEConfig
-from dyad.llm_service.fp8 import convert_to_fp8
+from dyad.llm_service.fp8 import Float8GroupedSwiGLU, convert_to_fp8
 from dyad.llm_service.moe import MoELayer
-from tests.helpers.experts import interleave_gate_up
+from tests.helpers.experts import gate_and_up
 from tests.helpers.parity import relative_error
 
-CFG = MoEConfig(num_experts=4, top_k=2, expert_dim=24, aux_loss_coef=0.01, gate_up="separate")
+CFG = MoEConfig(num_experts=4, top_k=2, expert_dim=24, aux_loss_coef=0.01)
 DIM = 16
 
 
-def _layers(cfg: MoEConfig = CFG, dim: int = DIM) -> tuple[MoELayer, MoELayer]:
-    """A separate-layout layer and an interleaved one with the same weights."""
+class _TwoWeightsLayer(MoELayer):
+    """The reference: the layer with w1 and w3 as two weights, each up-projection its own grouped
+    GEMM (`matmul`), SwiGLU of the two."""
+
+    def __init__(self, layer: MoELayer, matmul=expert_grouped_mm):
+        super().__init__(layer.router.in_features, layer.cfg)
+        w1_EDF, w3_EDF = gate_and_up(layer)
+        del self.w13_ED2F
+        self.w1_EDF, self.w3_EDF = (nn.Parameter(w.detach().clone()) for w in (w1_EDF, w3_EDF))
+        with torch.no_grad():
+            self.router.weight.copy_(layer.router.weight)
+            self.w2_EFD.copy_(layer.w2_EFD)
+        self.matmul = matmul
+
+    def experts(self, x_sorted_ND, counts_E):
+        offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        h1_NF = self.matmul(x_sorted_ND, self.w1_EDF, offs_E)
+        h3_NF = self.matmul(x_sorted_ND, self.w3_EDF, offs_E)
+        return self.matmul(swiglu(h1_NF, h3_NF), self.w2_EFD, offs_E)
+
+
+def _layers(cfg: MoEConfig = CFG, dim: int = DIM, matmul=expert_grouped_mm) -> tuple[MoELayer, MoELayer]:
+    """A two-weights layer (the reference, by `matmul`) and the layer with the same weights."""
     torch.manual_seed(0)
-    separate = MoELayer(dim, cfg)
-    interleaved = MoELayer(dim, dataclasses.replace(cfg, gate_up="interleaved"))
-    with torch.no_grad():
-        interleaved.router.weight.copy_(separate.router.weight)
-        interleaved.w13_ED2F.copy_(interleave_gate_up(separate.w1_EDF, separate.w3_EDF))
-        interleaved.w2_EFD.copy_(separate.w2_EFD)
-    return separate, interleaved
+    interleaved = MoELayer(dim, cfg)
+    return _TwoWeightsLayer(interleaved, matmul), interleaved
 
 
 def _step(layer: MoELayer, x_TD: torch.Tensor, upstream_TD: torch.Tensor):
@@ -57,12 +76,10 @@ def test_float8_interleaved_computes_float8_two_weights_but_for_one_scale_per_ro
     over w13's 2F columns with one scale per row where two weights have one per F: it differs,
     by a small part of float8's own error against bf16."""
     cfg = dataclasses.replace(CFG, expert_dim=32)  # float8 GEMMs need dims divisible by 16
-    separate, interleaved = _layers(cfg, dim=32)
-    bf16 = MoELayer(32, cfg)
-    bf16.load_state_dict(separate.state_dict())
-    for layer in (separate, interleaved):
-        convert_to_fp8(layer)
-        assert layer.expert_matmul is fp8.fp8_grouped_mm
+    separate, interleaved = _layers(cfg, dim=32, matmul=fp8.fp8_grouped_mm)
+    bf16 = _TwoWeightsLayer(interleaved)
+    convert_to_fp8(interleaved)
+    assert isinstance(interleaved.grouped_swiglu, Float8GroupedSwiGLU)
     x_TD, upstream_TD = torch.randn(64, 32), torch.randn(64, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         (y, aux, dx), (y_sep, aux_sep, dx_sep) = (_step(m, x_TD, upstream_TD) for m in (interleaved, separate))
@@ -81,11 +98,6 @@ def test_the_interleaved_layer_names_its_expert_weights():
     assert interleaved.expert_weight_names() == ["w13_ED2F", "w2_EFD"]
     assert interleaved.w13_ED2F.shape == (4, DIM, 48)
     assert not hasattr(interleaved, "w1_EDF")
-
-
-def test_an_unknown_gate_up_layout_names_the_field():
-    with pytest.raises(ValueError, match=r"llm.moe.gate_up \('concat'\) must be one of separate, interleaved"):
-        MoEConfig(gate_up="concat")
 
 
 def _fused_available() -> str | None:

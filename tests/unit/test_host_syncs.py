@@ -11,7 +11,7 @@ import torch
 from dyad import config as config_lib
 from dyad.data import make_dataset
 from dyad.data.batch import collate
-from dyad.host_to_device import to_device
+from dyad.kernels.host_to_device import to_device
 from dyad.llm_service.sharding import shard_microbatch
 from dyad.llm_service.step import microbatch_loss
 from dyad.service import build_model, compute_context

@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from dyad import config as config_lib
+from dyad.app.reference import ReferenceTrainer
+from dyad.app.verify import relative_error, tensor_relative_error
 from dyad.data import make_dataset
 from dyad.data.batch import collate
-from dyad.reference import ReferenceTrainer
 from dyad.router.steps import StepPlanner
 from dyad.service import build_model
-from dyad.verify import relative_error, tensor_relative_error
 
 TOLERANCE = 1e-5
 STEPS = 3

@@ -15,10 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dyad.app.worker import StepProfiler, WorkerRuntime, would_repeat
 from dyad.gc_pauses import GcPauses
+from dyad.pools import pool_type
 from dyad.router.driver import RunAborted, RunDriver, WorkerLost
-from dyad.wire import POOL_ENUMS, pb
-from dyad.worker import WorkerRuntime, would_repeat
+from dyad.wire import pb
 
 OUT_OF_MEMORY = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB")
 
@@ -67,9 +68,10 @@ class _Service:
 def _runtime() -> WorkerRuntime:
     runtime = object.__new__(WorkerRuntime)  # no router connection: its stub is _Stub
     runtime.run_id, runtime.pool, runtime.rank, runtime.generation = "run", "llm", 0, 1
-    runtime.worker = pb.WorkerId(pool=POOL_ENUMS["llm"], rank=0)
+    runtime.worker = pb.WorkerId(pool=pool_type("llm").wire_id, rank=0)
     runtime.stub = _Stub()
     runtime._gc = GcPauses()
+    runtime._profiled = StepProfiler.from_environment("llm", 0)
     weakref.finalize(runtime, runtime._gc.close)
     return runtime
 
@@ -77,7 +79,7 @@ def _runtime() -> WorkerRuntime:
 @pytest.mark.parametrize("error, repeats", [(OUT_OF_MEMORY, True), (RuntimeError("a peer died"), False)])
 def test_the_worker_reports_whether_its_failure_would_repeat_and_logs_it(error, repeats, caplog):
     runtime = _runtime()
-    with pytest.raises(type(error)), caplog.at_level(logging.ERROR, logger="dyad.worker"):
+    with pytest.raises(type(error)), caplog.at_level(logging.ERROR, logger="dyad.app.worker"):
         runtime._execute(_Service(error))
     [report] = runtime.stub.reports
     assert report.WhichOneof("result") == "error" and type(error).__name__ in report.error
@@ -92,7 +94,7 @@ def test_a_worker_that_cannot_build_its_service_reports_it_for_the_generation_it
         def __init__(self, *args, **kwargs):
             raise OUT_OF_MEMORY
 
-    monkeypatch.setattr("dyad.worker._service_class", lambda pool: _DoesNotFit)
+    monkeypatch.setattr("dyad.app.worker.pool_type", lambda pool: SimpleNamespace(service_class=lambda: _DoesNotFit))
     runtime = _runtime()
     runtime.generation = 4  # what registering into generation 4 sets (WorkerRuntime.run)
     with pytest.raises(torch.OutOfMemoryError):
@@ -123,7 +125,7 @@ def _driver_with(result: pb.WorkerResult | None, *, reported=None, dead=()) -> R
 
 def _failure(repeats: bool) -> pb.WorkerResult:
     return pb.WorkerResult(
-        run_id="run", worker=pb.WorkerId(pool=POOL_ENUMS["llm"], rank=0), generation=1,
+        run_id="run", worker=pb.WorkerId(pool=pool_type("llm").wire_id, rank=0), generation=1,
         error="Traceback (most recent call last):\n  ...\ntorch.OutOfMemoryError: CUDA out of memory.",
         error_repeats=repeats,
     )

@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import pytest
 
 from dyad.data import make_dataset
+from dyad.pools import pool_type
 from dyad.router.driver import GenerationStart, RunDriver
 from dyad.router.run import Run
-from dyad.wire import POOL_ENUMS, pb
+from dyad.wire import pb
 from tests.helpers.resilience import job_config
 
 
@@ -132,7 +133,7 @@ def test_step_times_follow_each_other_without_overlap(tmp_path):
 
 
 def _result(pool: str, **result) -> pb.WorkerResult:
-    return pb.WorkerResult(run_id="r", worker=pb.WorkerId(pool=POOL_ENUMS[pool], rank=0), generation=1, **result)
+    return pb.WorkerResult(run_id="r", worker=pb.WorkerId(pool=pool_type(pool).wire_id, rank=0), generation=1, **result)
 
 
 def test_a_result_of_the_step_sent_ahead_that_comes_before_its_collection_is_kept():

@@ -12,12 +12,12 @@ import pytest
 
 from dyad import config as config_lib
 from dyad.data import make_dataset
-from dyad.layout import POOLS
+from dyad.pools import pool_names
 from dyad.router.driver import RunDriver, WorkerLost
 from dyad.router.run import Run
 from dyad.wire import pb
-from tests.helpers.resilience import job_config
 from tests.helpers.launchers import NoWorkers
+from tests.helpers.resilience import job_config
 
 
 class _Stopped(Exception):
@@ -47,14 +47,14 @@ def test_a_recovery_stops_its_workers_with_the_abort_grace(tmp_path):
     with pytest.raises(_Stopped):
         driver._recover(WorkerLost("worker llm/1 exited with code -9"))
     driver._metrics_file.close()
-    assert launcher.stops == [(POOLS, 0.5)]
+    assert launcher.stops == [(pool_names(), 0.5)]
 
 
 def test_a_resize_stops_its_workers_with_the_stop_grace(tmp_path):
     driver, run, launcher = _driver(tmp_path)
     driver._collect = lambda kind, matches: {}
     (tmp_path / "checkpoints" / "step_00000002").mkdir(parents=True)
-    for pool in POOLS:  # the pools' parts of the checkpoint the resize commits first
+    for pool in pool_names():  # the pools' parts of the checkpoint the resize commits first
         (tmp_path / "checkpoints" / "step_00000002" / pool).mkdir()
     driver.step = 2
     run.request_scale(pb.POOL_ENCODER, 2)
@@ -67,7 +67,7 @@ def test_a_resize_stops_its_workers_with_the_stop_grace(tmp_path):
 
 def _joined(run: Run, rank: int = 0) -> tuple[pb.WorkerId, int]:
     """A process of llm rank `rank` registered into a first generation: (its id, the generation)."""
-    generation = run.new_generation(POOLS, {pool: "127.0.0.1:1" for pool in POOLS})
+    generation = run.new_generation(pool_names(), {pool: "127.0.0.1:1" for pool in pool_names()})
     worker = pb.WorkerId(pool=pb.POOL_LLM, rank=rank)
     run.register(worker, "127.0.0.1:2", pid=100)
     return worker, generation

@@ -1,4 +1,4 @@
-"""`kernels/traceable.py`: casts and layout changes that would change nothing are not traced, and
+"""`dyad/kernels/traceable.py`: casts and layout changes that would change nothing are not traced, and
 an autograd.Function returning their results keeps its gradient under torch.compile.
 
 The gradient check is what fails on torch 2.11 (the GPU hosts' version) with plain `.to()` /

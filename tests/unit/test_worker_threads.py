@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import dyad.pod
+import dyad.app.pod
 from dyad.cpus import cgroup_cpu_quota, usable_cpus, worker_environment, worker_threads
 from dyad.ucx_progress import PROGRESS_ENV, busy_threads, worker_progress_env
 
@@ -85,9 +85,9 @@ def test_a_pods_workers_get_their_share(monkeypatch, progress, share):
         def set(self, service, status):
             pass
 
-    monkeypatch.setattr(dyad.pod.subprocess, "Popen", FakeWorker)
-    monkeypatch.setattr(dyad.pod, "_serve_health", lambda port: (FakeHealth(), FakeHealth()))
-    monkeypatch.setattr(dyad.pod, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(dyad.app.pod.subprocess, "Popen", FakeWorker)
+    monkeypatch.setattr(dyad.app.pod, "_serve_health", lambda port: (FakeHealth(), FakeHealth()))
+    monkeypatch.setattr(dyad.app.pod, "usable_cpus", lambda: 16)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     for name, value in {
         "POD_NAME": "dyad-llm-0",
@@ -97,5 +97,5 @@ def test_a_pods_workers_get_their_share(monkeypatch, progress, share):
         PROGRESS_ENV: progress,
     }.items():
         monkeypatch.setenv(name, value)
-    assert dyad.pod.run_pod("llm") == 0
+    assert dyad.app.pod.run_pod("llm") == 0
     assert [env["OMP_NUM_THREADS"] for env in started] == [share] * 4

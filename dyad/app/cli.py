@@ -1,0 +1,349 @@
+"""The `dyad` command.
+
+    dyad train   [--config FILE] [--set key=value ...] [--steps N] [--device cpu|cuda] [--out DIR]
+    dyad verify  [--config FILE] [--set key=value ...] [--steps N] [--tolerance T]
+    dyad router  [--host H] [--port P] [--token-file F] [--join-token-file F] [--tls-cert ...]
+
+Against a running router (--router HOST:PORT, default $DYAD_ROUTER or 127.0.0.1:50051; the token
+from --token-file or $DYAD_TOKEN; TLS with --tls-ca [--tls-cert --tls-key]); a command given no
+RUN_ID acts on the router's active run:
+
+    dyad submit  [--config FILE] [--set key=value ...] [--steps N] [--device D] [--out DIR]
+    dyad status [RUN_ID] | dyad watch [RUN_ID] [--from-step N] | dyad stop [RUN_ID]
+    dyad scale {encoder,llm} REPLICAS [--run RUN_ID] | dyad checkpoint [RUN_ID]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from dyad.app.client import RouterClient
+from dyad.credentials import CLIENT_TOKEN_ENV, load_token
+from dyad.pools import pool_names
+from dyad.router.__main__ import add_arguments as add_router_arguments
+from dyad.wire import pb
+
+# Client commands import the model code (`dyad.config` and below) only when they build a config.
+DEFAULT_ROUTER = "127.0.0.1:50051"
+ACTIVE_RUN_HELP = "default: the router's active run"
+
+
+def _add_connection_arguments(parser: argparse.ArgumentParser, default_router: str | None) -> None:
+    if default_router is None:
+        router_help = "use a running router at HOST:PORT instead of a local one"
+    else:
+        router_help = f"the router's HOST:PORT (default: $DYAD_ROUTER or {DEFAULT_ROUTER})"
+    parser.add_argument("--router", default=default_router, help=router_help)
+    parser.add_argument("--token-file", help=f"the client token (default: ${CLIENT_TOKEN_ENV})")
+    parser.add_argument("--tls-ca", help="use TLS, trusting this CA (PEM; default: $DYAD_TLS_CA)")
+    parser.add_argument("--tls-cert", help="client certificate for mTLS (default: $DYAD_TLS_CERT)")
+    parser.add_argument("--tls-key", help="its private key (default: $DYAD_TLS_KEY)")
+
+
+def _connect(args) -> RouterClient:
+    return RouterClient(
+        args.router,
+        token=load_token(CLIENT_TOKEN_ENV, args.token_file),
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    )
+
+
+def _add_job_arguments(
+    parser: argparse.ArgumentParser, default_steps: int | None, *, local: bool = True
+) -> None:
+    parser.add_argument("--config", help="YAML run config (default: dyad/configs/digits.yaml)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config field by dotted key, e.g. --set train.lr=1e-3 (repeatable)",
+    )
+    parser.add_argument("--steps", type=int, default=default_steps, help="training steps")
+    if local:
+        device_default, out_default = "cuda when present", "runs/<timestamp>/"
+    else:
+        device_default, out_default = "the config's", "the router's runs/<run id>/"
+    parser.add_argument("--device", choices=["cpu", "cuda"], help=f"default: {device_default}")
+    parser.add_argument("--out", help=f"output directory (default: {out_default})")
+
+
+def _job_config(args, *, local: bool = True):
+    """The run config from the job arguments. A `local` job (train, verify) also picks the device
+    and the output directory here; a submitted one leaves what is unset to the router."""
+    from dyad import config as config_lib
+
+    overrides = list(args.set)
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    device = args.device
+    if device is None and local:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device is not None:
+        overrides.append(f"train.device={device}")
+    config = config_lib.load(args.config, overrides)
+    out = args.out
+    if out is None and local:
+        out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    return dataclasses.replace(config, out_dir=str(Path(out).resolve())) if out else config
+
+
+def _resolved(config):
+    from dyad import config as config_lib
+    from dyad.data import make_dataset
+
+    dataset = make_dataset(config.data)
+    return config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size), dataset
+
+
+def _run_job(args, config):
+    """The job on the router named by --router, else on a local one."""
+    from dyad.app.jobs import run_job
+
+    with _connect(args) if args.router else contextlib.nullcontext() as client:
+        return run_job(config, router=client, progress=not args.quiet)
+
+
+def cmd_train(args) -> int:
+    from dyad.app.evaluate import caption_accuracy, load_trained
+    from dyad.app.jobs import append_record, plot_losses
+
+    config = _job_config(args)
+    print(f"dyad train: writing to {config.out_dir}")
+    job = _run_job(args, config)
+    out_dir = Path(config.out_dir)
+    if job.metrics:
+        plot_losses(job.metrics, out_dir / "loss.png")
+    if not job.succeeded:
+        print(f"run {job.info.run_id} did not succeed: {job.info.message}", file=sys.stderr)
+        return 1
+    resolved, dataset = _resolved(config)
+    encoder, llm = load_trained(resolved, job.final_checkpoint())
+    accuracy, count = caption_accuracy(resolved, dataset, encoder, llm)
+    append_record(out_dir, {"caption_accuracy": accuracy, "heldout_samples": count,
+                            "step": job.info.total_steps})
+    last = job.metrics[-1]
+    print(
+        f"done: {len(job.metrics)} steps, final loss {last['loss']:.4f}, "
+        f"caption_accuracy {accuracy:.3f} on {count} held-out samples\n"
+        f"  metrics: {out_dir / 'metrics.jsonl'}\n  plot: {out_dir / 'loss.png'}\n"
+        f"  checkpoint: {job.final_checkpoint()}"
+    )
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from dyad.app.verify import compare_with_reference
+
+    config = _job_config(args)
+    job = _run_job(args, config)
+    if not job.succeeded:
+        print(f"run {job.info.run_id} did not succeed: {job.info.message}", file=sys.stderr)
+        return 1
+    resolved, dataset = _resolved(config)
+    comparison = compare_with_reference(resolved, dataset, job)
+    print(f"{'step':>5} {'layout loss':>14} {'reference loss':>15} {'rel. error':>11}")
+    for step, loss, expected, error in comparison.losses:
+        print(f"{step:>5} {loss:>14.8f} {expected:>15.8f} {error:>11.2e}")
+    print(
+        f"largest parameter difference: {comparison.worst_param_error:.2e} "
+        f"(relative 2-norm, {comparison.worst_param}); largest single entry "
+        f"{comparison.worst_param_max_error:.2e} of its tensor's largest"
+    )
+    if comparison.passed(args.tolerance):
+        print(f"PASS: within {args.tolerance:g}")
+        return 0
+    print(f"FAIL: beyond tolerance {args.tolerance:g}", file=sys.stderr)
+    return 1
+
+
+def cmd_router(args) -> int:
+    from dyad.router.__main__ import run
+
+    run(args)
+    return 0
+
+
+def cmd_worker(args) -> int:
+    import logging
+
+    from dyad.app.pod import run_pod
+
+    logging.basicConfig(level=os.environ.get("DYAD_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s pod %(levelname)s %(message)s")
+    return run_pod(args.pool, args.health_port)
+
+
+def _state_name(state: int) -> str:
+    return pb.RunState.Name(state).removeprefix("RUN_STATE_")
+
+
+def _describe(info: pb.RunInfo) -> str:
+    lines = [
+        f"run {info.run_id}: {_state_name(info.state)}, step {info.step}/{info.total_steps}",
+        f"  generation {info.generation}, recoveries {info.recoveries}, "
+        f"replicas: encoder {info.encoder_replicas}, llm {info.llm_replicas}",
+        f"  out_dir: {info.out_dir}",
+    ]
+    if info.last_checkpoint:
+        lines.append(f"  last checkpoint: {info.last_checkpoint}")
+    if info.message:
+        lines.append(f"  message: {info.message}")
+    return "\n".join(lines)
+
+
+def _describe_step(step: pb.StepMetrics) -> str:
+    return (
+        f"step {step.step} loss {step.loss:.4f} lm_loss {step.lm_loss:.4f} "
+        f"aux_loss {step.aux_loss:.4f} grad_norm {step.grad_norm:.3f} lr {step.lr:.2e} "
+        f"tokens/s {step.tokens_per_s:.0f}"
+    )
+
+
+def _describe_notice(notice: pb.RunNotice) -> str:
+    return (
+        f"{notice.kind} at step {notice.step}: {notice.message} "
+        f"(generation {notice.generation}, recoveries {notice.recoveries})"
+    )
+
+
+def cmd_submit(args) -> int:
+    from dyad import config as config_lib
+
+    config = _job_config(args, local=False)
+    with _connect(args) as client:
+        info = client.start_run(config_lib.to_yaml(config))
+    print(info.run_id)
+    return 0
+
+
+def _run_id(args, client: RouterClient) -> str:
+    """The run named on the command line, else the router's active run."""
+    if args.run_id:
+        return args.run_id
+    run_id = client.active_run_id()
+    if not run_id:
+        raise ValueError(
+            f"no run is active on the router at {client.address}; name one: {args.naming_a_run}"
+        )
+    return run_id
+
+
+def cmd_status(args) -> int:
+    with _connect(args) as client:
+        print(_describe(client.get_run(_run_id(args, client))))
+    return 0
+
+
+def cmd_watch(args) -> int:
+    """One line per step and notice, then the run's final state; succeeds iff the run did."""
+    with _connect(args) as client:
+        run_id = _run_id(args, client)
+        for event in client.watch(run_id, from_step=args.from_step):
+            kind = event.WhichOneof("event")
+            if kind == "step":
+                print(_describe_step(event.step), flush=True)
+            elif kind == "notice":
+                print(_describe_notice(event.notice), flush=True)
+        info = client.get_run(run_id)  # the same as the stream's final event
+    print(_describe(info))
+    return 0 if info.state == pb.RUN_STATE_SUCCEEDED else 1
+
+
+def cmd_stop(args) -> int:
+    with _connect(args) as client:
+        print(_describe(client.stop_run(_run_id(args, client))))
+    return 0
+
+
+def cmd_scale(args) -> int:
+    with _connect(args) as client:
+        print(_describe(client.scale_pool(_run_id(args, client), args.pool, args.replicas)))
+    return 0
+
+
+def cmd_checkpoint(args) -> int:
+    with _connect(args) as client:
+        print(_describe(client.checkpoint(_run_id(args, client))))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dyad", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train (default: digits, local processes)")
+    _add_job_arguments(train, default_steps=None)
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_connection_arguments(train, default_router=None)
+    train.set_defaults(func=cmd_train)
+    verify = commands.add_parser("verify", help="check a layout against single-process training")
+    _add_job_arguments(verify, default_steps=10)
+    verify.add_argument("--quiet", action="store_true", help="no progress bar")
+    verify.add_argument("--tolerance", type=float, default=1e-5, help="relative tolerance")
+    _add_connection_arguments(verify, default_router=None)
+    verify.set_defaults(func=cmd_verify)
+    router = commands.add_parser("router", help="serve the router")
+    add_router_arguments(router, default_port=50051)
+    router.set_defaults(func=cmd_router)
+    worker = commands.add_parser(
+        "worker", help="a pool pod's workers (Kubernetes; see dyad/app/pod.py for the environment)"
+    )
+    worker.add_argument("--pool", choices=pool_names(), required=True)
+    worker.add_argument("--health-port", type=int, default=8081)
+    worker.set_defaults(func=cmd_worker)
+
+    remote_router = os.environ.get("DYAD_ROUTER", DEFAULT_ROUTER)
+
+    def client_command(name: str, func, help: str) -> argparse.ArgumentParser:
+        command = commands.add_parser(name, help=help)
+        _add_connection_arguments(command, default_router=remote_router)
+        command.set_defaults(func=func)
+        return command
+
+    def run_command(name: str, func, help: str) -> argparse.ArgumentParser:
+        """A client command about one run, named by an optional RUN_ID."""
+        command = client_command(name, func, help)
+        command.add_argument("run_id", nargs="?", help=ACTIVE_RUN_HELP)
+        command.set_defaults(naming_a_run=f"dyad {name} RUN_ID")
+        return command
+
+    submit = client_command("submit", cmd_submit, "start a run on the router; prints its id")
+    _add_job_arguments(submit, default_steps=None, local=False)
+    run_command("status", cmd_status, "a run's state")
+    watch = run_command("watch", cmd_watch, "follow a run until it ends")
+    watch.add_argument("--from-step", type=int, default=0, help="replay steps from this one")
+    run_command("stop", cmd_stop, "stop a run")
+    scale = client_command("scale", cmd_scale, "resize a pool of a running run")
+    scale.add_argument("pool", choices=pool_names())
+    scale.add_argument("replicas", type=int)
+    scale.add_argument("--run", dest="run_id", metavar="RUN_ID", help=ACTIVE_RUN_HELP)
+    scale.set_defaults(naming_a_run="dyad scale POOL REPLICAS --run RUN_ID")
+    run_command("checkpoint", cmd_checkpoint, "commit a checkpoint")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    try:
+        sys.exit(args.func(args))
+    except ValueError as error:
+        print(f"dyad {args.command}: {error}", file=sys.stderr)
+        sys.exit(2)
+    except grpc.RpcError as error:
+        print(f"dyad {args.command}: {error.code().name}: {error.details()}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The bearer tokens of the control plane, where clients, workers and the router read them:
+the client token (`$DYAD_TOKEN`) for `dyad.v1.Router` calls, the join token (`$DYAD_JOIN_TOKEN`)
+for `dyad.v1.Coordinator` calls (`dyad.router.auth` checks them)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CLIENT_TOKEN_ENV = "DYAD_TOKEN"
+JOIN_TOKEN_ENV = "DYAD_JOIN_TOKEN"
+
+
+def read_file(path: str | os.PathLike, what: str) -> bytes:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} file {str(path)!r} does not exist")
+    return path.read_bytes()
+
+
+def load_token(env_var: str, path: str | None) -> str:
+    """The token in `path` (surrounding whitespace stripped) if given, else in `$env_var`."""
+    if path:
+        token = read_file(path, "token").decode().strip()
+        if not token:
+            raise ValueError(f"token file {path!r} is empty")
+        return token
+    token = os.environ.get(env_var, "").strip()
+    if not token:
+        raise ValueError(f"no token: pass a token file (--token-file) or set {env_var}")
+    return token

@@ -1,0 +1,147 @@
+"""The encoder pool's worker: encode the images the plan gives this rank's data-parallel group,
+send tp rank 0 of each LLM shard exactly the rows the shard splices (packed into one buffer per
+peer), receive each row's gradient exactly once, and run backward.
+
+Tensor-parallel ranks of a group compute together; only the group's tp rank 0 talks to the LLM
+(it sends the rows, places the returned gradients and broadcasts them to its group).
+
+Works ahead by rounds: round k is the k-th microbatch of every LLM data-parallel lane, which the
+lanes train on together (their expert all-to-alls span lanes). Every image of up to
+`boundary.prefetch_depth` rounds is encoded and sent before the gradient of the oldest is
+awaited, so the LLM finds its next input already there, and no lane can wait on rows that sit
+behind a gradient another lane cannot produce yet.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dyad.encoder_service.model import VisionEncoder
+from dyad.encoder_service.parallelize import parallelize_encoder
+from dyad.encoder_service.step import encode_rows
+from dyad.exposed_wait import ExposedWait
+from dyad.kernels.boundary_pack import RowSegments, pack, unpack_add
+from dyad.service import PoolService, boundary_dtype, compute_context, transfer_segments
+from dyad.transport import Direction, MessageTag
+from dyad.wire import pb
+
+
+@dataclass
+class InFlight:
+    microbatch: int
+    rows_RD: torch.Tensor  # this group's encoder output, still attached to the graph
+    sent: list[Future] = field(default_factory=list)
+    gradients: list[tuple[Future, RowSegments]] = field(default_factory=list)
+
+
+class EncoderWorker(PoolService):
+    pool = "encoder"
+
+    @staticmethod
+    def single_device_model(config) -> VisionEncoder:
+        return VisionEncoder(config.encoder)
+
+    def parallelize(self, model, groups):
+        return parallelize_encoder(model, groups)
+
+    @property
+    def talks_to_llm(self) -> bool:
+        return self.groups.index("tp") == 0
+
+    def step(self, command: pb.StepCommand) -> pb.StepResult:
+        self.lr = command.lr
+        self.model.train()
+        dp_rank = self.groups.index("dp")
+        round_of = _rounds(command)
+        mine = [w for w in command.plan.encoder_work if w.encoder_dp_rank == dp_rank]
+        todo = deque(sorted(mine, key=lambda w: (round_of[w.microbatch], w.microbatch)))
+        in_flight: deque[InFlight] = deque()
+        bytes_sent = bytes_received = 0
+        waits = ExposedWait(self.device)
+        depth = self.config.boundary.prefetch_depth
+        while todo or in_flight:
+            oldest_round = round_of[(in_flight[0] if in_flight else todo[0]).microbatch]
+            while todo and round_of[todo[0].microbatch] < oldest_round + depth:
+                flight = self._encode_and_send(command, todo.popleft())
+                in_flight.append(flight)
+                bytes_sent += sum(sent.nbytes for sent in flight.sent)
+            oldest = in_flight.popleft()
+            with waits.measuring():
+                grad_RD, received = self._gradient(oldest)
+            bytes_received += received
+            if not todo and not in_flight:
+                self.reduction.arm()  # the step's last backward: reduce buckets as it ends them
+            oldest.rows_RD.backward(grad_RD)
+        grad_sq_norm = self.finish_backward()
+        return pb.StepResult(
+            step=command.step,
+            grad_sq_norm=grad_sq_norm,
+            boundary_bytes_sent=bytes_sent,
+            boundary_bytes_received=bytes_received,
+            boundary_wait_s=waits.seconds(),
+            peak_memory_gb=self.peak_memory_gb(),
+        )
+
+    def _encode_and_send(self, command: pb.StepCommand, work: pb.EncoderWork) -> InFlight:
+        with compute_context(self.config):
+            rows_RD = encode_rows(self.model, self.dataset, work.image_ids, self.device)
+        rows_RD = rows_RD.to(boundary_dtype(self.config))
+        if rows_RD.shape[0] != work.rows:
+            raise RuntimeError(
+                f"step {command.step} microbatch {work.microbatch}: encoded {rows_RD.shape[0]} rows, "
+                f"the plan says {work.rows}"
+            )
+        flight = InFlight(microbatch=work.microbatch, rows_RD=rows_RD)
+        if not self.talks_to_llm:
+            return flight
+        payload_RD = rows_RD.detach()
+        for transfer in command.plan.transfers:
+            if transfer.src_rank != self.rank or transfer.microbatch != work.microbatch:
+                continue
+            segments = transfer_segments(transfer, self.device)
+            peer = self.peers[(pb.POOL_LLM, transfer.dst_rank)]
+            tag = MessageTag(self.message_space, command.step, transfer.microbatch, Direction.FORWARD, self.rank)
+            buffer_ND = pack(payload_RD, segments)
+            flight.sent.append(_Sent(self.transport.send(peer, tag, buffer_ND), buffer_ND.nbytes))
+            back = MessageTag(
+                self.message_space, command.step, transfer.microbatch, Direction.BACKWARD, transfer.dst_rank
+            )
+            received = self.transport.recv(peer, back, torch.empty_like(buffer_ND))
+            flight.gradients.append((received, segments))
+        return flight
+
+    def _gradient(self, flight: InFlight) -> tuple[torch.Tensor, int]:
+        """The rows' gradient (each row arrives exactly once) on every tp rank, and the bytes
+        received for it."""
+        grad_RD = torch.zeros_like(flight.rows_RD)
+        received = 0
+        for arrival, segments in flight.gradients:
+            buffer_ND = arrival.result()
+            unpack_add(buffer_ND, grad_RD, segments.reversed())
+            received += buffer_ND.nbytes
+        for sent in flight.sent:
+            sent.future.result()
+        if self.layout.tp > 1:
+            dist.broadcast(grad_RD, src=self.groups.ranks("tp")[0], group=self.groups.group("tp"))
+        return grad_RD, received
+
+
+@dataclass
+class _Sent:
+    future: Future
+    nbytes: int
+
+
+def _rounds(command: pb.StepCommand) -> dict[int, int]:
+    """Microbatch index -> its position within its LLM data-parallel lane."""
+    seen: dict[int, int] = {}
+    rounds = {}
+    for microbatch in command.microbatches:
+        rounds[microbatch.index] = seen.get(microbatch.llm_dp_rank, 0)
+        seen[microbatch.llm_dp_rank] = rounds[microbatch.index] + 1
+    return rounds

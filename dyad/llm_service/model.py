@@ -1,0 +1,211 @@
+"""Decoder-only MoE language model that accepts image embeddings spliced into its input.
+
+Legend: B batch, S sequence length, D model dim, V vocab size, H query heads, G kv heads,
+Dh head dim, N spliced image tokens, T = B*S flattened tokens.
+
+Image tokens follow LLaVA: the caller reserves placeholder tokens in input_ids and passes the flat
+indices (into B*S) of those placeholders; their token embeddings are replaced by the image
+embeddings. Sequences are right-padded, so a plain causal mask is enough.
+"""
+
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dyad.llm_service.config import LLMConfig
+from dyad.llm_service.moe import MoELayer, SwiGLU
+
+
+def rotary_cos_sin(positions_S: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_SDh, sin_SDh in float32 for the rotate-half convention, at the given positions."""
+    device = positions_S.device
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(positions_S.to(torch.float32), inv_freq)
+    angles_SDh = torch.cat([angles, angles], dim=-1)
+    return angles_SDh.cos(), angles_SDh.sin()
+
+
+def apply_rotary(x_BSHDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
+    x = x_BSHDh.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos_SDh[:, None, :], sin_SDh[:, None, :]
+    return (x * cos + rotated * sin).to(x_BSHDh.dtype)
+
+
+class CausalAttention(nn.Module):
+    """Causal attention over the sequence held here (its positions are 0..S-1 in order). Context
+    parallelism replaces it with attention over the whole group's keys, masked by the positions
+    (`ContextParallelAttention`)."""
+
+    def forward(self, q_BHSDh, k_BGSDh, v_BGSDh, positions_S):
+        return F.scaled_dot_product_attention(
+            q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True, enable_gqa=q_BHSDh.shape[1] != k_BGSDh.shape[1]
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.core = CausalAttention()
+
+    def forward(self, x_BSD, cos_SDh, sin_SDh, positions_S) -> torch.Tensor:
+        # Shapes come from the projections: under sequence parallelism x holds part of the
+        # sequence and the projections gather the rest.
+        q_BSX, k_BSX, v_BSX = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
+        B, S, _ = q_BSX.shape
+        q_BSHDh = apply_rotary(q_BSX.view(B, S, self.n_heads, self.head_dim), cos_SDh, sin_SDh)
+        k_BSGDh = apply_rotary(k_BSX.view(B, S, self.n_kv_heads, self.head_dim), cos_SDh, sin_SDh)
+        v_BSGDh = v_BSX.view(B, S, self.n_kv_heads, self.head_dim)
+        if q_BSHDh.numel() == 0:  # cuDNN attention returns None for an empty batch (torch 2.11)
+            return self.wo(q_BSHDh.reshape(B, S, self.n_heads * self.head_dim))
+        out_BHSDh = self.core(q_BSHDh.transpose(1, 2), k_BSGDh.transpose(1, 2), v_BSGDh.transpose(1, 2), positions_S)
+        return self.wo(out_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, cfg: LLMConfig, is_moe: bool):
+        super().__init__()
+        self.is_moe = is_moe
+        self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = MoELayer(cfg.dim, cfg.moe) if is_moe else SwiGLU(cfg.dim, cfg.dense_ffn_dim)
+
+    def forward(
+        self,
+        h_BSD: torch.Tensor,
+        cos_SDh: torch.Tensor,
+        sin_SDh: torch.Tensor,
+        positions_S: torch.Tensor,
+        valid_T: torch.Tensor | None = None,
+        seq_ids_T: torch.Tensor | None = None,
+    ):
+        """Returns (h_BSD, the MoE layer's scaled aux loss or None for a dense layer)."""
+        B, S, D = h_BSD.shape
+        h_BSD = h_BSD + self.attention(self.attn_norm(h_BSD), cos_SDh, sin_SDh, positions_S)
+        x_TD = self.ffn_norm(h_BSD).reshape(B * S, D)
+        if not self.is_moe:
+            return h_BSD + self.feed_forward(x_TD).view(B, S, D), None
+        y_TD, aux_loss = self.feed_forward(x_TD, valid_T, seq_ids_T)
+        return h_BSD + y_TD.view(B, S, D), aux_loss
+
+
+def splice_image_embeds(h_BSD: torch.Tensor, image_embeds_ND: torch.Tensor, image_positions_N: torch.Tensor) -> torch.Tensor:
+    """Replace the rows at flat positions (into B*S) by the image embeddings, out of place."""
+    B, S, D = h_BSD.shape
+    if image_embeds_ND.dim() != 2 or image_embeds_ND.shape[1] != D:
+        raise ValueError(f"image_embeds must have shape [N, {D}], got {list(image_embeds_ND.shape)}")
+    if image_positions_N.shape != (image_embeds_ND.shape[0],):
+        raise ValueError(
+            f"image_positions shape {list(image_positions_N.shape)} does not match "
+            f"{image_embeds_ND.shape[0]} image embeddings"
+        )
+    h_TD = h_BSD.reshape(B * S, D).index_put((image_positions_N,), image_embeds_ND.to(h_BSD.dtype))
+    return h_TD.view(B, S, D)
+
+
+class WholeSequence:
+    """Where the decoder layers' residual stream lives: here, the whole sequence held by this
+    rank. Sequence parallelism replaces it with a split over the tensor-parallel group."""
+
+    def scatter(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        return h_BSD
+
+    def columns(self, x_BS: torch.Tensor) -> torch.Tensor:
+        return x_BS
+
+    def gather(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        return h_BSD
+
+
+class MoELM(nn.Module):
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        if cfg.vocab_size < 1:
+            raise ValueError(
+                f"llm.vocab_size ({cfg.vocab_size}) must be > 0 to build the model; set it from the tokenizer"
+            )
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(DecoderBlock(cfg, is_moe=i not in cfg.dense_layers) for i in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.caption_loss = CaptionLoss()
+        self.sequence = WholeSequence()
+
+    def forward(
+        self,
+        input_ids_BS: torch.Tensor,
+        image_embeds_ND: torch.Tensor | None = None,
+        image_positions_N: torch.Tensor | None = None,
+        *,
+        position_ids_S: torch.Tensor | None = None,
+        valid_BS: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (logits_BSV, aux_loss): the sum of the MoE layers' aux losses, each already scaled
+        by its coefficients. position_ids_S: the global positions of the columns held here (default
+        0..S-1; a context-parallel shard passes its own). valid_BS (True: a real token) keeps
+        padding out of the routing statistics."""
+        B, S = input_ids_BS.shape
+        if S > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length ({S}) exceeds llm.max_seq_len ({self.cfg.max_seq_len})")
+        if (image_embeds_ND is None) != (image_positions_N is None):
+            raise ValueError("image_embeds and image_positions must be given together")
+        h_BSD = self.tok_embeddings(input_ids_BS)
+        if image_embeds_ND is not None:
+            h_BSD = splice_image_embeds(h_BSD, image_embeds_ND, image_positions_N)
+        if position_ids_S is None:
+            position_ids_S = torch.arange(S, device=h_BSD.device)
+        cos_SDh, sin_SDh = rotary_cos_sin(position_ids_S, self.cfg.head_dim, self.cfg.rope_theta)
+        h_BSD = self.sequence.scatter(h_BSD)
+        valid_T = None if valid_BS is None else self.sequence.columns(valid_BS).reshape(-1)
+        seq_ids_BS = torch.arange(B, device=h_BSD.device).unsqueeze(1).expand(B, S)
+        seq_ids_T = self.sequence.columns(seq_ids_BS).reshape(-1)
+        aux_loss = torch.zeros((), device=h_BSD.device, dtype=torch.float32)
+        for layer in self.layers:
+            h_BSD, layer_aux = layer(h_BSD, cos_SDh, sin_SDh, position_ids_S, valid_T, seq_ids_T)
+            if layer_aux is not None:
+                aux_loss = aux_loss + layer_aux
+        logits_BSV = self.output(self.sequence.gather(self.norm(h_BSD)))
+        return logits_BSV, aux_loss
+
+    def loss_sum(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """Summed caption cross-entropy of the logits `forward` returned."""
+        return self.caption_loss(logits_BSV, targets_BS)
+
+
+class CaptionLoss(nn.Module):
+    """`caption_loss_sum` of the whole vocabulary's logits. Tensor parallelism replaces it with the
+    vocabulary-parallel loss of its sharded logits (`VocabParallelCrossEntropy`)."""
+
+    def forward(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        return caption_loss_sum(logits_BSV, targets_BS)
+
+
+def caption_loss_sum(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Sum of float32 cross-entropy over non-ignored targets (targets[b, s] is predicted at s)."""
+    V = logits_BSV.shape[-1]
+    return F.cross_entropy(
+        logits_BSV.reshape(-1, V).float(), targets_BS.reshape(-1), ignore_index=ignore_index, reduction="sum"
+    )
+
+
+@torch.no_grad()
+def greedy_next_token(
+    model: MoELM,
+    input_ids_BS: torch.Tensor,
+    image_embeds: torch.Tensor | None,
+    image_positions: torch.Tensor | None,
+    lengths_B: torch.Tensor,
+) -> torch.Tensor:
+    """Argmax of the logits at position lengths_B - 1 of each row: the next token, [B] long."""
+    logits_BSV, _ = model(input_ids_BS, image_embeds, image_positions)
+    rows_B = torch.arange(input_ids_BS.shape[0], device=logits_BSV.device)
+    return logits_BSV[rows_B, lengths_B.to(logits_BSV.device) - 1].argmax(dim=-1)

@@ -1,0 +1,129 @@
+"""Parallelize a single-device `MoELM` in place for one rank of an LLM layout, and say how its
+gradients are reduced and counted.
+
+Every step replaces modules of the single-device model with their parallel counterparts (classes
+that say what they do), never a method. Order (fixed):
+1. tensor parallelism (dyad/parallel/tensor.py): attention's, the dense FFNs' and the output's
+   linears become `ColumnParallelLinear` / `RowParallelLinear`, the embedding
+   `VocabParallelEmbedding`, the caption loss `VocabParallelCrossEntropy`; with sequence
+   parallelism the residual stream (`MoELM.sequence`) becomes `SequenceParallel`, split along
+   the sequence over tp;
+2. context parallelism (dyad/llm_service/context_parallel.py): each attention's `core` becomes
+   `ContextParallelAttention`;
+3. expert parallelism (dyad/llm_service/expert_parallel.py): each MoE layer keeps its local
+   experts and its `dispatcher` becomes `ExpertParallel`; where tp x cp ranks share a
+   microbatch, its `tokens` become `SplitTokens`, splitting the tokens over tp first (unless
+   sequence parallelism already did) so no token is routed twice.
+Float8 (dyad/llm_service/fp8.py) is applied before, to the single-device model; the pool then
+wraps blocks for recomputation (dyad/recompute.py) and compiles them (dyad/compile.py), in that
+order.
+
+Gradient groups:
+- expert weights: summed over edp (every token reaches its expert exactly once in the world);
+- MoE router and shared expert, and with sequence parallelism the norms: summed over the whole
+  pool (each rank sees distinct tokens);
+- everything else: summed over dp×cp (tp ranks hold shards, or identical replicas).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.distributed as dist
+from torch import nn
+
+from dyad.llm_service.context_parallel import ContextParallelAttention
+from dyad.llm_service.expert_parallel import SplitTokens, expert_param_names, parallelize_moe
+from dyad.parallel.gradients import GradientPlan, is_sharded
+from dyad.parallel.groups import ProcessGroups
+from dyad.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallel,
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+)
+
+
+def parallelize_llm(model: nn.Module, groups: ProcessGroups, *, sequence_parallel: bool = False) -> GradientPlan:
+    layout = groups.layout
+    sequence_parallel = sequence_parallel and layout.tp > 1
+    tp_sharded: set[int] = set()
+    if layout.tp > 1:
+        tp_sharded = _apply_tensor_parallel(model, groups.group("tp"), sequence_parallel)
+    if layout.cp > 1:
+        for block in model.layers:
+            block.attention.core = ContextParallelAttention(groups.group("cp"))
+    token_distinct: set[int] = set()  # parameters each rank trains on its own tokens
+    for block in model.layers:
+        if block.is_moe:
+            token_distinct |= _apply_expert_parallel(block.feed_forward, groups, sequence_parallel)
+    if sequence_parallel:
+        token_distinct |= {id(p) for m in model.modules() if isinstance(m, nn.RMSNorm) for p in m.parameters()}
+    experts = {id(p) for n, p in model.named_parameters() if n in expert_param_names(model)}
+    return _gradient_plan(model, groups, tp_sharded, token_distinct, experts)
+
+
+def _apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool) -> set[int]:
+    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, tp_group)
+    model.output = ColumnParallelLinear(model.output, tp_group)
+    model.caption_loss = VocabParallelCrossEntropy(model.output, model.cfg.vocab_size)
+    tp = dist.get_world_size(tp_group)
+    column = functools.partial(ColumnParallelLinear, group=tp_group, sequence_parallel=sequence_parallel)
+    row = functools.partial(RowParallelLinear, group=tp_group, sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        model.sequence = SequenceParallel(tp_group)
+    for block in model.layers:
+        attention = block.attention
+        attention.wq, attention.wk, attention.wv = column(attention.wq), column(attention.wk), column(attention.wv)
+        attention.wo = row(attention.wo)
+        attention.n_heads //= tp
+        attention.n_kv_heads //= tp
+        if not block.is_moe:
+            ffn = block.feed_forward
+            ffn.w1, ffn.w3, ffn.w2 = column(ffn.w1), column(ffn.w3), row(ffn.w2)
+    return {
+        id(p)
+        for module in model.modules()
+        for name, p in module.named_parameters()
+        if is_sharded(module, name)
+    }
+
+
+def _apply_expert_parallel(layer: nn.Module, groups: ProcessGroups, sequence_parallel: bool) -> set[int]:
+    """Shard the experts over ep×etp; split tokens over tp (unless sequence parallelism already
+    did); reduce router statistics over the ranks that share a microbatch. Returns the
+    router/shared-expert parameters."""
+    layout = groups.layout
+    if layout.ep * layout.etp > 1:
+        parallelize_moe(
+            layer,
+            ep_group=groups.group("ep"),
+            etp_group=groups.group("etp"),
+            dispatcher=layer.cfg.dispatcher,
+        )
+    shared = layout.tp * layout.cp
+    if shared > 1:
+        layer.stats_group = groups.group("tp_cp")
+        split_over_tp = layout.tp > 1 and not sequence_parallel
+        layer.tokens = SplitTokens(groups.group("tp") if split_over_tp else None, shared)
+    experts = layer.expert_weight_names()
+    return {id(p) for name, p in layer.named_parameters() if name not in experts}
+
+
+def _gradient_plan(model, groups, tp_sharded, token_distinct, experts) -> GradientPlan:
+    plan = GradientPlan()
+    first_in_dp_cp = groups.index("dp_cp") == 0
+    for param in model.parameters():
+        if id(param) in experts:
+            group, counted = "edp", groups.index("edp") == 0
+        elif id(param) in token_distinct:
+            group, counted = "world", groups.index("world") == 0
+        elif id(param) in tp_sharded:
+            group, counted = "dp_cp", first_in_dp_cp
+        else:
+            group, counted = "dp_cp", first_in_dp_cp and groups.index("tp") == 0
+        plan.reduce_over.setdefault(group, []).append(param)
+        if counted:
+            plan.counted.append(param)
+    return plan

@@ -1,0 +1,86 @@
+"""The LLM pool type: its config, its folded layout, and its worker (`dyad.pools`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dyad.layout import LLMLayout, validate_llm_layout
+from dyad.llm_service.config import LLMConfig
+from dyad.pools import PoolType
+from dyad.wire import pb
+
+
+def _resolve(run, vocab_size: int | None) -> LLMConfig:
+    """Its vocabulary is the tokenizer's; its layout must shard the model and split the batch;
+    the features that do not combine are refused here, naming both fields."""
+    llm = run.llm if vocab_size is None else dataclasses.replace(run.llm, vocab_size=vocab_size)
+    layout, train = run.parallel.llm, run.train
+    validate_llm_layout(layout, llm)
+    if run.parallel.sequence_parallel and layout.tp == 1:
+        raise ValueError("parallel.sequence_parallel needs parallel.llm.tp > 1 (it splits over tp)")
+    if llm.fp8:
+        _check_fp8(run)
+    if "llm" in train.recompute and llm.moe.expert_bias and train.compile and train.dtype == "float32":
+        raise ValueError(
+            "train.recompute cannot hold 'llm' with llm.moe.expert_bias under train.compile in float32 "
+            "train.dtype: there the grouped matmul breaks the MoE block's graph, and the part after the "
+            "break would count the block's tokens again when it is recomputed (use bfloat16, or no compile)"
+        )
+    needed = train.microbatches * layout.dp
+    if train.global_batch < needed:
+        raise ValueError(
+            f"train.global_batch ({train.global_batch}) must be >= train.microbatches "
+            f"({train.microbatches}) * parallel.llm.dp ({layout.dp})"
+        )
+    return llm
+
+
+def _check_fp8(run) -> None:
+    if run.train.dtype != "bfloat16":
+        raise ValueError(f"llm.fp8 needs train.dtype 'bfloat16' (its GEMMs return bf16), got {run.train.dtype!r}")
+    layout = run.parallel.llm
+    if layout.tp > 1 or layout.etp > 1:
+        raise ValueError(
+            f"llm.fp8 needs parallel.llm.tp == 1 and etp == 1 (tensor-parallel linears have no float8 path "
+            f"yet), got tp={layout.tp}, etp={layout.etp}"
+        )
+    if run.train.working_weights:
+        raise ValueError(
+            "train.working_weights cannot be combined with llm.fp8: the float8 layers quantize their float32 "
+            "weights themselves"
+        )
+
+
+def _scale(run, replicas: int):
+    """The step keeps its microbatches (the aux losses are per microbatch): each of the new
+    data-parallel ranks takes an equal share of them."""
+    layout = run.parallel.llm
+    per_replica = layout.tp * layout.cp
+    if replicas % per_replica:
+        raise ValueError(
+            f"replicas ({replicas}) must be a multiple of parallel.llm.tp*cp ({layout.tp}*{layout.cp})"
+        )
+    dp = replicas // per_replica
+    total = run.train.microbatches * layout.dp
+    if total % dp:
+        raise ValueError(
+            f"replicas ({replicas}) gives parallel.llm.dp={dp}, which must divide the step's "
+            f"{total} microbatches (train.microbatches * parallel.llm.dp)"
+        )
+    return dataclasses.replace(
+        run,
+        train=dataclasses.replace(run.train, microbatches=total // dp),
+        parallel=dataclasses.replace(run.parallel, llm=dataclasses.replace(layout, dp=dp)),
+    )
+
+
+POOL = PoolType(
+    name="llm",
+    wire_id=pb.POOL_LLM,
+    config=LLMConfig,
+    layout=LLMLayout,
+    resolve=_resolve,
+    scale=_scale,
+    seed_offset=2,
+    service="dyad.llm_service.worker:LLMWorker",
+)

@@ -1,0 +1,68 @@
+"""Which part of a microbatch one LLM rank computes on.
+
+Ranks of one tensor-parallel group see the same tokens; ranks of one context-parallel group see
+disjoint zig-zag shards of the padded sequence, as `dyad.sequence_shards` lays them out.
+Padding sits after every real token, so causal attention keeps it out of every real output, and
+`valid_BS` keeps it out of the losses and the router statistics.
+
+Legend: B batch, S padded sequence, Sl local sequence, N image rows, Nl local image rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dyad.data import IGNORE_INDEX
+from dyad.data.batch import Batch
+from dyad.kernels.host_to_device import to_device
+from dyad.sequence_shards import sequence_shard
+
+
+@dataclass
+class LocalMicrobatch:
+    input_ids_BSl: torch.Tensor
+    targets_BSl: torch.Tensor
+    positions_Sl: torch.Tensor  # global positions of the local columns
+    valid_BSl: torch.Tensor  # real (non-padding) tokens
+    image_rows_Nl: torch.Tensor  # which of the microbatch's image rows land here
+    image_positions_Nl: torch.Tensor  # their flat indices into B*Sl
+
+    def to(self, device: torch.device | str) -> LocalMicrobatch:
+        """Every field on `device`, without a host sync. Sharding the CPU batch and then moving
+        the shard keeps the index work (a `nonzero`, boolean masks) off the GPU, where each would
+        make the host wait for every kernel queued before it."""
+        return LocalMicrobatch(**{name: to_device(getattr(self, name), device) for name in self.__dataclass_fields__})
+
+
+def shard_microbatch(batch: Batch, *, pad_id: int, cp: int, cp_rank: int, tp: int) -> LocalMicrobatch:
+    S = batch.input_ids.shape[1]
+    S_pad, spans = sequence_shard(S, cp=cp, tp=tp, cp_rank=cp_rank)
+    input_ids = _pad_columns(batch.input_ids, S_pad, pad_id)
+    targets = _pad_columns(batch.targets, S_pad, IGNORE_INDEX)
+    device = input_ids.device
+    positions_Sl = torch.cat([torch.arange(span.start, span.stop, device=device) for span in spans])
+
+    local_index_of = torch.full((S_pad,), -1, dtype=torch.long, device=device)
+    local_index_of[positions_Sl] = torch.arange(positions_Sl.numel(), device=device)
+    b_N, s_N = batch.image_positions // S, batch.image_positions % S
+    local_s_N = local_index_of[s_N]
+    here_N = local_s_N >= 0
+    return LocalMicrobatch(
+        input_ids_BSl=input_ids[:, positions_Sl],
+        targets_BSl=targets[:, positions_Sl],
+        positions_Sl=positions_Sl,
+        valid_BSl=positions_Sl.unsqueeze(0) < batch.lengths.to(device).unsqueeze(1),
+        image_rows_Nl=here_N.nonzero().squeeze(1),
+        image_positions_Nl=b_N[here_N] * positions_Sl.numel() + local_s_N[here_N],
+    )
+
+
+def _pad_columns(x_BS: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    B, S = x_BS.shape
+    if S == length:
+        return x_BS
+    padded = x_BS.new_full((B, length), value)
+    padded[:, :S] = x_BS
+    return padded

@@ -1,0 +1,162 @@
+"""The LLM pool's worker: for each microbatch of this rank's data-parallel group, receive
+exactly the image-token rows of its context shard (tp rank 0 gets one packed buffer per encoder
+peer and broadcasts the rows to its tp group), splice them, run forward and backward, and send
+each row's gradient back exactly once (tp rank 0 does).
+
+Every receive of the step is posted up front, so rows the encoder sends early land while this
+rank is still busy with an earlier microbatch.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dyad.data.batch import collate
+from dyad.exposed_wait import ExposedWait
+from dyad.kernels.boundary_pack import RowSegments, pack, unpack_into
+from dyad.llm_service.fp8 import convert_to_fp8
+from dyad.llm_service.model import MoELM
+from dyad.llm_service.moe import update_expert_biases
+from dyad.llm_service.parallelize import parallelize_llm
+from dyad.llm_service.sharding import shard_microbatch
+from dyad.llm_service.step import microbatch_loss
+from dyad.service import PoolService, boundary_dtype, compute_context, transfer_segments
+from dyad.transport import Direction, MessageTag
+from dyad.wire import pb
+
+
+@dataclass
+class Arrival:
+    """One peer's packed rows for a microbatch: where they land, and the pending receive."""
+
+    transfer: pb.Transfer
+    segments: RowSegments
+    buffer_ND: torch.Tensor
+    received: Future
+
+
+class LLMWorker(PoolService):
+    pool = "llm"
+
+    @staticmethod
+    def single_device_model(config) -> MoELM:
+        model = MoELM(config.llm)
+        if config.llm.fp8:
+            convert_to_fp8(model)
+        return model
+
+    def parallelize(self, model, groups):
+        return parallelize_llm(model, groups, sequence_parallel=self.config.parallel.sequence_parallel)
+
+    def step(self, command: pb.StepCommand) -> pb.StepResult:
+        self.lr = command.lr
+        self.model.train()
+        arrivals = self._post_receives(command)
+        local_rows = {r.microbatch: r.rows for r in command.plan.local_rows if r.llm_rank == self.rank}
+        dp_rank, tp_rank = self.groups.index("dp"), self.groups.index("tp")
+        # Summed in float64 on the device, as Python floats would be, and read (a host sync) once
+        # the step's work is queued.
+        lm_sum = aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        bytes_sent = bytes_received = 0
+        waits = ExposedWait(self.device)
+        sends: list[Future] = []
+        ours = [microbatch for microbatch in command.microbatches if microbatch.llm_dp_rank == dp_rank]
+        for position, microbatch in enumerate(ours):
+            samples = [self.dataset.sample(s) for s in microbatch.sample_ids]
+            batch = collate(self.dataset.tokenizer, samples, command.plan.tokens_per_image)
+            local = shard_microbatch(  # on the CPU: no index work waits for the GPU
+                batch,
+                pad_id=self.dataset.tokenizer.pad_id,
+                cp=self.layout.cp,
+                cp_rank=self.groups.index("cp"),
+                tp=self.layout.tp,
+            )
+            expected = local.image_rows_Nl.numel()
+            local = local.to(self.device)
+            if local_rows.get(microbatch.index, 0) != expected:
+                raise RuntimeError(
+                    f"step {command.step} microbatch {microbatch.index}: the plan delivers "
+                    f"{local_rows.get(microbatch.index, 0)} image rows here, this shard splices {expected}"
+                )
+            mine = arrivals.get(microbatch.index, [])
+            with waits.measuring():
+                rows_NlD = self._splice_rows(command, expected, mine) if batch.image_ids else None
+            bytes_received += sum(arrival.buffer_ND.nbytes for arrival in mine)
+            with compute_context(self.config):
+                loss = microbatch_loss(
+                    self.model,
+                    local,
+                    rows_NlD,
+                    global_target_tokens=command.global_target_tokens,
+                    global_microbatches=command.global_microbatches,
+                )
+            if position == len(ours) - 1:
+                self.reduction.arm()  # the step's last backward: reduce buckets as it ends them
+            loss.total.backward()
+            if tp_rank == 0:  # tp ranks hold the same loss
+                lm_sum = lm_sum + loss.lm
+            aux_sum = aux_sum + loss.aux  # each rank holds its share
+            if rows_NlD is not None:
+                returned = self._send_gradients(command.step, mine, rows_NlD.grad)
+                sends += [future for future, _ in returned]
+                bytes_sent += sum(nbytes for _, nbytes in returned)
+        # Before the biases' all-reduce over "world": the gradient reduction may still have
+        # buckets of that group to send, and every rank must send them in the same order.
+        grad_sq_norm = self.finish_backward()
+        update_expert_biases(self.model, group=self.groups.group("world"))
+        for sent in sends:
+            sent.result()
+        waited = waits.each_seconds()
+        return pb.StepResult(
+            step=command.step,
+            grad_sq_norm=grad_sq_norm,
+            lm_loss_sum=float(lm_sum),
+            aux_loss=float(aux_sum),
+            boundary_bytes_sent=bytes_sent,
+            boundary_bytes_received=bytes_received,
+            boundary_wait_s=sum(waited),
+            boundary_fill_wait_s=waited[0] if waited else 0.0,
+            peak_memory_gb=self.peak_memory_gb(),
+        )
+
+    def _post_receives(self, command: pb.StepCommand) -> dict[int, list]:
+        """Every transfer to this rank, receiving into its packed buffer, by microbatch."""
+        arrivals: dict[int, list] = {}
+        dtype = boundary_dtype(self.config)
+        for transfer in command.plan.transfers:
+            if transfer.dst_rank != self.rank:
+                continue
+            peer = self.peers[(pb.POOL_ENCODER, transfer.src_rank)]
+            tag = MessageTag(
+                self.message_space, command.step, transfer.microbatch, Direction.FORWARD, transfer.src_rank
+            )
+            buffer_ND = torch.empty((transfer.rows, command.plan.hidden), dtype=dtype, device=self.device)
+            arrival = Arrival(transfer, transfer_segments(transfer, self.device), buffer_ND,
+                              self.transport.recv(peer, tag, buffer_ND))
+            arrivals.setdefault(transfer.microbatch, []).append(arrival)
+        return arrivals
+
+    def _splice_rows(self, command: pb.StepCommand, rows: int, arrivals) -> torch.Tensor:
+        """This shard's image rows, unpacked from every peer's buffer on tp rank 0 and broadcast
+        to its tp group, as a leaf that collects their gradient."""
+        rows_NlD = torch.empty((rows, command.plan.hidden), dtype=boundary_dtype(self.config), device=self.device)
+        for arrival in arrivals:
+            arrival.received.result()
+            unpack_into(arrival.buffer_ND, rows_NlD, arrival.segments)
+        if self.layout.tp > 1:
+            dist.broadcast(rows_NlD, src=self.groups.ranks("tp")[0], group=self.groups.group("tp"))
+        return rows_NlD.requires_grad_(True)
+
+    def _send_gradients(self, step, arrivals, grad_NlD: torch.Tensor) -> list[tuple[Future, int]]:
+        sends = []
+        for arrival in arrivals:  # only tp rank 0 has any
+            transfer = arrival.transfer
+            peer = self.peers[(pb.POOL_ENCODER, transfer.src_rank)]
+            tag = MessageTag(self.message_space, step, transfer.microbatch, Direction.BACKWARD, self.rank)
+            buffer_ND = pack(grad_NlD, arrival.segments.reversed())
+            sends.append((self.transport.send(peer, tag, buffer_ND), buffer_ND.nbytes))
+        return sends

@@ -1,0 +1,525 @@
+"""The router's side of a run: bring up a generation of workers, then for every step send
+commands, collect results, combine the global gradient norm and publish metrics; between steps,
+commit checkpoints and resize pools; when a worker is lost, restore both pools from the last
+committed checkpoint in a new generation and go on (a bounded number of times).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dyad import config as config_lib
+from dyad.clipping import clip_scale
+from dyad.pools import pool_names, pool_type
+from dyad.router import checkpoints
+from dyad.router.boundary import BoundaryPlan
+from dyad.router.checkpoints import Committed
+from dyad.router.launcher import Launcher, WorkerSpec
+from dyad.router.run import Run, worker_key
+from dyad.router.sampler import Cursor
+from dyad.router.steps import StepPlanner, StepSpec, step_command
+from dyad.ucx_progress import worker_progress_env
+from dyad.wire import as_dict, pb
+
+log = logging.getLogger(__name__)
+_POLL_S = 0.2
+
+
+class RunAborted(RuntimeError):
+    """The run ends: stopped by the client, or failed beyond recovery."""
+
+    def __init__(self, message: str, state: int = pb.RUN_STATE_FAILED):
+        super().__init__(message)
+        self.state = state
+
+
+class WorkerLost(RuntimeError):
+    """A worker died, hung, went silent or failed: the run can recover from a checkpoint."""
+
+
+@dataclass
+class SentStep:
+    """A step whose command has gone out: what it trains on, and when its time began."""
+
+    spec: StepSpec
+    plan: BoundaryPlan
+    started: float  # time.perf_counter()
+
+
+@dataclass(frozen=True)
+class GenerationStart:
+    """How long a new generation of workers took to start, phase by phase."""
+
+    stopping_s: float  # the restarted pools' old workers told to stop, and gone
+    registering_s: float  # their successors started, and every worker registered
+    setting_up_s: float  # every worker set up: peers, and the checkpoint restored
+
+    @property
+    def total_s(self) -> float:
+        return self.stopping_s + self.registering_s + self.setting_up_s
+
+    def __str__(self) -> str:
+        return (
+            f"{self.total_s:.1f}s (stopping {self.stopping_s:.1f} s, starting and registering "
+            f"{self.registering_s:.1f} s, setting up and restoring {self.setting_up_s:.1f} s)"
+        )
+
+
+class RunDriver:
+    def __init__(
+        self, run: Run, launcher: Launcher, router_address: str, dataset, *,
+        worker_env: dict[str, str] | None = None, resumed: bool = False,
+    ):
+        self.run = run
+        self.launcher = launcher
+        self.router_address = router_address
+        self.dataset = dataset
+        self.worker_env = worker_env or {}
+        self.resumed = resumed  # a restarted router taking over: workers may still be running
+        self.out_dir = Path(run.config.out_dir)
+        self.committed: Committed | None = None  # the newest checkpoint with its manifest
+        # The newest checkpoint both pools have written: the committed one, or one whose files
+        # `self.commits` is syncing before it writes the manifest.
+        self.written: Committed | None = None
+        self.commits = checkpoints.BackgroundCommits()
+        self.step = 0
+        self.planner = StepPlanner(run.config, dataset)
+        self._ahead: SentStep | None = None  # the next step, sent with this one's update
+        self._early: list[pb.WorkerResult] = []  # results of it that came before their collection
+
+    @property
+    def config(self):
+        return self.run.config
+
+    def __call__(self) -> None:
+        state, message = pb.RUN_STATE_SUCCEEDED, ""
+        try:
+            self._drive()
+        except RunAborted as error:
+            state, message = error.state, str(error)
+        except Exception as error:
+            log.exception("run %s failed", self.run.run_id)
+            state, message = pb.RUN_STATE_FAILED, f"{type(error).__name__}: {error}"
+        finally:
+            self.run.send(pb.WorkerCommand(stop=pb.StopCommand(reason=message or "done")))
+            self.launcher.stop(timeout_s=self.config.router.stop_grace_s)
+            self.commits.close()
+            self.run.set_state(state, message)
+
+    def _drive(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with (
+            open(self.out_dir / "metrics.jsonl", "a") as self._metrics_file,
+            # The samples each step trained on, to audit that none is lost or repeated.
+            open(self.out_dir / "samples.jsonl", "a") as self._samples_file,
+        ):
+            try:
+                self._train_to_the_end()
+            finally:  # a stopped or failed run's last checkpoint is committed all the same
+                self._commit_before_leaving()
+
+    def _train_to_the_end(self) -> None:
+        self._continue_from(self._first_checkpoint())
+        try:
+            if self.resumed:
+                self._take_over_workers()
+            else:
+                self._start_generation(restarting=pool_names(), restore_all=True)
+        except WorkerLost as lost:
+            self._recover(lost)
+        self.run.set_state(pb.RUN_STATE_RUNNING)
+        total = self.config.train.steps
+        while self.written is None or self.written.step != total:
+            self._check_stop()
+            try:
+                if self.step == total:  # the final checkpoint (a recovery rewinds the step)
+                    self._commit(wait=True)
+                    continue
+                self._between_steps()
+                metrics, samples = self._train_step(self.step)
+            except WorkerLost as lost:
+                self._recover(lost)
+                continue
+            self._write(as_dict(metrics) | {"generation": self.run.generation})
+            self._samples_file.write(json.dumps(
+                {"step": self.step, "generation": self.run.generation, "samples": samples}
+            ) + "\n")
+            self._samples_file.flush()
+            self.run.record_step(metrics)
+            self.step += 1
+            interval = self.config.checkpoint.interval_steps
+            if interval and self.step % interval == 0 and self.step < total:
+                self._commit_or_recover()
+        self._wait_for_commit()
+
+    def _write(self, record: dict) -> None:
+        self._metrics_file.write(json.dumps(record) + "\n")
+        self._metrics_file.flush()
+
+    def _notice(self, kind: str, message: str, step: int | None = None) -> None:
+        """A RunNotice in the WatchRun stream and an `event` record in metrics.jsonl, of `step`
+        (default the current one)."""
+        notice = self.run.notice(kind, self.step if step is None else step, message)
+        self._write({
+            "event": kind, "step": notice.step, "generation": notice.generation,
+            "recoveries": notice.recoveries, "message": message,
+        })
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _first_checkpoint(self) -> Committed | None:
+        own = checkpoints.latest_committed(self.out_dir) if self.resumed else None
+        if own is not None:
+            return own
+        if self.config.checkpoint.resume_from:
+            return checkpoints.resolve_resume(self.config.checkpoint.resume_from)
+        return None
+
+    def _continue_from(self, committed: Committed | None) -> None:
+        self.committed = self.written = committed
+        self.step = committed.step if committed else 0
+        self._ahead, self._early = None, []  # a step sent ahead is the last generation's
+        self.run.continue_from(self.step)
+        cursor = committed.cursor if committed else Cursor()
+        self.planner = StepPlanner(self.config, self.dataset, cursor)
+        if self.step > self.config.train.steps:
+            raise RunAborted(
+                f"the checkpoint to resume ({committed.path}) is at step {self.step}, past "
+                f"train.steps ({self.config.train.steps})"
+            )
+
+    def _commit(self, wait: bool = False) -> None:
+        """Both pools write their part, then the manifest makes it a checkpoint once their files
+        are synced: by the commit thread while training goes on (`checkpoint.sync_in_background`),
+        or, when the run waits for it (`wait`, or the option off), by the workers as they write,
+        which overlaps writing and syncing (a 45 GB checkpoint on two H200s: 26 s so, against 35 s
+        written and then synced by the commit thread)."""
+        self._wait_for_commit()  # one at a time, in order
+        wait = wait or not self.config.checkpoint.sync_in_background
+        path = checkpoints.checkpoint_dir(self.out_dir, self.step)
+        path.mkdir(parents=True, exist_ok=True)
+        save = pb.SaveCommand(step=self.step, path=str(path), sync_files=wait)
+        self.run.send(pb.WorkerCommand(save=save))
+        self._collect("save", lambda result: result.step == self.step)
+        parallel = config_lib.to_dict(self.config.parallel)
+        layouts = {"encoder": parallel["encoder"], "llm": parallel["llm"]}
+        self.written = Committed(path, self.step, self.planner.cursor, layouts)
+        self.commits.start(self.written, run_id=self.run.run_id)
+        if wait:
+            self._wait_for_commit()
+
+    def _wait_for_commit(self) -> None:
+        self._take_commit(wait=True)
+
+    def _commit_if_synced(self) -> None:
+        self._take_commit(wait=False)
+
+    def _take_commit(self, wait: bool) -> None:
+        """The checkpoint being committed (if any), once it is (`wait`: block until then); a
+        failure to sync it ends the run."""
+        try:
+            committed = self.commits.wait() if wait else self.commits.finished()
+        except (OSError, RuntimeError) as error:
+            raise RunAborted(f"the checkpoint {self.written.path} could not be committed: {error}") from error
+        if committed is not None:
+            self.committed = committed
+            self.run.set_checkpoint(str(committed.path))
+            self._notice("checkpoint", f"committed {committed.path}", step=committed.step)
+
+    def _commit_before_leaving(self) -> None:
+        try:
+            self._wait_for_commit()
+        except RunAborted as error:
+            log.error("run %s: %s", self.run.run_id, error)
+
+    def _commit_or_recover(self) -> None:
+        try:
+            self._commit()
+        except WorkerLost as lost:
+            self._recover(lost)
+
+    # ------------------------------------------------------------------ generations
+
+    def _start_generation(
+        self, restarting, restore_all: bool, timeout_s: float | None = None, stop_grace_s: float | None = None,
+        before_setup=None,
+    ) -> GenerationStart:
+        """Stop the workers of the `restarting` pools (waiting `stop_grace_s` for them to exit, by
+        default router.stop_grace_s), start them at the pools' current sizes, wait until every
+        rank of both pools is registered, call `before_setup` (if given), and set them up: peers,
+        and the committed checkpoint to restore (all pools, or only the restarted ones). Returns
+        how long each phase took (also logged)."""
+        started = time.perf_counter()
+        restarting = tuple(restarting)
+        # The new generation begins before the old workers are told to stop, so a worker
+        # restarted quickly (a pod's container) registers into it, never into the old one.
+        leaving = self.run.registered(restarting)
+        generation = self.run.new_generation(
+            restarting, self.launcher.rendezvous(restarting), restores=self.committed is not None,
+            exit_within_s=stop_grace_s or 0.0,
+        )
+        if restarting:
+            for channel in leaving.values():
+                channel.commands.put(pb.WorkerCommand(stop=pb.StopCommand(reason="restart")))
+            self.launcher.stop(restarting, timeout_s=stop_grace_s or self.config.router.stop_grace_s)
+        stopped = time.perf_counter()
+        specs = [
+            WorkerSpec(pool, rank) for pool in restarting for rank in range(self.run.pool_sizes[pool])
+        ]
+        env = worker_progress_env(self.config.train.device) | self.worker_env
+        self.launcher.start(self.run.run_id, self.router_address, specs, self.out_dir / "logs", env)
+        timeout_s = timeout_s or self.config.router.start_timeout_s
+        if not self.run.wait_for_workers(timeout_s, self._check_stop_or_lost):
+            missing = ", ".join(f"{pool}/{rank}" for pool, rank in self.run.missing())
+            raise WorkerLost(f"worker(s) {missing} did not register within {timeout_s:g}s")
+        registered = time.perf_counter()
+        if before_setup is not None:
+            before_setup()
+        peers = [
+            pb.Peer(worker=pb.WorkerId(pool=pool_type(pool).wire_id, rank=rank), data_address=channel.address)
+            for (pool, rank), channel in sorted(self.run.registered().items())
+        ]
+        restore = str(self.committed.path) if self.committed else ""
+        for pool in pool_names():
+            setup = pb.SetupCommand(
+                peers=peers,
+                generation=generation,
+                restore_path=restore if restore_all or pool in restarting else "",
+            )
+            self.run.send(pb.WorkerCommand(setup=setup), [pool])
+        self._collect("setup", lambda result: result.generation == generation)
+        timing = GenerationStart(stopped - started, registered - stopped, time.perf_counter() - registered)
+        log.info("run %s: generation %d started in %s", self.run.run_id, generation, timing)
+        return timing
+
+    def _take_over_workers(self) -> None:
+        """After a router restart: the run's workers register again and restore the last
+        committed checkpoint in place. A worker that does not come back within
+        router.worker_timeout_s (e.g. one left waiting mid-step for a peer that never got its
+        step command) makes it a recovery instead."""
+        for key, pid in self.run.pids.items():
+            pool, rank = key.split("/")
+            self.launcher.adopt(WorkerSpec(pool, int(rank)), pid)
+        try:
+            self._start_generation(
+                restarting=(), restore_all=True, timeout_s=self.config.router.worker_timeout_s
+            )
+        except WorkerLost as lost:
+            raise WorkerLost(f"after the router restart: {lost}") from None
+        self._notice("resume", "router restarted; every worker registered again")
+
+    def _recover(self, lost: WorkerLost) -> None:
+        """Restart both pools from the last committed checkpoint, as often as allowed."""
+        while True:
+            limit = self.config.router.max_recoveries
+            if self.run.info().recoveries >= limit:  # RunInfo.recoveries never exceeds the bound
+                raise RunAborted(f"gave up after router.max_recoveries={limit}: {lost}")
+            used = self.run.count_recovery()
+            # The step it goes back to: the newest checkpoint written, committed by the setup (its
+            # sync's failure would end the run).
+            back_to = self.written.step if self.written else 0
+            log.warning("run %s: recovering (%d/%d) to step %d: %s",
+                        self.run.run_id, used, limit, back_to, lost)
+            self._notice("recovery", f"attempt {used}/{limit}: {lost}", step=back_to)
+            try:
+                self._start_generation(
+                    restarting=pool_names(), restore_all=True, stop_grace_s=self.config.router.abort_grace_s,
+                    before_setup=self._back_to_the_committed_checkpoint,
+                )
+                return
+            except WorkerLost as again:
+                lost = again
+
+    def _back_to_the_committed_checkpoint(self) -> None:
+        """A recovery's workers have registered: the run goes back to the last committed
+        checkpoint, the one being synced included (waiting for its commit here lets the sync go on
+        while the workers stop and start; two H200s waited 16-18 s for it before they did)."""
+        waited = time.perf_counter()
+        self._wait_for_commit()
+        waited = time.perf_counter() - waited
+        self._continue_from(self.committed)
+        log.info("run %s: back at step %d (%.1fs waited for its checkpoint's commit)",
+                 self.run.run_id, self.step, waited)
+
+    def _between_steps(self) -> None:
+        """Requests that wait for a step boundary: resizes, then an on-demand checkpoint. A
+        resize waits for the checkpoint's commit: pools restarted while its files were being
+        synced took 9 s longer to start (one run on two H200s, docs/resilience.md)."""
+        self._commit_if_synced()
+        if self._ahead is not None:  # the next step is already out: the requests wait for its end
+            return
+        resizes = self.run.take_scale_requests()
+        if resizes or self.run.checkpoint_requested.is_set():
+            self.run.checkpoint_requested.clear()
+            if self.written is None or self.written.step != self.step:
+                self._commit(wait=bool(resizes))
+        if not resizes:
+            return
+        self._wait_for_commit()
+        config = self.config
+        for pool, replicas in resizes.items():
+            config = config_lib.scaled(config, pool, replicas)
+        before = self.run.pool_sizes
+        self.run.resize(config)
+        self.planner = StepPlanner(config, self.dataset, self.planner.cursor)
+        changed = [pool for pool in pool_names() if before[pool] != self.run.pool_sizes[pool]]
+        timing = self._start_generation(restarting=changed, restore_all=False)
+        sizes = ", ".join(f"{pool} {before[pool]} -> {self.run.pool_sizes[pool]}" for pool in changed)
+        self._notice("resize", f"{sizes or 'no change'} in {timing}")
+
+    # ------------------------------------------------------------------ one step
+
+    def _train_step(self, step: int) -> tuple[pb.StepMetrics, list[int]]:
+        """The step's metrics, and the samples it trained on. The step's command may have gone
+        out with the last step's update (`router.send_ahead`); the next one may go out with this
+        step's."""
+        sent = self._ahead or self._send_step(step)  # sent ahead: always this step (reset on every rewind)
+        self._ahead = None
+        spec, plan = sent.spec, sent.plan
+        results = self._collect("step", lambda result: result.step == step)
+
+        total_sq = sum(r.grad_sq_norm for r in results.values())
+        grad_scale = clip_scale(total_sq, self.config.train.grad_clip)
+        self.run.send(pb.WorkerCommand(apply=pb.ApplyCommand(step=step, grad_scale=grad_scale)))
+        if self._may_send_ahead(step + 1):
+            self._ahead = self._send_step(step + 1)
+        self._collect("apply", lambda result: result.step == step)
+        ended = time.perf_counter()
+        if self._ahead is not None:  # the next step's time counts from here: none is counted twice
+            self._ahead.started = ended
+
+        llm = [r for (pool, _), r in results.items() if pool == "llm"]
+        encoder = [r for (pool, _), r in results.items() if pool == "encoder"]
+        lm_loss = sum(r.lm_loss_sum for r in llm)
+        aux_loss = sum(r.aux_loss for r in llm)
+        elapsed = ended - sent.started
+        slowest = max(llm, key=lambda r: r.boundary_wait_s, default=None)  # the LLM rank that waited longest
+        return pb.StepMetrics(
+            step=step,
+            loss=lm_loss + aux_loss,
+            lm_loss=lm_loss,
+            aux_loss=aux_loss,
+            tokens=spec.tokens,
+            target_tokens=spec.target_tokens,
+            grad_norm=math.sqrt(total_sq),
+            lr=spec.lr,
+            step_time_s=elapsed,
+            tokens_per_s=spec.tokens / elapsed,
+            boundary_bytes_fwd=sum(r.boundary_bytes_sent for r in encoder),
+            boundary_bytes_bwd=sum(r.boundary_bytes_sent for r in llm),
+            encoder_wait_s=max((r.boundary_wait_s for r in encoder), default=0.0),
+            llm_wait_s=slowest.boundary_wait_s if slowest else 0.0,
+            llm_fill_wait_s=slowest.boundary_fill_wait_s if slowest else 0.0,
+            encoder_imbalance=plan.encoder_imbalance,
+            encoder_peak_memory_gb=max((r.peak_memory_gb for r in encoder), default=0.0),
+            llm_peak_memory_gb=max((r.peak_memory_gb for r in llm), default=0.0),
+        ), [s for microbatch in spec.microbatches for s in microbatch]
+
+    def _send_step(self, step: int) -> SentStep:
+        started = time.perf_counter()
+        spec = self.planner.next(step)
+        plan = self.planner.boundary_plan(spec)
+        self.run.send(pb.WorkerCommand(step=step_command(spec, plan, self.config.encoder.tokens_per_image)))
+        return SentStep(spec, plan, started)
+
+    def _may_send_ahead(self, step: int) -> bool:
+        """Whether `step` may go out before the step before it is applied everywhere: not when
+        something waits for the boundary between them (a checkpoint, periodic, requested or the
+        final one; a resize). A request that comes after it went out waits one step more."""
+        if not self.config.router.send_ahead or step >= self.config.train.steps:
+            return False
+        interval = self.config.checkpoint.interval_steps
+        if interval and step % interval == 0:
+            return False
+        return not (self.run.checkpoint_requested.is_set() or self.run.has_scale_requests())
+
+    # ------------------------------------------------------------------ waiting
+
+    def _collect(self, kind: str, matches) -> dict[tuple[str, int], object]:
+        """One `kind` result of this generation from every worker, or WorkerLost/RunAborted. A
+        result of a step sent ahead that comes meanwhile (a worker with no part in it finishes at
+        once) is kept for the next collection."""
+        pending = set(self.run.registered())
+        generation = self.run.generation
+        deadline = time.monotonic() + self.config.router.step_timeout_s
+        results = {}
+        early, self._early = self._early, []
+
+        def take(result: pb.WorkerResult) -> None:
+            if result.generation != generation:
+                return
+            key = worker_key(result.worker)
+            which = result.WhichOneof("result")
+            if which == "error":
+                _raise_failure(key, result, f"its {kind}")
+            if which == kind and key in pending and matches(getattr(result, kind)):
+                results[key] = getattr(result, kind)
+                pending.discard(key)
+            elif which == "step" and result.step.step > self.step:
+                self._early.append(result)
+
+        for result in early:
+            take(result)
+        while pending:
+            self._check_stop()
+            self._check_alive()
+            if time.monotonic() > deadline:
+                late = ", ".join(f"{pool}/{rank}" for pool, rank in sorted(pending))
+                raise WorkerLost(
+                    f"no {kind} result from {late} within "
+                    f"router.step_timeout_s={self.config.router.step_timeout_s} (hung?)"
+                )
+            try:
+                take(self.run.results.get(timeout=_POLL_S))
+            except queue.Empty:
+                continue
+        return results
+
+    def _check_stop(self) -> None:
+        if self.run.stop_requested.is_set():
+            raise RunAborted("stopped by the client", pb.RUN_STATE_STOPPED)
+
+    def _check_stop_or_lost(self) -> None:
+        self._check_stop()
+        self._check_alive()
+
+    def _check_alive(self) -> None:
+        dead = self.launcher.dead()
+        if dead:
+            spec, reason = dead[0]
+            reported = self.run.failure_of((spec.pool, spec.rank))
+            if reported is not None:  # it said why before it exited: that wins
+                _raise_failure((spec.pool, spec.rank), reported, "its work")
+            raise WorkerLost(f"worker {spec.pool}/{spec.rank} {reason}")
+        deadline = time.monotonic() - self.config.router.worker_timeout_s
+        for (pool, rank), channel in self.run.registered().items():
+            if channel.last_seen < deadline:
+                raise WorkerLost(
+                    f"worker {pool}/{rank} silent for more than "
+                    f"router.worker_timeout_s={self.config.router.worker_timeout_s}"
+                )
+
+
+def _raise_failure(key: tuple[str, int], result: pb.WorkerResult, during: str) -> None:
+    """A worker's reported failure: RunAborted where a restart would fail the same way (the GPU
+    ran out of memory), else WorkerLost (the run recovers from its checkpoint)."""
+    if result.error_repeats:
+        raise RunAborted(
+            f"worker {key[0]}/{key[1]} ran out of GPU memory in {during}; a restart from the "
+            f"checkpoint would too, so the run ends without recovering (fewer samples a "
+            f"microbatch: raise train.microbatches; or more GPUs, ep or tp for the pool): "
+            f"{_last_line(result.error)}"
+        )
+    raise WorkerLost(f"worker {key[0]}/{key[1]} failed: {_last_line(result.error)}\n{result.error}")
+
+
+def _last_line(text: str) -> str:
+    """A traceback's last line: the exception and its message."""
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else text

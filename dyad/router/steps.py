@@ -1,0 +1,134 @@
+"""What each step does: its samples, microbatches, learning rate, target count and boundary plan.
+
+The single-process reference walks the same `StepPlanner`, so both see identical batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from dyad.config import RunConfig
+from dyad.data import build_sequence
+from dyad.router.boundary import BoundaryPlan, ImageSlot, PlannedMicrobatch, PlannedSample, plan_boundary
+from dyad.router.sampler import Cursor, EpochSampler, split_microbatches
+from dyad.router.schedule import lr_at
+from dyad.wire import pb
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    step: int
+    microbatches: tuple[tuple[int, ...], ...]
+    llm_dp_ranks: tuple[int, ...]  # the LLM data-parallel rank of each microbatch
+    lr: float
+    target_tokens: int  # caption tokens of the whole global batch: the loss normaliser
+    tokens: int  # sequence tokens (text + image) of the global batch
+
+
+class StepPlanner:
+    def __init__(self, config: RunConfig, dataset, cursor: Cursor = Cursor()):
+        self._config = config
+        self._dataset = dataset
+        self._tokens_per_image = config.encoder.tokens_per_image
+        self._sampler = EpochSampler(dataset.train_ids, config.seed, cursor)
+        self._planned_sample = lru_cache(maxsize=None)(self._plan_sample)
+
+    @property
+    def cursor(self) -> Cursor:
+        return self._sampler.cursor
+
+    def next(self, step: int) -> StepSpec:
+        train = self._config.train
+        dp = self._config.parallel.llm.dp
+        sample_ids = self._sampler.next_batch(train.global_batch)
+        shapes = [self._dataset.shape(s, self._tokens_per_image) for s in sample_ids]
+        target_tokens = sum(shape.n_targets for shape in shapes)
+        if target_tokens == 0:
+            raise ValueError(f"step {step}: the global batch has no caption tokens to learn from")
+        return StepSpec(
+            step=step,
+            microbatches=tuple(
+                tuple(mb) for mb in split_microbatches(sample_ids, train.microbatches * dp)
+            ),
+            llm_dp_ranks=tuple(i // train.microbatches for i in range(train.microbatches * dp)),
+            lr=lr_at(
+                step,
+                lr=train.lr,
+                warmup_steps=train.warmup_steps,
+                total_steps=train.steps,
+                min_lr_ratio=train.min_lr_ratio,
+            ),
+            target_tokens=target_tokens,
+            tokens=sum(shape.seq_len for shape in shapes),
+        )
+
+    def boundary_plan(self, spec: StepSpec) -> BoundaryPlan:
+        microbatches = [
+            PlannedMicrobatch(index, dp_rank, tuple(self._planned_sample(s) for s in sample_ids))
+            for index, (sample_ids, dp_rank) in enumerate(zip(spec.microbatches, spec.llm_dp_ranks))
+        ]
+        return plan_boundary(
+            microbatches,
+            encoder=self._config.parallel.encoder,
+            llm=self._config.parallel.llm,
+            hidden=self._config.llm.dim,
+            element_size=4 if self._config.train.dtype == "float32" else 2,
+        )
+
+    def _plan_sample(self, sample_id: int) -> PlannedSample:
+        """The sample's sequence length and where each image's tokens sit in it."""
+        sample = self._dataset.sample(sample_id)
+        ids, _, positions = build_sequence(self._dataset.tokenizer, sample, self._tokens_per_image)
+        starts = positions[:: self._tokens_per_image]
+        slots = tuple(
+            ImageSlot(image_id, self._tokens_per_image, start)
+            for image_id, start in zip(sample.image_ids, starts)
+        )
+        return PlannedSample(sample_id, len(ids), slots)
+
+
+def step_command(spec: StepSpec, plan: BoundaryPlan, tokens_per_image: int) -> pb.StepCommand:
+    return pb.StepCommand(
+        step=spec.step,
+        microbatches=[
+            pb.Microbatch(index=i, sample_ids=list(mb), llm_dp_rank=dp_rank)
+            for i, (mb, dp_rank) in enumerate(zip(spec.microbatches, spec.llm_dp_ranks))
+        ],
+        plan=plan_message(plan, tokens_per_image),
+        global_target_tokens=spec.target_tokens,
+        global_microbatches=len(spec.microbatches),
+        lr=spec.lr,
+    )
+
+
+def plan_message(plan: BoundaryPlan, tokens_per_image: int) -> pb.BoundaryPlan:
+    return pb.BoundaryPlan(
+        tokens_per_image=tokens_per_image,
+        hidden=plan.hidden,
+        transfers=[
+            pb.Transfer(
+                src_rank=t.src_rank,
+                dst_rank=t.dst_rank,
+                microbatch=t.microbatch,
+                rows=sum(segment.length for segment in t.segments),
+                returns_gradient=True,  # every transfer does; the workers do not read it
+                segments=[pb.RowSegment(src_row=a, dst_row=b, length=n) for a, b, n in t.segments],
+            )
+            for t in plan.transfers
+        ],
+        encoder_work=[
+            pb.EncoderWork(
+                encoder_dp_rank=w.encoder_dp_rank,
+                microbatch=w.microbatch,
+                image_ids=[image.image_id for image in w.images],
+                rows=sum(image.tokens for image in w.images),
+            )
+            for w in plan.encoder_work
+        ],
+        local_rows=[
+            pb.LocalRows(llm_rank=r.llm_rank, microbatch=r.microbatch, rows=r.rows) for r in plan.local_rows
+        ],
+        tp_broadcast=True,  # tp rank 0 always broadcasts; the workers do not read it
+        encoder_imbalance=plan.encoder_imbalance,
+    )
