@@ -31,8 +31,6 @@ from run_info import bench_device, run_header, write_json  # beside this script
 from torch import nn
 
 from dyad import checkpoint
-from dyad.layout import LLMLayout
-from dyad.parallel.groups import ProcessGroups
 from dyad.router.checkpoints import sync_tree
 from dyad.router.launcher import free_ports
 
@@ -72,11 +70,11 @@ def read_bytes(directory: Path) -> int:
     return total
 
 
-def fingerprints(model, optimizer, groups) -> dict[str, tuple[float, float]]:
+def fingerprints(model, optimizer) -> dict[str, tuple[float, float]]:
     """Each checkpointed tensor's sum and sum of squares (float64)."""
     return {
         key: (full.double().sum().item(), full.double().square().sum().item())
-        for key, full in checkpoint._full_entries(model, optimizer, groups)
+        for key, full in checkpoint._full_entries(model, optimizer)
     }
 
 
@@ -88,17 +86,17 @@ def scramble(model, optimizer) -> None:
             optimizer.state[param][moment].fill_(7.0)
 
 
-def copy_to_host(model, optimizer, groups) -> None:
+def copy_to_host(model, optimizer) -> None:
     """Every full tensor to ordinary (pageable) host memory, one after the other: the save's copies."""
-    for _, full in checkpoint._full_entries(model, optimizer, groups):
+    for _, full in checkpoint._full_entries(model, optimizer):
         full.detach().cpu()
 
 
-def copy_to_pinned_host(model, optimizer, groups) -> None:
+def copy_to_pinned_host(model, optimizer) -> None:
     """Every full tensor into page-locked host memory, queued without waiting, then one wait; the
     memory is handed back to the system after (as a one-off save would have to)."""
     copies = []
-    for _, full in checkpoint._full_entries(model, optimizer, groups):
+    for _, full in checkpoint._full_entries(model, optimizer):
         host = torch.empty(full.shape, dtype=full.dtype, pin_memory=full.is_cuda)
         copies.append(host.copy_(full.detach(), non_blocking=True))
     if torch.cuda.is_available():
@@ -107,10 +105,10 @@ def copy_to_pinned_host(model, optimizer, groups) -> None:
         checkpoint.empty_host_cache()
 
 
-def copy_to_host_threads(model, optimizer, groups, threads: int = 4) -> None:
+def copy_to_host_threads(model, optimizer, threads: int = 4) -> None:
     """Every full tensor to pageable host memory, `threads` copies at a time."""
     with ThreadPoolExecutor(threads) as pool:
-        for copy in [pool.submit(full.detach().cpu) for _, full in checkpoint._full_entries(model, optimizer, groups)]:
+        for copy in [pool.submit(full.detach().cpu) for _, full in checkpoint._full_entries(model, optimizer)]:
             copy.result()
 
 
@@ -128,7 +126,6 @@ def main() -> None:
     layers, dim = (2, 64) if args.toy else (args.layers, 4096)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    groups = ProcessGroups.build(LLMLayout(dp=1))
     model, optimizer = trained_model(layers, dim, device)
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-checkpoint-io-"))
     times = {}
@@ -141,31 +138,31 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
         timed(
             f"save, {threads} writer thread(s)",
-            partial(checkpoint.save_pool, work, "llm", model, optimizer, groups, step=1, writer_threads=threads),
+            partial(checkpoint.save_pool, work, "llm", model, optimizer, step=1, writer_threads=threads),
         )
     # What the router's background commit takes off the training path: the same save left in the
     # page cache (`checkpoint.sync_in_background`), then the router's sync of its files.
     shutil.rmtree(work, ignore_errors=True)
     timed(
         f"save, {args.threads} threads, unsynced",
-        partial(checkpoint.save_pool, work, "llm", model, optimizer, groups, step=1,
+        partial(checkpoint.save_pool, work, "llm", model, optimizer, step=1,
                 writer_threads=args.threads, sync_files=False),
     )
     timed("... then the router's sync", lambda: sync_tree(checkpoint.pool_dir(work, "llm")))
-    saved = fingerprints(model, optimizer, groups)
+    saved = fingerprints(model, optimizer)
     for mb, threads in RESTORES:
         scramble(model, optimizer)  # so that each restore has to put every byte back
         name = f"restore, {mb} MB batches, {threads} reader thread(s)"
-        timed(name, partial(checkpoint.restore_pool, work, "llm", model, optimizer, groups,
+        timed(name, partial(checkpoint.restore_pool, work, "llm", model, optimizer,
                             batch_bytes=mb << 20, reader_threads=threads))
-        if fingerprints(model, optimizer, groups) != saved:
+        if fingerprints(model, optimizer) != saved:
             raise SystemExit(f"{name}: did not bring back the saved state")
     timed("read the files' bytes alone", lambda: read_bytes(work))
-    timed("copy the tensors to host alone", lambda: copy_to_host(model, optimizer, groups))
-    timed("... to pinned host memory", lambda: copy_to_pinned_host(model, optimizer, groups))
-    timed("... to host, 4 threads", lambda: copy_to_host_threads(model, optimizer, groups))
-    timed("... to host again", lambda: copy_to_host(model, optimizer, groups))
-    timed("... to pinned host memory again", lambda: copy_to_pinned_host(model, optimizer, groups))
+    timed("copy the tensors to host alone", lambda: copy_to_host(model, optimizer))
+    timed("... to pinned host memory", lambda: copy_to_pinned_host(model, optimizer))
+    timed("... to host, 4 threads", lambda: copy_to_host_threads(model, optimizer))
+    timed("... to host again", lambda: copy_to_host(model, optimizer))
+    timed("... to pinned host memory again", lambda: copy_to_pinned_host(model, optimizer))
     stored = sum(path.stat().st_size for path in checkpoint.pool_dir(work, "llm").iterdir())
     print(f"checkpoint: {stored / 1e9:.2f} GB in {len(list(checkpoint.pool_dir(work, 'llm').iterdir()))} files")
     write_json(

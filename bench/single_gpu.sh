@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every single-GPU benchmark of docs/performance.md in one go, results under $OUT (default ./out):
-# the kernels' CUDA tests, the MoE layer against its peers (one after the other, then
+# The one-GPU runs behind goals 1, 2 and 5 of docs/performance.md in one go, results under $OUT
+# (default ./out): the kernels' CUDA tests, the MoE layer against its peers (one after the other, then
 # interleaved with the host ahead too), the router's kernels, the permutation's sort, the LLM step's variants
 # (with kernel tables), and float8 against bf16 over 200 steps. Each part has its own time limit
 # so that one slow part cannot take the others' results with it.

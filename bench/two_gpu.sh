@@ -15,13 +15,13 @@
 # e2e-batches: heterogeneous against dp2 at 64, 32 and 16 samples a step, eight samples in every
 #   LLM microbatch (`--global-batch`), one invocation per layout and size, alternating which runs
 #   first, no profile; each writes $OUT/e2e-<samples>-<layout>.json. dp2 needs 95-100 GB a GPU at
-#   32 and 64 samples: on H100s it runs out of memory there (docs/performance.md, "More
-#   microbatches a step"); BATCH_DP2=homogeneous-colocated-recompute-encoder runs the dp2 that
+#   32 and 64 samples: on H100s it runs out of memory there (docs/performance.md, "End to end on
+#   two GPUs", on 80 GB GPUs); BATCH_DP2=homogeneous-colocated-recompute-encoder runs the dp2 that
 #   fits them (its encoder's blocks recomputing).
 # e2e-560: heterogeneous against dp2 at 560 pixels and 64 samples a step, the encoder two and
-#   three rounds ahead (`boundary.prefetch_depth`): the comparisons of docs/performance.md's
-#   "Three rounds ahead" table in five invocations (that table's ran one by one, in the order
-#   it lists); each writes $OUT/e2e-560-<n>-<layout>-d<rounds>.json.
+#   three rounds ahead (`boundary.prefetch_depth`): the comparisons of the 560-pixel table under
+#   docs/performance.md's "End to end on two GPUs" in five invocations (that table's ran one by
+#   one, in the order it lists); each writes $OUT/e2e-560-<n>-<layout>-d<rounds>.json.
 # BANDWIDTH_LIMIT, E2E_LIMIT and BATCH_LIMIT (each e2e-batches and e2e-560 invocation) are the parts' limits in seconds.
 # The GPU hosts lack ucxx and the router's grpcio-tools, grpcio-health-checking and prometheus-client:
 # fetch them here with ../shared/gpu/fetch-wheels.sh grpcio-tools==1.84.0 grpcio-health-checking==1.84.0

@@ -13,7 +13,7 @@ Variants (`--variants`, comma-separated): `perftest` and `perftest-bw` (tag_bw: 
 streamed, a message's time is size over bandwidth); `dyad` (the transport's default progress
 mode), `dyad-<mode>`, and `dyad-window<W>` (W messages one way at once, the time over W);
 `ucxx-<mode>[+option...]` with options `nofuture`, `header`, `event`, `hop`, `direct` and
-`window<W>` (see `_raw_side`). Results: docs/performance.md, "Where a message's time goes".
+`window<W>` (see `_raw_side`). Results: docs/performance.md, "Boundary transfer".
 """
 
 from __future__ import annotations

@@ -36,13 +36,11 @@ from torch import nn
 
 from dyad.byte_runs import byte_runs
 from dyad.parallel.gradients import gather_full, local_part, owned_parameters
-from dyad.parallel.groups import ProcessGroups
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 RESTORE_BATCH_BYTES = 1 << 30  # full tensors read into host memory at a time, over all ranks
-# Threads each rank serializes and writes its files with: a 19 GB checkpoint of one rank took
-# 29.9 s to save with DCP's one thread and 19.9 s with eight on an H100 host of 16 CPUs
-# (bench/checkpoint_io.py).
+# Threads each rank serializes and writes its files with: eight save a rank's part markedly
+# sooner than DCP's one (bench/checkpoint_io.py).
 WRITER_THREADS = 8
 # Threads each rank reads its tensors of a restore's batch with, each thread one DCP load of its
 # share of the bytes: DCP's FileSystemReader reads and deserializes one stored tensor after the
@@ -68,7 +66,6 @@ def save_pool(
     pool: str,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    groups: ProcessGroups,
     *,
     step: int,
     writer_threads: int = WRITER_THREADS,
@@ -80,7 +77,7 @@ def save_pool(
     commits the checkpoint: `dyad.router.checkpoints.commit`). Collective over the pool's default
     process group; returns the pool's checkpoint path."""
     dcp = _dcp()
-    state = _owned_full_state(model, optimizer, groups, dist.get_rank(), dist.get_world_size())
+    state = _owned_full_state(model, optimizer, dist.get_rank(), dist.get_world_size())
     state.update(_rng_states(dist.get_rank(), _device(model)))
     state["step"] = step
     path = pool_dir(directory, pool)
@@ -89,32 +86,32 @@ def save_pool(
     return path
 
 
-def full_pool_state(model: nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups) -> dict:
+def full_pool_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The model's and AdamW's state under the checkpoint's keys, at full shapes, the same on
     every rank. Collective."""
-    state = dict(_full_entries(model, optimizer, groups))
+    state = dict(_full_entries(model, optimizer))
     state.update(_hyperparameters(optimizer))
     return state
 
 
-def _owned_full_state(model, optimizer, groups, rank: int, world: int) -> dict:
+def _owned_full_state(model, optimizer, rank: int, world: int) -> dict:
     """The full tensors this rank writes, in host memory: every tensor goes to the rank with the
     fewest bytes so far (the same choice on every rank). Collective."""
     turns = _TurnsByBytes(world)
     owned = {}
-    for key, full in _full_entries(model, optimizer, groups):
+    for key, full in _full_entries(model, optimizer):
         if turns.owner(full.numel() * full.element_size()) == rank:
             owned[key] = full.detach().cpu()
     owned.update(_hyperparameters(optimizer))  # small and the same everywhere: written once
     return owned
 
 
-def _full_entries(model: nn.Module, optimizer: torch.optim.Optimizer, groups: ProcessGroups):
+def _full_entries(model: nn.Module, optimizer: torch.optim.Optimizer):
     """(key, full tensor) for every tensor of the checkpoint, in one order on every rank; each
     full tensor is gathered when the iteration reaches it (a collective)."""
     persistent = model.state_dict().keys()  # the expert counts, zero between steps, are not kept
     for key, module, name, param in owned_parameters(model):
-        yield f"model.{key}", gather_full(module, name, param.detach(), groups)
+        yield f"model.{key}", gather_full(module, name, param.detach())
     for key, buffer in model.named_buffers():
         if key in persistent:
             yield f"model.{key}", buffer.detach()
@@ -124,7 +121,7 @@ def _full_entries(model: nn.Module, optimizer: torch.optim.Optimizer, groups: Pr
         saved = optimizer.state.get(param, {})
         for moment in MOMENTS:
             value = saved.get(moment, torch.zeros_like(param)).detach()
-            yield f"optimizer.{key}.{moment}", gather_full(module, name, value, groups)
+            yield f"optimizer.{key}.{moment}", gather_full(module, name, value)
         yield f"optimizer.{key}.step", saved.get("step", torch.zeros(())).detach()
 
 
@@ -133,7 +130,6 @@ def restore_pool(
     pool: str,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    groups: ProcessGroups,
     *,
     batch_bytes: int = RESTORE_BATCH_BYTES,
     reader_threads: int = READER_THREADS,
@@ -159,7 +155,7 @@ def restore_pool(
             for key, full in _read_once_for_all(batch, stored, turns, staging, reader):
                 module, name, destination = targets[key]
                 with torch.no_grad():
-                    destination.copy_(local_part(module, name, full, groups))
+                    destination.copy_(local_part(module, name, full))
     staging.release()
     small = _hyperparameters(optimizer) | {f"optimizer.{key}.step": torch.zeros(()) for key, *_ in owned_parameters(model)}
     small.update({k: v for k, v in _rng_states(dist.get_rank(), _device(model)).items() if k in stored})
@@ -281,10 +277,10 @@ def _known_metadata_reader() -> type:
 
 class _Staging:
     """One host buffer that every batch of a restore is read into, cut into its tensors: page-locked
-    when the model is on a GPU, so that the copies to it are fast and need not be waited for. On
-    one H200 host a 19 GB checkpoint restored in 18.5 s this way against 22.4 s into fresh
-    ordinary memory for each tensor (1 GB batches; docs/results/checkpoint_io_h200/). Grown to the
-    largest batch; a batch waits for the last one's copies before it overwrites them."""
+    when the model is on a GPU, so that the copies to it are fast and need not be waited for,
+    and reused rather than fresh ordinary memory for each tensor (docs/performance.md, "Four and
+    eight GPUs (issue 8)", checkpoint I/O). Grown to the largest batch; a batch waits for the last
+    one's copies before it overwrites them."""
 
     _ALIGN = 64  # bytes: every tensor's offset in the buffer
 

@@ -5,8 +5,7 @@ change. A block's many small kernels (norms, rotary, routing, SwiGLU, autocast's
 fuse, and one compiled call replaces hundreds of eager launches: the LLM step is host-bound
 without it (docs/performance.md). Blocks of the same kind share one compiled graph; a new
 sequence length recompiles once, after which lengths are symbolic; that step takes seconds
-longer (5–32 s on the benchmark's LLM, docs/performance.md), and the worker's log names the
-guard that failed (`log_recompiles`). The collectives inside a
+longer, and the worker's log names the guard that failed (`log_recompiles`). The collectives inside a
 block are traced as torch's functional collectives (`dyad/parallel/collectives.py`, which says
 why); the expert-parallel dispatcher's one host sync splits its block's graph there. Checked
 on torch 2.11 (the GPU hosts') and 2.13 (CI's): on 2.11 a traced autograd.Function's backward

@@ -48,7 +48,9 @@ class TrainConfig:
     # pass instead of keeping its activations (dyad/recompute.py): less memory, the same math.
     recompute: tuple[str, ...] = ()
     # Sum each bucket of gradients over its data-parallel group while the step's last backward
-    # pass goes on (dyad/parallel/overlap.py); false: all of them after it. The same sums.
+    # pass goes on (dyad/parallel/overlap.py); false: all of them after it. The same sums. false
+    # costs no code of its own (it is the flush every step ends with) and keeps the backward pass
+    # free of collectives, to tell a slow or hung reduction from a slow backward.
     overlap_grad_reduce: bool = True
     # bf16 copies of both pools' matrices, cast from their float32 master weights once per
     # optimizer step instead of at every use (dyad/working_weights.py). The same gradients.
@@ -144,7 +146,9 @@ class RouterConfig:
     # Send the next step's command with this step's update (not after every worker has applied
     # it), so that each worker starts the next step as soon as its own update is queued: the
     # encoder's first microbatch overlaps the LLM's update. Never where a checkpoint or a
-    # resize falls between the two steps (those wait for the step boundary).
+    # resize falls between the two steps (those wait for the step boundary): false takes that
+    # path at every step, which costs no code of its own (docs/performance.md, "End to end on
+    # two GPUs": send-ahead shortens the LLM's wait for its first rows, not the step).
     send_ahead: bool = True
 
     def __post_init__(self) -> None:

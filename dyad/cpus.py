@@ -27,9 +27,8 @@ def worker_threads(cpus: int, workers: int, busy_per_worker: int = 0) -> int:
 
 # PyTorch's own switch (read once, when the process first allocates): host tensors of 2 MB and
 # more on transparent huge pages where the kernel offers them (`madvise` or `always`). A
-# checkpoint's copies to host memory and reads from its files fault in 512 times fewer pages: on
-# one H200 host the copies of a 9.7 GB state ran 2.1-2.4x faster and its restore 1.25-1.38x
-# (docs/results/checkpoint_io_thp_h200/).
+# checkpoint's copies to host memory and reads from its files fault in 512 times fewer pages
+# (docs/performance.md, "Four and eight GPUs (issue 8)", checkpoint I/O).
 HUGE_PAGE_ALLOCATIONS = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 

@@ -5,13 +5,13 @@ the first loop stores a row's values (when a later kernel needs them too) and re
 second loop loads them back and uses the reduction. Inductor assumes each thread loads back what
 it stored itself. Triton does not promise that: it may give a load and the store before it
 different thread layouts, so that another thread stores the value a thread loads, and nothing
-orders the two (what the measurements below show; a barrier makes them right). On an H200 with torch 2.11 this happened in the MoE block's backward
-(the ffn norm's backward fused with the residual and the experts' gathered input gradients):
-relaunched alone on the same inputs the kernel's results were 1e-2 apart with its stored buffer
-zeroed first and 5e7 apart with it filled with 1e4, and the LLM's compiled bf16 gradients were
-10-50 % off float32 where eager's are 1.2 % (docs/performance.md, "Compiled bf16 gradients on a
-GPU"). `tl.debug_barrier()` (a CTA-wide barrier, which also orders the threads' global memory
-accesses) before such a load makes every thread's stores visible to it.
+orders the two. On an H200 with torch 2.11 this happened in the MoE block's backward (the ffn
+norm's backward fused with the residual and the experts' gathered input gradients): relaunched
+alone on the same inputs, the kernel's results depended on what its stored buffer held before,
+and the LLM's compiled bf16 gradients drifted far from float32 where eager's did not
+(docs/performance.md, "Compiled bf16 gradients on a GPU"). `tl.debug_barrier()` (a CTA-wide
+barrier, which also orders the threads' global memory accesses) before such a load makes every
+thread's stores visible to it.
 
 Which loads: those of the kernel's output buffers (stored before any load of them: an output is
 registered by its store), and those of an in-place buffer (`in_out_ptr`, an input the kernel

@@ -4,7 +4,7 @@ asks the registry and never names a pool.
 A service package declares one `PoolType` (torch-free: its config and layout types and the import
 path of its worker-side service) and is found through the `dyad.pools` entry-point group of the
 installed distributions, so a third-party package adds a pool type by declaring one; a test may
-`register` one directly. Pools come in the order of their wire ids.
+`register` one directly. The built-in pools come in the order pyproject.toml declares them.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ class PoolType:
 
     - `name`: the run config's `<name>:` section, its `parallel.<name>:` layout, `--pool <name>`,
       and its checkpoint directory `<step>/<name>/`.
-    - `wire_id`: its `Pool` value on the wire (proto3 enums are open: a plug-in's needs no new
-      .proto).
+    - `wire`: its `Pool` value on the wire: the name of one of dyad.proto's, or a number (proto3
+      enums are open: a plug-in's needs no new .proto). Read where the wire is (`wire_id`), so
+      that a config loads without the gRPC stubs.
     - `config`, `layout`: dataclasses without torch, validated on construction (ValueError naming
       the field); the router and the CLI check configs without loading model code.
     - `resolve(run, vocab_size)`: its section with the fields it derives from other components
@@ -40,13 +41,21 @@ class PoolType:
     """
 
     name: str
-    wire_id: int
+    wire: str | int
     config: type
     layout: type
     resolve: Callable[[Any, int | None], Any]
     scale: Callable[[Any, int], Any]
     seed_offset: int
     service: str
+
+    @property
+    def wire_id(self) -> int:
+        if isinstance(self.wire, int):
+            return self.wire
+        from dyad.wire import pb  # generates the stubs on first use
+
+        return pb.Pool.Value(self.wire)
 
     def service_class(self) -> type:
         module, _, attribute = self.service.partition(":")
@@ -60,9 +69,9 @@ _discovered = False
 def register(pool: PoolType) -> None:
     """Add a pool type (a plug-in's; the built-in ones register through entry points)."""
     _discover()
-    clash = next((p for p in _registered.values() if p.wire_id == pool.wire_id and p.name != pool.name), None)
+    clash = next((p for p in _registered.values() if p.wire == pool.wire and p.name != pool.name), None)
     if clash is not None:
-        raise ValueError(f"pool type {pool.name!r}: wire_id {pool.wire_id} is {clash.name!r}'s")
+        raise ValueError(f"pool type {pool.name!r}: wire value {pool.wire!r} is {clash.name!r}'s")
     _registered[pool.name] = pool
 
 
@@ -72,9 +81,10 @@ def unregister(name: str) -> None:
 
 
 def pool_types() -> tuple[PoolType, ...]:
-    """Every registered pool type, in wire-id order."""
+    """Every registered pool type: the built-in ones in the order they are declared, then the
+    others in the order they were registered."""
     _discover()
-    return tuple(sorted(_registered.values(), key=lambda pool: pool.wire_id))
+    return tuple(_registered.values())
 
 
 def pool_names() -> tuple[str, ...]:

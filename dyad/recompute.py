@@ -15,8 +15,8 @@ A block's side effects happen once, in the forward pass: eagerly the recomputati
 `recomputing()`, which the MoE layer reads to leave its token counts (for the expert biases)
 alone; under torch.compile dynamo does not replay them
 (`skip_fwd_side_effects_in_bwd_under_checkpoint`: without it dynamo breaks the graph at the MoE
-layer's side effect and runs the whole MoE block eagerly; measured on two H100s, a dp2 step
-recomputing both pools took 1.8-1.9x one recomputing the encoder's only).
+layer's side effect and runs the whole MoE block eagerly, which makes a recomputing LLM pool
+far slower).
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ class PoolService(ABC):
         """The pool's checkpoint at `<command.path>/<pool>/`, written by every rank together in
         a form that loads under any layout or pool size (`dyad.checkpoint`)."""
         path = save_pool(
-            command.path, self.pool, self.model, self.optimizer, self.groups, step=command.step,
+            command.path, self.pool, self.model, self.optimizer, step=command.step,
             sync_files=command.sync_files,
         )
         return pb.SaveResult(step=command.step, path=str(path))
@@ -182,7 +182,7 @@ class PoolService(ABC):
     def restore(self, path: str) -> int:
         """Load `<path>/<pool>/` into the live model and optimizer, whatever layout or pool size
         wrote it; returns the saved step. Collective over the pool."""
-        step = restore_pool(path, self.pool, self.model, self.optimizer, self.groups)
+        step = restore_pool(path, self.pool, self.model, self.optimizer)
         if self.working_weights:
             self.working_weights.refresh()
         return step

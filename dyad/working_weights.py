@@ -2,8 +2,8 @@
 
 Under autocast, every microbatch's forward pass casts each float32 matrix a matmul uses to
 bf16, and its backward pass upcasts the matrix's bf16 gradient to float32 before autograd adds it
-into `.grad`: 24 bytes of memory traffic a parameter a microbatch, about 24 ms a microbatch for a
-3 B-parameter LLM on an H100 (docs/performance.md, "dp2 with four-sample microbatches").
+into `.grad`: 24 bytes of memory traffic a parameter a microbatch (the step with and without
+working weights: docs/performance.md, "LLM service training step, one H200").
 `WorkingWeights` registers a bf16 copy of each such matrix in its module in the master's place,
 so eager code and compiled blocks alike multiply with it directly; a hook adds each working
 weight's bf16 gradient into its master's float32 `.grad` as autograd accumulates it, and
@@ -28,14 +28,14 @@ import torch
 from torch import nn
 
 from dyad.kernels.master_weights import MASTER_ATTRIBUTE as _MASTER
+from dyad.kernels.master_weights import WORKING_ATTRIBUTE as _WORKING
 from dyad.kernels.master_weights import master_of
 from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)  # modules whose `weight` a matmul reads
 FLOAT32_SUBMODULES = ("router",)  # modules that compute in float32 under autocast: not cast
-_EXPERT_WEIGHTS = ("w1_EDF", "w3_EDF", "w13_ED2F", "w2_EFD")
+_EXPERT_WEIGHTS = ("w13_ED2F", "w2_EFD")
 
-_WORKING = "_dyad_working"  # and of a master, its working weight
 
 
 class WorkingWeights:
@@ -66,17 +66,6 @@ class WorkingWeights:
         """Copy the masters into the working weights (after each update of the masters)."""
         if self.working:
             torch._foreach_copy_(self.working, self.masters())
-
-
-def register_accumulated_hook(param: nn.Parameter, hook) -> None:
-    """`hook(param)` once autograd has accumulated a gradient into `param.grad`: a post-accumulate
-    hook on the parameter, or, for a master (which autograd no longer reaches), on its working
-    weight, after the working weight's gradient has been added into the master's."""
-    working = getattr(param, _WORKING, None)
-    if working is None:
-        param.register_post_accumulate_grad_hook(hook)
-    else:
-        working.register_post_accumulate_grad_hook(lambda _: hook(param))
 
 
 def trained_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -1,7 +1,7 @@
 """The built-in dataset: scikit-learn's 1,797 handwritten 8x8 digits, captioned "<image> this is
 the digit seven". `digits.npz` beside this file holds them (pixels 0..16 and labels, as uint8), a
 copy of `sklearn.datasets.load_digits()` (from the UCI "Optical Recognition of Handwritten Digits"
-set, CC BY 4.0), so that no process pays scikit-learn's import (about 2 s) to read them;
+set, CC BY 4.0), so that no process pays scikit-learn's slow import to read them;
 tests/unit/test_data.py checks the copy against scikit-learn's.
 
 Composition is fixed by seed 0, independent of the run seed: heldout_fraction of the IMAGES is
@@ -107,7 +107,7 @@ class DigitsDataset(MultimodalDataset):
 
     def images(self, image_ids: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
         """Upsampled on `device`: the 8x8 originals travel, not the full-size images (90 images of
-        336 pixels are 120 MB, and one CPU thread upsamples them in ~90 ms)."""
+        336 pixels are 120 MB, slow to upsample on one CPU thread)."""
         from dyad.data.pixels import upsampled  # torch: the services call this, the router never
 
         return upsampled(self._digits_N188[list(image_ids)], self.image_size, self.channels, device)

@@ -7,7 +7,6 @@ import dataclasses
 from dyad.encoder_service.config import EncoderConfig
 from dyad.layout import EncoderLayout, validate_encoder_layout
 from dyad.pools import PoolType
-from dyad.wire import pb
 
 
 def _resolve(run, vocab_size: int | None) -> EncoderConfig:
@@ -29,7 +28,7 @@ def _scale(run, replicas: int):
 
 POOL = PoolType(
     name="encoder",
-    wire_id=pb.POOL_ENCODER,
+    wire="POOL_ENCODER",
     config=EncoderConfig,
     layout=EncoderLayout,
     resolve=_resolve,

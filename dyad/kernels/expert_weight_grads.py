@@ -4,7 +4,7 @@ Legend: N rows (expert-major), D input dim, F output dim, E experts.
 
 Autograd computes a weight gradient into a new tensor, then adds it into `.grad` (and, under
 autocast, first casts it to the float32 master weight's dtype): for the Mixtral-like layer's
-three 8 x 4096 x 14,336 weights that add alone reads and writes 8.5 GB, 2 ms on an H200.
+three 8 x 4096 x 14,336 weights that add alone reads and writes 8.5 GB.
 `expert_grouped_mm` computes the same forward and input gradient as `grouped_mm`, but adds
 each expert's weight gradient, x_e^T @ grad_e, into `w.grad[e]` with one cuBLAS GEMM (beta = 1,
 float32 accumulation, written in the gradient's dtype), as Megatron-LM's gradient accumulation

@@ -51,8 +51,8 @@ def gated_experts(x_ND, w13_ED2F, w2_EFD, offs_E, matmul, autotune: bool = False
     """The experts' output rows: SwiGLU(x @ w13) @ w2 per row block, as the reference computes.
     With `autotune`, QuACK times its tile configurations for the two fused GEMMs on the first call
     of each new shape (each new row count is one) and keeps the fastest; otherwise it takes its
-    default configuration. On the Mixtral-like layer on an H200 the default was as fast
-    (docs/performance.md), so the layer does not ask for it."""
+    default configuration. The layer does not ask for it: on the Mixtral-like layer the default
+    was as fast."""
     x_c, w13_c, w2_c = _autocast(x_ND), _autocast(w13_ED2F), _autocast(w2_EFD)
     owners = _gradient_owner(w13_ED2F), _gradient_owner(w2_EFD)
     if not _fused_applies(x_c, w13_c, w2_c, owners):

@@ -11,9 +11,8 @@ The plan (each assignment's row in expert-major order, and the rows of each expe
 `expert_plan`: on CUDA one Triton launch (`dyad/kernels/moe_permute_triton.py`) where the plain path
 launches about eight kernels (a cast, the radix sort's, the counts' zeros and scatter) before the
 first expert GEMM, where a step that starts from an idle GPU waits on the host's launches. Each
-of its programs reads every id, so its time grows with the assignments (on an H200 24 us for
-16,384, where the plain ops take 37 us, and 208-218 us for 131,072, where they take 77): past
-`_PLAN_MAX_ROWS` the plain ops run.
+of its programs reads every id, so its time grows with the assignments faster than the plain
+ops' does: past `_PLAN_MAX_ROWS` the plain ops run.
 """
 
 import torch
@@ -22,7 +21,7 @@ from dyad.kernels.token_rows import gathered_sum, scaled_scatter_and_dots
 from dyad.kernels.triton_modules import triton_module
 
 _PLAN_BLOCK = 4096  # ids per step of a plan program; its scan runs over one block
-_PLAN_MAX_ROWS = 32_768  # about where the plain ops get faster on the GPU (between 16k and 131k measured)
+_PLAN_MAX_ROWS = 32_768  # about where the plain ops overtake the Triton plan on a GPU (between 16k and 131k)
 
 
 def expert_counts(flat_expert_N: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -101,8 +100,8 @@ def permute_rows(x_MD: torch.Tensor, order_M: torch.Tensor, inverse_M: torch.Ten
     """x_MD[order_M] for a permutation `order_M` of the rows and its inverse `inverse_M`.
 
     The gradient is a gather by the inverse: autograd's own backward of `index_select` adds the
-    rows into zeros with `index_add_`, whose atomics take 1.2 ms for 64k rows of 2048 bf16 on an
-    H100, against about 0.2 ms for the gather. The same values: a permutation adds nothing."""
+    rows into zeros with `index_add_`, whose atomics are several times slower than the gather.
+    The same values: a permutation adds nothing."""
     return _PermuteRows.apply(x_MD, order_M, inverse_M)
 
 

@@ -4,8 +4,8 @@ Legend: T tokens, D model dim, E experts, K experts per token.
 
 - `router_logits(x_TD, w_ED)`: x @ w^T in float32. The reference casts both to float32 and
   multiplies (an SGEMM); with bf16 activations that writes a float32 copy of x forward and a
-  float32 gradient backward, then casts it (on the Mixtral-like layer, 8,192 x 4,096: about
-  0.5 ms of the layer's 29). Here Triton kernels read x in its own dtype and compute in float32
+  float32 gradient backward, then casts it (8,192 x 4,096 on the Mixtral-like layer). Here
+  Triton kernels read x in its own dtype and compute in float32
   whatever w's dtype: logits forward; backward the input gradient rounded once to x's dtype and
   the weight gradient summed in float32 over T (in a fixed order: per block of rows, then over
   the blocks). The products are exact and summed in float32 on tensor cores: with bf16 x, a

@@ -4,9 +4,10 @@ module of their own so that they can share jitted helpers; imported only where T
 
 A long sum runs in chunks: each chunk's tensor-core products start from a fresh accumulator and
 the chunks are added as float32 adds. Accumulating a whole row of D (or a split's rows) inside
-the tensor cores' accumulator instead was 14-83x less accurate on the benchmark's shapes
-(docs/performance.md; their adds are not rounded as float32 adds are). The fresh accumulator is `zero`, a run-time argument: from a
-constant zero, Triton would fold the chunk's add back into the tensor-core accumulation."""
+the tensor cores' accumulator instead was far less accurate on the benchmark's shapes (their
+adds are not rounded as float32 adds are; tests/unit/test_moe_router.py holds the bounds). The
+fresh accumulator is `zero`, a run-time argument: from a constant zero, Triton would fold the
+chunk's add back into the tensor-core accumulation."""
 
 import triton
 import triton.language as tl

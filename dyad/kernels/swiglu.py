@@ -5,8 +5,7 @@ Legend: h1, h3 the two up-projections of the same rows (any shape, the same for 
 `swiglu_pairs` is the same gate over the (gate, up) column pairs of one interleaved [..., 2F]
 tensor (dyad/kernels/gated_experts.py), with the same math: its kernels load each pair as two adjacent
 elements of one contiguous block and split it in registers (reading every second element
-instead, with strided loads, ran the Mixtral-like layer's gate at 0.6 of the two-tensor
-kernels' bandwidth on an H200: 542 and 926 µs against 318 and 568).
+instead, with strided loads, left the gate well short of the two-tensor kernels' bandwidth).
 
 Eager PyTorch runs the gate as five elementwise kernels (silu and the product forward; the
 product's two gradients and silu's backward) and keeps silu(h1) for the backward besides h1 and

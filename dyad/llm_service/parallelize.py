@@ -3,11 +3,11 @@ gradients are reduced and counted.
 
 Every step replaces modules of the single-device model with their parallel counterparts (classes
 that say what they do), never a method. Order (fixed):
-1. tensor parallelism (dyad/parallel/tensor.py): attention's, the dense FFNs' and the output's
-   linears become `ColumnParallelLinear` / `RowParallelLinear`, the embedding
-   `VocabParallelEmbedding`, the caption loss `VocabParallelCrossEntropy`; with sequence
-   parallelism the residual stream (`MoELM.sequence`) becomes `SequenceParallel`, split along
-   the sequence over tp;
+1. tensor parallelism (dyad/parallel/tensor.py, dyad/llm_service/tensor_parallel.py): attention's,
+   the dense FFNs' and the output's linears become `ColumnParallelLinear` / `RowParallelLinear`,
+   the embedding `VocabParallelEmbedding`, the caption loss `VocabParallelCrossEntropy`; with
+   sequence parallelism the residual stream (`MoELM.sequence`) becomes `SequenceParallel`, split
+   along the sequence over tp;
 2. context parallelism (dyad/llm_service/context_parallel.py): each attention's `core` becomes
    `ContextParallelAttention`;
 3. expert parallelism (dyad/llm_service/expert_parallel.py): each MoE layer keeps its local
@@ -34,15 +34,10 @@ from torch import nn
 
 from dyad.llm_service.context_parallel import ContextParallelAttention
 from dyad.llm_service.expert_parallel import SplitTokens, expert_param_names, parallelize_moe
+from dyad.llm_service.tensor_parallel import SequenceParallel, VocabParallelCrossEntropy, VocabParallelEmbedding
 from dyad.parallel.gradients import GradientPlan, is_sharded
 from dyad.parallel.groups import ProcessGroups
-from dyad.parallel.tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    SequenceParallel,
-    VocabParallelCrossEntropy,
-    VocabParallelEmbedding,
-)
+from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
 def parallelize_llm(model: nn.Module, groups: ProcessGroups, *, sequence_parallel: bool = False) -> GradientPlan:

@@ -7,7 +7,6 @@ import dataclasses
 from dyad.layout import LLMLayout, validate_llm_layout
 from dyad.llm_service.config import LLMConfig
 from dyad.pools import PoolType
-from dyad.wire import pb
 
 
 def _resolve(run, vocab_size: int | None) -> LLMConfig:
@@ -76,7 +75,7 @@ def _scale(run, replicas: int):
 
 POOL = PoolType(
     name="llm",
-    wire_id=pb.POOL_LLM,
+    wire="POOL_LLM",
     config=LLMConfig,
     layout=LLMLayout,
     resolve=_resolve,

@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch import nn
 
 from dyad.byte_runs import byte_runs
+from dyad.kernels.master_weights import master_of
 from dyad.optim import sq_norm
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.sharded import ShardedParameters
-from dyad.working_weights import master_of
 
 
 def sharded_by(module: nn.Module | None, name: str) -> ShardedParameters | None:
@@ -105,14 +105,14 @@ def pool_grad_sq_norm(plan: GradientPlan, groups: ProcessGroups) -> float:
     return float(total)
 
 
-def full_tensors(model: nn.Module, groups: ProcessGroups, *, grads: bool = False) -> dict[str, torch.Tensor]:
+def full_tensors(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter (or its gradient) gathered back to the single-device model's full shape,
     under the single-device names. Collective: every rank of the pool calls it."""
     full = {}
     for key, module, name, param in owned_parameters(model):
         value = param.grad if grads else param
         value = torch.zeros_like(param) if value is None else value.detach()
-        full[key] = gather_full(module, name, value, groups)
+        full[key] = gather_full(module, name, value)
     return full
 
 
@@ -125,15 +125,14 @@ def owned_parameters(model: nn.Module):
             yield (f"{module_name}.{name}" if module_name else name), module, name, param if master is None else master
 
 
-def gather_full(module, name, value, groups=None):
+def gather_full(module, name, value):
     """`value`, shaped like `module.<name>` on this rank, gathered to the single-device shape by
-    the counterpart that cut the parameter (collective over its groups; `groups`, the pool's,
-    is not needed: each counterpart holds its own)."""
+    the counterpart that cut the parameter (collective over the groups it holds)."""
     counterpart = sharded_by(module, name)
     return value if counterpart is None else counterpart.gather_full(name, value)
 
 
-def local_part(module, name, full, groups=None):
+def local_part(module, name, full):
     """The inverse of `gather_full`: this rank's piece of the single-device tensor `full` (a
     parameter `module.<name>` or a tensor shaped like it, e.g. an AdamW moment), cut as the
     pool's `parallelize` cut the parameter."""

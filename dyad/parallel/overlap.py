@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dyad.kernels.master_weights import register_accumulated_hook
 from dyad.parallel.gradients import (
     BUCKET_BYTES,
     GradientPlan,
@@ -39,7 +40,6 @@ from dyad.parallel.gradients import (
     start_all_reduce,
 )
 from dyad.parallel.groups import ProcessGroups
-from dyad.working_weights import register_accumulated_hook
 
 
 @dataclass

@@ -198,8 +198,8 @@ class RunDriver:
         """Both pools write their part, then the manifest makes it a checkpoint once their files
         are synced: by the commit thread while training goes on (`checkpoint.sync_in_background`),
         or, when the run waits for it (`wait`, or the option off), by the workers as they write,
-        which overlaps writing and syncing (a 45 GB checkpoint on two H200s: 26 s so, against 35 s
-        written and then synced by the commit thread)."""
+        which overlaps writing and syncing and so ends sooner than writing first and syncing in
+        the commit thread (docs/resilience.md, "Committed checkpoints")."""
         self._wait_for_commit()  # one at a time, in order
         wait = wait or not self.config.checkpoint.sync_in_background
         path = checkpoints.checkpoint_dir(self.out_dir, self.step)
@@ -338,8 +338,9 @@ class RunDriver:
 
     def _back_to_the_committed_checkpoint(self) -> None:
         """A recovery's workers have registered: the run goes back to the last committed
-        checkpoint, the one being synced included (waiting for its commit here lets the sync go on
-        while the workers stop and start; two H200s waited 16-18 s for it before they did)."""
+        checkpoint, the one being synced included (waiting for its commit here, not before the
+        workers stop, lets the sync go on while they stop and start; docs/resilience.md, "What a
+        failure costs (two H200s)")."""
         waited = time.perf_counter()
         self._wait_for_commit()
         waited = time.perf_counter() - waited
@@ -350,7 +351,7 @@ class RunDriver:
     def _between_steps(self) -> None:
         """Requests that wait for a step boundary: resizes, then an on-demand checkpoint. A
         resize waits for the checkpoint's commit: pools restarted while its files were being
-        synced took 9 s longer to start (one run on two H200s, docs/resilience.md)."""
+        synced took longer to start (docs/resilience.md, "Committed checkpoints")."""
         self._commit_if_synced()
         if self._ahead is not None:  # the next step is already out: the requests wait for its end
             return

@@ -11,8 +11,8 @@ a core beside the training loop.
 
 Progress (`progress`, see `progress_mode`): where CUDA is present the progress thread polls
 UCX ("thread-polling", a C++ thread that never takes the GIL but keeps one core busy), because
-the sleeping one ("thread", waking from epoll at most every millisecond) added about 0.3 ms to
-every GPU message on an H200 (`bench/ucx_message_cost.py`); on CPU-only machines it sleeps.
+the sleeping one ("thread", waking from epoll at most every millisecond) delays every GPU
+message (docs/performance.md, "Boundary transfer"); on CPU-only machines it sleeps.
 
 Connections: each transport uses only the endpoint it opened itself, for sends and receives
 alike (created on first use of a peer, shared by concurrent operations, forgotten when it

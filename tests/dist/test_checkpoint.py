@@ -125,15 +125,15 @@ class _Pool:
         return total
 
     def save(self, directory):
-        save_pool(directory, self.pool, self.model, self.optimizer, self.groups, step=SAVED_STEP)
+        save_pool(directory, self.pool, self.model, self.optimizer, step=SAVED_STEP)
 
     def restore(self, directory, batch_bytes=None) -> int:
         extra = {} if batch_bytes is None else {"batch_bytes": batch_bytes}
-        return restore_pool(directory, self.pool, self.model, self.optimizer, self.groups, **extra)
+        return restore_pool(directory, self.pool, self.model, self.optimizer, **extra)
 
     def state(self) -> dict:
         return {k: v.clone() if isinstance(v, torch.Tensor) else v
-                for k, v in full_pool_state(self.model, self.optimizer, self.groups).items()}
+                for k, v in full_pool_state(self.model, self.optimizer).items()}
 
 
 def _assert_same_state(actual: dict, expected: dict, what: str) -> None:
@@ -155,7 +155,7 @@ def _save_body(rank, world_size, pool, layout_kwargs, tmp):
         assert all(saved[k].abs().sum() > 0 for k in saved if k.endswith("expert_bias_E"))
     draws = torch.rand(8)
     loss = run.train_step(SAVED_STEP)
-    params = {k: v.clone() for k, v in full_tensors(run.model, run.groups).items()}
+    params = {k: v.clone() for k, v in full_tensors(run.model).items()}
     assert any(not torch.equal(params[k], saved[f"model.{k}"]) for k in params)  # the third step moved them
     if rank == 0:
         torch.save({"state": saved, "loss": loss, "params": params}, tmp / "expected.pt")
@@ -166,7 +166,7 @@ def _save_body(rank, world_size, pool, layout_kwargs, tmp):
     assert torch.equal(torch.rand(8), draws)
     _assert_same_state(run.state(), saved, "restored under the same layout")
     assert run.train_step(SAVED_STEP) == loss
-    _assert_same_state(full_tensors(run.model, run.groups), params, "the third step again")
+    _assert_same_state(full_tensors(run.model), params, "the third step again")
 
 
 def _restore_body(rank, world_size, pool, layout_kwargs, tmp):
@@ -182,14 +182,14 @@ def _restore_body(rank, world_size, pool, layout_kwargs, tmp):
     assert_close(loss, expected["loss"], "the third step's loss")
     # 2-norm: AdamW turns a rounding difference of a near-zero gradient entry into a visible
     # difference of that entry's update (tests/helpers/parity.py).
-    assert_tensors_close(full_tensors(run.model, run.groups), expected["params"], "the third step", norm="l2")
+    assert_tensors_close(full_tensors(run.model), expected["params"], "the third step", norm="l2")
 
 
 def _assert_rank_holds_its_share(run, full_state, rank, world_size):
     """While saving, a rank keeps in host memory only the full tensors it writes: about
     1/world_size of the state (within the largest tensor)."""
     sizes = [v.numel() * v.element_size() for v in full_state.values() if isinstance(v, torch.Tensor)]
-    held = checkpoint._owned_full_state(run.model, run.optimizer, run.groups, rank, world_size)
+    held = checkpoint._owned_full_state(run.model, run.optimizer, rank, world_size)
     held_bytes = sum(v.numel() * v.element_size() for v in held.values() if isinstance(v, torch.Tensor))
     assert all(v.device.type == "cpu" for v in held.values() if isinstance(v, torch.Tensor))
     assert 0 < held_bytes <= sum(sizes) / world_size + max(sizes), (held_bytes, sum(sizes))
@@ -294,15 +294,14 @@ def _cuda_round_trip_body(rank, world_size, tmp):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     model(torch.randn(2, dims[0], device="cuda")).sum().backward()
     optimizer.step()
-    groups = ProcessGroups.build(LLMLayout())
-    saved = {key: full.clone() for key, full in checkpoint._full_entries(model, optimizer, groups)}
-    save_pool(tmp, "llm", model, optimizer, groups, step=1)
+    saved = {key: full.clone() for key, full in checkpoint._full_entries(model, optimizer)}
+    save_pool(tmp, "llm", model, optimizer, step=1)
     with torch.no_grad():
         for param in model.parameters():
             for tensor in (param, *(optimizer.state[param][moment] for moment in checkpoint.MOMENTS)):
                 tensor.fill_(7.0)
-    restore_pool(tmp, "llm", model, optimizer, groups, batch_bytes=100_000)  # several batches, the buffer reused
-    restored = dict(checkpoint._full_entries(model, optimizer, groups))
+    restore_pool(tmp, "llm", model, optimizer, batch_bytes=100_000)  # several batches, the buffer reused
+    restored = dict(checkpoint._full_entries(model, optimizer))
     assert [key for key in saved if not torch.equal(saved[key], restored[key])] == []
 
 
@@ -312,10 +311,9 @@ def _other_model_body(rank, world_size, tmp):
         model = torch.nn.ModuleDict({"moe": MoELayer(8, cfg)})
         return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
-    groups = ProcessGroups.build(LLMLayout())
-    save_pool(tmp, "llm", *moe(0), groups, step=1)
+    save_pool(tmp, "llm", *moe(0), step=1)
     with pytest.raises(ValueError, match=r"has no model\.moe\.shared_expert\.w1\.weight.*written for another model"):
-        restore_pool(tmp, "llm", *moe(8), groups)
+        restore_pool(tmp, "llm", *moe(8))
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path):
@@ -330,12 +328,11 @@ def test_cuda_a_restore_through_the_page_locked_buffer_brings_back_every_tensor(
 def _files_synced_by_save(rank, world_size, tmp):
     model = torch.nn.Linear(8, 4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    groups = ProcessGroups.build(LLMLayout())
     synced, real_fsync = [], os.fsync
     os.fsync = lambda fd: (synced.append(fd), real_fsync(fd))[1]
-    save_pool(tmp / "background", "llm", model, optimizer, groups, step=1, sync_files=False)
+    save_pool(tmp / "background", "llm", model, optimizer, step=1, sync_files=False)
     assert synced == []  # left to the router's commit (`dyad.router.checkpoints.commit`)
-    save_pool(tmp / "synced", "llm", model, optimizer, groups, step=1, sync_files=True)
+    save_pool(tmp / "synced", "llm", model, optimizer, step=1, sync_files=True)
     assert len(synced) >= 2  # the data file and the metadata at least
     assert load_pool_state(tmp / "background", "llm").keys() == load_pool_state(tmp / "synced", "llm").keys()
 

@@ -47,14 +47,14 @@ def _encoder_body(rank, world_size, dp, tp, merge):
         (out * upstream[mine]).sum().backward()
         assert_tensors_close({"out": out.detach()}, {"out": expected[mine].detach()}, f"step {step}")
         reduction.finish()
-        assert_tensors_close(full_tensors(model, groups, grads=True),
+        assert_tensors_close(full_tensors(model, grads=True),
                              {n: p.grad for n, p in reference.named_parameters()}, f"step {step} grad",
                              )
         ref_sq, sq = grad_sq_norm(reference.parameters()), pool_grad_sq_norm(plan, groups)
         assert_close(math.sqrt(sq), math.sqrt(ref_sq), f"step {step} grad norm")
         apply_update(ref_opt, lr=0.1, grad_scale=clip_scale(ref_sq, config.train.grad_clip))
         apply_update(opt, lr=0.1, grad_scale=clip_scale(sq, config.train.grad_clip))
-    assert_tensors_close(full_tensors(model, groups), {n: p.detach() for n, p in reference.named_parameters()}, "params")
+    assert_tensors_close(full_tensors(model), {n: p.detach() for n, p in reference.named_parameters()}, "params")
 
 
 # merge: encoder.spatial_merge (2: the tensor-parallel projector reads merged 2 x 2 squares)

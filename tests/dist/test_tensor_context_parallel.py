@@ -10,12 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dyad.llm_service.context_parallel import ContextParallelAttention, zigzag_positions
-from dyad.parallel.tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    vocab_parallel_cross_entropy_sum,
-)
+from dyad.llm_service.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy_sum
+from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from dyad.sequence_shards import sequence_shard
 from tests.helpers.distributed import run_distributed
 

@@ -109,7 +109,7 @@ def _scale(run, replicas):
 
 AUDIO = PoolType(
     name="audio",
-    wire_id=WIRE_ID,
+    wire=WIRE_ID,
     config=AudioConfig,
     layout=AudioLayout,
     resolve=_resolve,

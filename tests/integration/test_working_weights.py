@@ -13,9 +13,10 @@ from dyad import config as config_lib
 from dyad.app.jobs import run_job
 from dyad.checkpoint import load_pool_state
 from dyad.compile import compile_blocks
+from dyad.kernels.master_weights import master_of, register_accumulated_hook
 from dyad.optim import build_optimizer
 from dyad.service import build_model
-from dyad.working_weights import WorkingWeights, master_of, register_accumulated_hook, trained_parameters
+from dyad.working_weights import WorkingWeights, trained_parameters
 from tests.helpers.tiny_models import llm_inputs, resolved_config
 
 CUDA = torch.cuda.is_available()

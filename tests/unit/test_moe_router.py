@@ -60,7 +60,7 @@ def test_cuda_router_logits_agree_with_the_float32_reference(weight_dtype, T, D,
     """Both compute in float32 from the same operands; only the order of the sums differs. The
     last shape has long sums both ways (4,096 per logit, 2,048 rows per split of the weight
     gradient): summed whole inside the tensor cores' accumulator they were several times outside
-    these bounds (docs/performance.md, the router's kernels)."""
+    these bounds (dyad/kernels/moe_router_triton.py says why the kernels sum in chunks)."""
     assert moe_router._kernels() is not None, "Triton missing: the fused path would not run"
     torch.manual_seed(2)
     x_TD = torch.randn(T, D, device="cuda").to(torch.bfloat16)

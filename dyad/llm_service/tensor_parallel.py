@@ -1,0 +1,134 @@
+"""The LLM's own tensor-parallel counterparts: the embedding and the loss over a vocabulary split
+over the tensor-parallel group, and the residual stream split along the sequence (sequence
+parallelism). The linears they work with are `dyad/parallel/tensor.py`'s, which the encoder
+shares.
+
+Legend: T tokens, B sequences, S positions, D model dim, V vocabulary (Vl: this rank's slice).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dyad.parallel.collectives import (
+    all_gather_cat,
+    gather_from_group,
+    own_chunk,
+    reduce_from_group,
+    split_to_group,
+)
+from dyad.parallel.sharded import ShardedParameters
+from dyad.parallel.tensor import ColumnParallelLinear, shard_rows
+
+
+class VocabParallelEmbedding(nn.Module, ShardedParameters):
+    """Embedding rows split over the group (padded to equal slices); lookups outside this rank's
+    slice give zeros and the partial results are summed."""
+
+    def __init__(self, embedding: nn.Embedding, group):
+        super().__init__()
+        self.group = group
+        self.full_rows = embedding.num_embeddings
+        self.weight = nn.Parameter(self.local_part("weight", embedding.weight.detach()))
+        self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
+
+    def cuts(self, owner: nn.Module, name: str) -> bool:
+        return owner is self
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the full table (zero-padded past the vocabulary)."""
+        return shard_rows(full, dist.get_world_size(self.group), dist.get_rank(self.group))
+
+    def gather_full(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        return all_gather_cat(value, self.group, 0)[: self.full_rows]
+
+    def forward(self, ids):
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        h = h.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_group(h, self.group)
+
+
+class _VocabParallelCrossEntropySum(torch.autograd.Function):
+    """Sum over non-ignored tokens of -log softmax(logits)[target], with the vocabulary split over
+    the group; each rank holds logits_TVl for its slice starting at `vocab_start`."""
+
+    @staticmethod
+    def forward(ctx, logits_TVl, targets_T, group, vocab_start, vocab_size, ignore_index):
+        logits = logits_TVl.float()
+        Vl = logits.shape[-1]
+        real = torch.arange(vocab_start, vocab_start + Vl, device=logits.device) < vocab_size
+        logits = logits.masked_fill(~real, float("-inf"))  # padding rows of the last slice
+        max_T = logits.max(dim=-1).values
+        dist.all_reduce(max_T, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - max_T.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp_T = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp_T, group=group)
+
+        valid_T = targets_T != ignore_index
+        local_T = targets_T - vocab_start
+        mine_T = valid_T & (local_T >= 0) & (local_T < Vl)
+        index_T = local_T.clamp(0, Vl - 1)
+        target_logit_T = shifted.gather(-1, index_T.unsqueeze(-1)).squeeze(-1) * mine_T
+        dist.all_reduce(target_logit_T, group=group)
+
+        loss_T = (sum_exp_T.log() - target_logit_T) * valid_T
+        ctx.save_for_backward(exp / sum_exp_T.unsqueeze(-1), index_T, mine_T, valid_T)
+        ctx.input_dtype = logits_TVl.dtype
+        return loss_T.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax_TVl, index_T, mine_T, valid_T = ctx.saved_tensors
+        grad_TVl = softmax_TVl.clone()
+        rows = torch.arange(grad_TVl.shape[0], device=grad_TVl.device)
+        grad_TVl[rows, index_T] -= mine_T.to(grad_TVl.dtype)
+        grad_TVl *= valid_T.unsqueeze(-1) * grad
+        return grad_TVl.to(ctx.input_dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy_sum(
+    logits_BSVl, targets_BS, group, *, vocab_start: int, vocab_size: int, ignore_index: int = -100
+) -> torch.Tensor:
+    Vl = logits_BSVl.shape[-1]
+    return _VocabParallelCrossEntropySum.apply(
+        logits_BSVl.reshape(-1, Vl), targets_BS.reshape(-1), group, vocab_start, vocab_size, ignore_index
+    )
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """The summed cross-entropy of logits whose vocabulary a `ColumnParallelLinear` output layer
+    splits over the group (replaces the model's single-device caption loss)."""
+
+    def __init__(self, output: ColumnParallelLinear, vocab_size: int):
+        super().__init__()
+        self.group, self.vocab_size = output.group, vocab_size
+        self.vocab_start = dist.get_rank(output.group) * output.weight.shape[0]
+
+    def forward(self, logits_BSVl: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy_sum(
+            logits_BSVl, targets_BS, self.group, vocab_start=self.vocab_start, vocab_size=self.vocab_size
+        )
+
+
+class SequenceParallel:
+    """The decoder layers' residual stream split along the sequence over the tensor-parallel
+    group (replaces `MoELM.sequence`): norms and residual adds run on 1/tp of the tokens; the
+    column-parallel layers gather the sequence, the row-parallel ones scatter it back."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def scatter(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        return split_to_group(h_BSD, self.group, 1)
+
+    def columns(self, x_BS: torch.Tensor) -> torch.Tensor:
+        return own_chunk(x_BS, self.group, 1)
+
+    def gather(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        return gather_from_group(h_BSD, self.group, 1)
