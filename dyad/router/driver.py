@@ -208,7 +208,7 @@ class RunDriver:
         self.run.send(pb.WorkerCommand(save=save))
         self._collect("save", lambda result: result.step == self.step)
         parallel = config_lib.to_dict(self.config.parallel)
-        layouts = {"encoder": parallel["encoder"], "llm": parallel["llm"]}
+        layouts = {pool: parallel[pool] for pool in pool_names()}
         self.written = Committed(path, self.step, self.planner.cursor, layouts)
         self.commits.start(self.written, run_id=self.run.run_id)
         if wait:
