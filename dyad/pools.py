@@ -111,3 +111,9 @@ def _discover() -> None:
     for entry in entry_points(group=ENTRY_POINT_GROUP):
         pool = entry.load()
         _registered.setdefault(pool.name, pool)
+    if not _registered:
+        _discovered = False
+        raise RuntimeError(
+            f"no pool types are registered: dyad's own are found through the {ENTRY_POINT_GROUP!r} entry points "
+            "of the installed distribution (pip install -e . in a checkout), not from a source tree on PYTHONPATH"
+        )
