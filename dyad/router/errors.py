@@ -19,10 +19,20 @@ class FailedPrecondition(RuntimeError):
     pass
 
 
+class PermissionDenied(RuntimeError):
+    """The caller holds the right token but speaks for a worker it is not."""
+
+
+class ResourceExhausted(RuntimeError):
+    """A bounded resource (e.g. the router's watch streams) is full: try again later."""
+
+
 _STATUS = (
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
 
 
