@@ -85,6 +85,7 @@ class WorkerRuntime:
         self.channel = open_channel(router, token=join_token)
         self.stub = rpc.CoordinatorStub(self.channel)
         self.generation = 0
+        self.worker_key = b""  # issued by the router at each registration, shown on every call
         self._stopped = threading.Event()
         self._gc = GcPauses()
         self._startup = StartupTimeline()
@@ -136,13 +137,15 @@ class WorkerRuntime:
     def _register(self, data_address: str, timeout_s: float) -> pb.RegisterReply:
         request = pb.RegisterRequest(
             run_id=self.run_id, worker=self.worker, data_address=data_address,
-            generation=self.generation, pid=os.getpid(),
+            generation=self.generation, pid=os.getpid(), worker_key=self.worker_key,
         )
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 timeout = min(60.0, max(1.0, deadline - time.monotonic()))
-                return self.stub.Register(request, wait_for_ready=True, timeout=timeout)
+                reply = self.stub.Register(request, wait_for_ready=True, timeout=timeout)
+                self.worker_key = reply.worker_key
+                return reply
             except grpc.RpcError as error:
                 if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
@@ -189,7 +192,9 @@ class WorkerRuntime:
 
     def _execute(self, service) -> bool:
         """Run commands until told to stop (True) or until the router is lost (False)."""
-        commands = self.stub.Commands(pb.CommandStreamRequest(run_id=self.run_id, worker=self.worker))
+        commands = self.stub.Commands(
+            pb.CommandStreamRequest(run_id=self.run_id, worker=self.worker, worker_key=self.worker_key)
+        )
         try:
             for command in commands:
                 kind = command.WhichOneof("command")
@@ -224,7 +229,8 @@ class WorkerRuntime:
     def _report(self, **result) -> None:
         self.stub.ReportResult(
             pb.WorkerResult(
-                run_id=self.run_id, worker=self.worker, generation=self.generation, **result
+                run_id=self.run_id, worker=self.worker, generation=self.generation,
+                worker_key=self.worker_key, **result,
             ),
             timeout=30,
         )
@@ -258,7 +264,9 @@ class WorkerRuntime:
     def _released(self, timeout_s: float) -> tuple[bool, float]:
         """One heartbeat: whether the router no longer counts on this process, and how long it
         gave the process to end (0: router.stop_grace_s)."""
-        request = pb.HeartbeatRequest(run_id=self.run_id, worker=self.worker, generation=self.generation)
+        request = pb.HeartbeatRequest(
+            run_id=self.run_id, worker=self.worker, generation=self.generation, worker_key=self.worker_key
+        )
         try:
             reply = self.stub.Heartbeat(request, timeout=timeout_s)
         except grpc.RpcError as error:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from dyad.credentials import CLIENT_TOKEN_ENV, JOIN_TOKEN_ENV, load_token
 from dyad.router.auth import Credentials, server_credentials
+from dyad.router.launcher import LocalLauncher
+from dyad.router.streams import MAX_WATCHERS
 
 
 def add_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -40,6 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
     )
     parser.add_argument(
         "--metrics-port", type=int, default=0, help="serve Prometheus /metrics here (0: off)"
+    )
+    parser.add_argument(
+        "--max-workers", type=int, default=0,
+        help="the most worker processes a run may have, all pools together (default: 4 per CPU "
+        "and at least 16 for --launcher local, 1024 for kubernetes); larger runs and resizes are "
+        "refused",
+    )
+    parser.add_argument(
+        "--max-watchers", type=int, default=MAX_WATCHERS,
+        help=f"WatchRun streams served at once; more get RESOURCE_EXHAUSTED (default {MAX_WATCHERS})",
     )
     parser.add_argument(
         "--stop-when-stdin-closes", action="store_true",
@@ -71,14 +83,19 @@ def run(args: argparse.Namespace) -> None:
         level=os.environ.get("DYAD_LOG_LEVEL", "INFO"),
         format="%(asctime)s router %(levelname)s %(message)s",
     )
-    options = {}
+    if args.max_workers < 0:
+        raise ValueError(f"--max-workers must be >= 1 (0: the launcher's default), got {args.max_workers}")
+    limit = {"max_workers": args.max_workers} if args.max_workers else {}
+    options = {"max_watchers": args.max_watchers}
     if args.launcher == "kubernetes":
         from dyad.router.k8s import KubernetesLauncher, gpus_per_pod_from_env
 
         per_pod = gpus_per_pod_from_env(os.environ)  # a missing one fails here, not in a run
         options["launcher_factory"] = lambda: KubernetesLauncher(
-            args.namespace, gpus_per_pod=per_pod
+            args.namespace, gpus_per_pod=per_pod, **limit
         )
+    else:
+        options["launcher_factory"] = lambda: LocalLauncher(**limit)
     if args.metrics_port:
         from dyad.router.metrics import start_metrics_server
 

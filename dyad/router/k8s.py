@@ -145,6 +145,7 @@ class KubernetesLauncher(Launcher):
         api_client: client.ApiClient | None = None,
         *,
         gpus_per_pod: Mapping[str, int],
+        max_workers: int = Launcher.max_workers,
         watch_timeout_s: int = 300,
         request_timeout_s: float = 30.0,
         backoff_s: tuple[float, float] = (0.5, 30.0),
@@ -163,6 +164,7 @@ class KubernetesLauncher(Launcher):
                 )
             api_client = client.ApiClient(configuration)
         self.namespace = namespace
+        self.max_workers = max_workers  # the cluster's share for dyad: set by `dyad router --max-workers`
         self._core = client.CoreV1Api(api_client)
         self._apps = client.AppsV1Api(api_client)
         self._watch_timeout_s = watch_timeout_s

@@ -30,6 +30,10 @@ class WorkerSpec:
 
 
 class Launcher(ABC):
+    # The most worker processes (all pools together) this launcher runs for a run: a run or a
+    # resize that needs more is refused when it is asked for, naming its layouts.
+    max_workers: int = 1024
+
     @abstractmethod
     def rendezvous(self, pools: Iterable[str]) -> dict[str, str]:
         """A fresh torch.distributed rendezvous "host:port" for each pool's next generation
@@ -90,8 +94,15 @@ class _Adopted:
             pass
 
 
+def local_max_workers() -> int:
+    """How many worker processes one machine runs: a few per CPU, as the CPU tests do (each
+    process then gets one thread); a GPU run needs far fewer."""
+    return max(16, 4 * usable_cpus())
+
+
 class LocalLauncher(Launcher):
-    def __init__(self) -> None:
+    def __init__(self, max_workers: int | None = None) -> None:
+        self.max_workers = max_workers or local_max_workers()
         self._procs: dict[WorkerSpec, subprocess.Popen | _Adopted] = {}
         self._logs: dict[WorkerSpec, Path] = {}
 

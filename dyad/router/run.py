@@ -11,6 +11,8 @@ the run's driver thread meet here.
 
 from __future__ import annotations
 
+import hmac
+import logging
 import queue
 import secrets
 import threading
@@ -21,9 +23,12 @@ from dataclasses import dataclass, field
 from dyad import config as config_lib
 from dyad.config import RunConfig, to_yaml
 from dyad.pools import pool_on_wire, pool_types
-from dyad.router.errors import FailedPrecondition
+from dyad.router.errors import FailedPrecondition, PermissionDenied
+from dyad.router.results import check_result
 from dyad.router.store import NullStore, RunRecord
 from dyad.wire import pb
+
+log = logging.getLogger(__name__)
 
 TERMINAL = (pb.RUN_STATE_SUCCEEDED, pb.RUN_STATE_FAILED, pb.RUN_STATE_STOPPED)
 _STREAM_POLL_S = 0.5
@@ -37,6 +42,17 @@ def pool_sizes(config: RunConfig) -> dict[str, int]:
     return {pool.name: getattr(config.parallel, pool.name).world_size for pool in pool_types()}
 
 
+def check_worker_count(sizes: dict[str, int], max_workers: int) -> None:
+    """ValueError naming the pools' sizes if they need more processes than the launcher runs."""
+    total = sum(sizes.values())
+    if total > max_workers:
+        needed = " + ".join(f"{size} {pool}" for pool, size in sizes.items())
+        raise ValueError(
+            f"the run needs {needed} = {total} worker processes (parallel.<pool> layouts), more than "
+            f"this router's launcher runs ({max_workers}: dyad router --max-workers)"
+        )
+
+
 def _known_pools() -> str:
     return ", ".join(f"{pool.wire_id} ({pool.name})" for pool in pool_types())
 
@@ -45,6 +61,9 @@ def _known_pools() -> str:
 class WorkerChannel:
     address: str
     pid: int = 0
+    # The identity of the process holding the rank: issued when it registers, required on its
+    # every later call, so that nobody else (a join-token holder included) speaks for it.
+    key: bytes = field(default_factory=lambda: secrets.token_bytes(16))
     commands: queue.Queue = field(default_factory=queue.Queue)
     last_seen: float = field(default_factory=time.monotonic)
 
@@ -61,9 +80,10 @@ class RunObserver:
 class Run:
     def __init__(
         self, run_id: str, config: RunConfig, store: NullStore | None = None,
-        observer: RunObserver | None = None,
+        observer: RunObserver | None = None, max_workers: int | None = None,
     ):
         self.run_id = run_id
+        self.max_workers = max_workers  # the launcher's bound on the pools' processes (None: none)
         self.config = config
         self.config_yaml = to_yaml(config)  # what workers and the store get; kept with `config`
         self.store = store or NullStore()
@@ -94,9 +114,12 @@ class Run:
         self._set_sizes()
 
     @classmethod
-    def restored(cls, record: RunRecord, store: NullStore, observer: RunObserver | None = None) -> Run:
+    def restored(
+        cls, record: RunRecord, store: NullStore, observer: RunObserver | None = None,
+        max_workers: int | None = None,
+    ) -> Run:
         """A run read back from the store by a restarted router."""
-        run = cls(record.run_id, config_lib.from_yaml(record.config_yaml), store, observer)
+        run = cls(record.run_id, config_lib.from_yaml(record.config_yaml), store, observer, max_workers)
         run._info = pb.RunInfo.FromString(record.info)
         run.secret = bytes.fromhex(record.secret)
         run.rendezvous = dict(record.rendezvous)
@@ -229,6 +252,8 @@ class Run:
         with self._lock:
             if self._info.state in TERMINAL:
                 raise FailedPrecondition(f"run {self.run_id} has already finished")
+            if self.max_workers is not None:
+                check_worker_count(self.pool_sizes | self._scale_requests | {name: replicas}, self.max_workers)
             config_lib.scaled(self.config, name, replicas)  # refuse now what cannot run
             self._scale_requests[name] = replicas
 
@@ -293,11 +318,15 @@ class Run:
         return pool, rank
 
     def register(
-        self, worker: pb.WorkerId, data_address: str, pid: int, generation: int = 0
+        self, worker: pb.WorkerId, data_address: str, pid: int, generation: int = 0,
+        worker_key: bytes = b"",
     ) -> pb.RegisterReply:
         """A new process (generation 0), or one of the pool's current processes registering
-        again (after a router restart). A process of a pool that has re-formed since it joined
-        is refused: it must exit, and its replacement registers."""
+        again (after a router restart, or a broken command stream: it shows the `worker_key` it
+        was issued). A process of a pool that has re-formed since it joined is refused: it must
+        exit, and its replacement registers. So is a second process for a rank whose holder is
+        alive (heard from within three heartbeat intervals): a stray or hostile registration
+        never takes a working rank's channel."""
         key = self._check_worker(worker)
         if not data_address:
             raise ValueError("data_address must be set (the worker's UCX listener host:port)")
@@ -313,7 +342,13 @@ class Run:
                     f"the {key[0]} pool re-formed at generation {self.formed_at[key[0]]}; a process "
                     f"of generation {generation} must exit and be replaced"
                 )
-            self._workers[key] = WorkerChannel(address=data_address, pid=pid)
+            held = self._workers.get(key)
+            if held is not None and not hmac.compare_digest(held.key, worker_key):
+                self._refuse_duplicate(key, held, data_address, pid)
+            channel = WorkerChannel(address=data_address, pid=pid)
+            if held is not None and held.key == worker_key:
+                channel.key = held.key
+            self._workers[key] = channel
             self.pids[f"{key[0]}/{key[1]}"] = pid
             reply = pb.RegisterReply(
                 config_yaml=self.config_yaml,
@@ -323,17 +358,40 @@ class Run:
                 run_secret=self.secret,
                 run_id=self.run_id,
                 restores=self.restores,
+                worker_key=channel.key,
             )
             self._lock.notify_all()
         self.persist()
         return reply
 
-    def channel(self, worker: pb.WorkerId) -> WorkerChannel:
+    def _refuse_duplicate(self, key: tuple[str, int], held: WorkerChannel, address: str, pid: int) -> None:
+        """Called with the lock held: a registration for a rank another process holds."""
+        silent_s = time.monotonic() - held.last_seen
+        if silent_s > 3 * self.config.router.heartbeat_interval_s:
+            return  # its holder is gone (a restarted pod's process replaces it)
+        log.warning(
+            "run %s: refused a second registration of %s/%d (from %s, pid %d): the rank is held by "
+            "pid %d at %s, heard from %.1fs ago", self.run_id, *key, address, pid, held.pid,
+            held.address, silent_s,
+        )
+        raise FailedPrecondition(
+            f"worker {key[0]}/{key[1]} is held by a live process (pid {held.pid}); a second "
+            "registration is refused"
+        )
+
+    def channel(self, worker: pb.WorkerId, worker_key: bytes) -> WorkerChannel:
+        """The channel of the process that registered as `worker` and was issued `worker_key`."""
         key = self._check_worker(worker)
         with self._lock:
             if key not in self._workers:
                 raise FailedPrecondition(f"worker {key[0]}/{key[1]} has not registered")
-            return self._workers[key]
+            channel = self._workers[key]
+        if not hmac.compare_digest(channel.key, worker_key):
+            log.warning("run %s: refused a call for %s/%d with a worker_key it was not issued", self.run_id, *key)
+            raise PermissionDenied(
+                f"worker_key is not the one issued to {key[0]}/{key[1]} when it registered"
+            )
+        return channel
 
     def registered(self, pools: Iterable[str] | None = None) -> dict[tuple[str, int], WorkerChannel]:
         with self._lock:
@@ -363,7 +421,7 @@ class Run:
                 self._lock.wait(0.2)
         return True
 
-    def heartbeat(self, worker: pb.WorkerId, generation: int = 0) -> tuple[bool, float]:
+    def heartbeat(self, worker: pb.WorkerId, worker_key: bytes, generation: int = 0) -> tuple[bool, float]:
         """(stop, exit_within_s) for one beat of `worker`, a process of `generation` (0: not
         said). A process of a pool that has re-formed since is told to stop, within what the
         re-forming allowed, and leaves its replacement's channel alone."""
@@ -371,15 +429,15 @@ class Run:
         with self._lock:
             if 0 < generation < self.formed_at.get(pool, 0):
                 return True, self.exit_within_s.get(pool, 0.0)
-        self.channel(worker).last_seen = time.monotonic()
+        self.channel(worker, worker_key).last_seen = time.monotonic()
         return self.finished or self.stop_requested.is_set(), 0.0
 
     def send(self, command: pb.WorkerCommand, pools: Iterable[str] | None = None) -> None:
         for channel in self.registered(pools).values():
             channel.commands.put(command)
 
-    def commands_for(self, worker: pb.WorkerId, is_active) -> Iterator[pb.WorkerCommand]:
-        channel = self.channel(worker)
+    def commands_for(self, worker: pb.WorkerId, worker_key: bytes, is_active) -> Iterator[pb.WorkerCommand]:
+        channel = self.channel(worker, worker_key)
         while is_active():
             try:
                 command = channel.commands.get(timeout=_STREAM_POLL_S)
@@ -390,9 +448,9 @@ class Run:
                 return
 
     def report(self, result: pb.WorkerResult) -> None:
-        self.channel(result.worker).last_seen = time.monotonic()
-        if result.WhichOneof("result") is None:
-            raise ValueError("result must be one of step, apply, save, setup or error")
+        channel = self.channel(result.worker, result.worker_key)
+        check_result(result, self.config.train.steps)
+        channel.last_seen = time.monotonic()
         if result.WhichOneof("result") == "error":
             with self._lock:
                 self._failures[worker_key(result.worker)] = result

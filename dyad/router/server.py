@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
@@ -20,20 +21,24 @@ from dyad.router.auth import Credentials, TokenInterceptor
 from dyad.router.checkpoints import resolve_resume
 from dyad.router.driver import RunDriver
 from dyad.router.errors import FailedPrecondition, NotFound, map_errors
-from dyad.router.launcher import LocalLauncher
-from dyad.router.run import Run
+from dyad.router.launcher import Launcher, LocalLauncher
+from dyad.router.run import Run, check_worker_count, pool_sizes
 from dyad.router.store import open_store
+from dyad.router.streams import MAX_WATCHERS, THREADS_BESIDES_WATCHERS, StreamSlots
 from dyad.wire import GRPC_OPTIONS, pb, rpc
 
 log = logging.getLogger(__name__)
-
 
 class RouterState:
     """Runs known to this router (at most one active at a time), persisted in `state_db` when
     given so that a restarted router resumes them."""
 
-    def __init__(self, launcher_factory=LocalLauncher, state_db: str | None = None, observer=None):
+    def __init__(
+        self, launcher_factory: Callable[[], Launcher] = LocalLauncher, state_db: str | None = None,
+        observer=None, max_watchers: int = MAX_WATCHERS,
+    ):
         self.address = ""
+        self.watchers = StreamSlots(max_watchers, "dyad router --max-watchers")
         self.credentials = None  # set by `serve`; its join token goes to launched workers
         self._launcher_factory = launcher_factory
         self._observer = observer  # e.g. the Prometheus metrics (dyad/router/metrics.py)
@@ -50,12 +55,20 @@ class RouterState:
                 raise NotFound(f"run_id {run_id!r} not found")
             return self._runs[run_id]
 
-    def start(self, config_yaml: str) -> Run:
+    def start(self, config_yaml: str, still_wanted: Callable[[], bool] = lambda: True) -> Run:
+        """Validate the config and start its run. `still_wanted()` is asked once validation (the
+        dataset's records included, which can take long) is done: a caller that gave up by then
+        (its deadline passed) gets no run."""
         config = config_lib.from_yaml(config_yaml)
+        launcher = self._launcher_factory()
+        check_worker_count(pool_sizes(config), launcher.max_workers)  # before reading any data
         dataset = make_dataset(config.data)
         config = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
         if config.checkpoint.resume_from:
             resolve_resume(config.checkpoint.resume_from)  # refuse a bad path before starting
+        if not still_wanted():
+            log.warning("StartRun's caller gave up (deadline or cancel) while its config was validated: no run started")
+            raise FailedPrecondition("the caller's deadline passed while the config was validated; no run was started")
         run_id = uuid.uuid4().hex[:12]
         if not config.out_dir:
             config.out_dir = str(Path("runs") / run_id)
@@ -66,26 +79,27 @@ class RouterState:
                 raise FailedPrecondition(
                     f"run {active[0].run_id} is still active; stop it before starting another"
                 )
-            run = Run(run_id, config, self._store, self._observer)
+            run = Run(run_id, config, self._store, self._observer, launcher.max_workers)
             self._runs[run_id] = run
         run.persist()
-        self._drive(run, dataset, resumed=False)
+        self._drive(run, launcher, dataset, resumed=False)
         return run
 
     def resume_runs(self) -> None:
         """Load the runs of the store; drive again those that had not finished."""
         for record in self._store.runs():
-            run = Run.restored(record, self._store, self._observer)
+            launcher = self._launcher_factory()
+            run = Run.restored(record, self._store, self._observer, launcher.max_workers)
             with self._lock:
                 self._runs[run.run_id] = run
             if not run.finished:
                 log.info("resuming run %s from the state store", run.run_id)
-                self._drive(run, make_dataset(run.config.data), resumed=True)
+                self._drive(run, launcher, make_dataset(run.config.data), resumed=True)
 
-    def _drive(self, run: Run, dataset, *, resumed: bool) -> None:
+    def _drive(self, run: Run, launcher: Launcher, dataset, *, resumed: bool) -> None:
         worker_env = {"DYAD_JOIN_TOKEN": self.credentials.join_token} if self.credentials else {}
         driver = RunDriver(
-            run, self._launcher_factory(), self.address, dataset,
+            run, launcher, self.address, dataset,
             worker_env=worker_env, resumed=resumed,
         )
         thread = threading.Thread(target=driver, name=f"run-{run.run_id}", daemon=True)
@@ -116,7 +130,7 @@ class RouterService(rpc.RouterServicer):
         self.state = state
 
     def StartRun(self, request, context):
-        return self.state.start(request.config_yaml).info()
+        return self.state.start(request.config_yaml, context.is_active).info()
 
     def GetRun(self, request, context):
         return self.state.get(request.run_id).info()
@@ -128,7 +142,9 @@ class RouterService(rpc.RouterServicer):
     def WatchRun(self, request, context):
         if request.from_step < 0:
             raise ValueError(f"from_step must be >= 0, got {request.from_step}")
-        yield from self.state.get(request.run_id).watch(request.from_step, context.is_active)
+        run = self.state.get(request.run_id)
+        with self.state.watchers.slot():
+            yield from run.watch(request.from_step, context.is_active)
 
     def StopRun(self, request, context):
         run = self._active(request.run_id)
@@ -161,14 +177,18 @@ class CoordinatorService(rpc.CoordinatorServicer):
 
     def Register(self, request, context):
         run = self.state.get(request.run_id) if request.run_id else self.state.active()
-        return run.register(request.worker, request.data_address, request.pid, request.generation)
+        return run.register(
+            request.worker, request.data_address, request.pid, request.generation, request.worker_key
+        )
 
     def Heartbeat(self, request, context):
-        stop, exit_within_s = self.state.get(request.run_id).heartbeat(request.worker, request.generation)
+        run = self.state.get(request.run_id)
+        stop, exit_within_s = run.heartbeat(request.worker, request.worker_key, request.generation)
         return pb.HeartbeatReply(stop=stop, exit_within_s=exit_within_s)
 
     def Commands(self, request, context):
-        yield from self.state.get(request.run_id).commands_for(request.worker, context.is_active)
+        run = self.state.get(request.run_id)
+        yield from run.commands_for(request.worker, request.worker_key, context.is_active)
 
     def ReportResult(self, request, context):
         self.state.get(request.run_id).report(request)
@@ -191,8 +211,9 @@ def serve(
     """
     state = RouterState(launcher_factory, **state_options)
     state.credentials = credentials  # the launcher hands the join token to its workers
+    threads = state.watchers.limit + THREADS_BESIDES_WATCHERS
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=64),
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
         options=GRPC_OPTIONS,
         interceptors=[TokenInterceptor(credentials)],
     )

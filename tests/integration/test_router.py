@@ -139,10 +139,10 @@ def test_worker_requests_are_validated(router):
         pb.WorkerResult(run_id=run.run_id, worker=pb.WorkerId(pool=pb.POOL_LLM)),
     )
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION  # not registered yet
-    register(pb.WorkerId(pool=pb.POOL_LLM))
+    key = register(pb.WorkerId(pool=pb.POOL_LLM)).worker_key
     error = _error(
         coordinator.ReportResult,
-        pb.WorkerResult(run_id=run.run_id, worker=pb.WorkerId(pool=pb.POOL_LLM)),
+        pb.WorkerResult(run_id=run.run_id, worker=pb.WorkerId(pool=pb.POOL_LLM), worker_key=key),
     )
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "result" in error.details()
@@ -235,5 +235,5 @@ def test_a_restarted_router_keeps_what_the_last_re_forming_tells_old_and_new_pro
     [record] = SqliteStore(tmp_path / "state.db").runs()
     again = Run.restored(record, store)
     llm0, encoder = pb.WorkerId(pool=pb.POOL_LLM, rank=0), pb.WorkerId(pool=pb.POOL_ENCODER, rank=0)
-    assert again.heartbeat(llm0, generation=1) == (True, 7.5)
+    assert again.heartbeat(llm0, b"", generation=1) == (True, 7.5)
     assert again.register(encoder, "127.0.0.1:8", pid=1).restores

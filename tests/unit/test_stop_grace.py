@@ -65,40 +65,42 @@ def test_a_resize_stops_its_workers_with_the_stop_grace(tmp_path):
     assert launcher.stops == [(("encoder",), 7.0)]
 
 
-def _joined(run: Run, rank: int = 0) -> tuple[pb.WorkerId, int]:
-    """A process of llm rank `rank` registered into a first generation: (its id, the generation)."""
+def _joined(run: Run, rank: int = 0) -> tuple[pb.WorkerId, bytes, int]:
+    """A process of llm rank `rank` registered into a first generation: (its id, the key it was
+    issued, the generation)."""
     generation = run.new_generation(pool_names(), {pool: "127.0.0.1:1" for pool in pool_names()})
     worker = pb.WorkerId(pool=pb.POOL_LLM, rank=rank)
-    run.register(worker, "127.0.0.1:2", pid=100)
-    return worker, generation
+    key = run.register(worker, "127.0.0.1:2", pid=100).worker_key
+    return worker, key, generation
 
 
 def test_a_process_replaced_by_a_recovery_is_told_to_end_within_the_abort_grace(tmp_path):
     driver, run, _ = _driver(tmp_path)
-    worker, joined = _joined(run)
-    assert run.heartbeat(worker, joined) == (False, 0.0)
+    worker, key, joined = _joined(run)
+    assert run.heartbeat(worker, key, joined) == (False, 0.0)
     with pytest.raises(_Stopped):
         driver._recover(WorkerLost("worker llm/1 exited with code -9"))
     driver._metrics_file.close()
-    assert run.heartbeat(worker, joined) == (True, 0.5)
+    assert run.heartbeat(worker, key, joined) == (True, 0.5)
     # Its replacement registers into the new generation; the old process, still beating, is
     # still told to end and does not keep the replacement's channel alive.
     replacement = run.register(worker, "127.0.0.1:3", pid=101)
-    run.channel(worker).last_seen = 0.0
-    assert run.heartbeat(worker, joined) == (True, 0.5)
-    assert run.channel(worker).last_seen == 0.0
-    assert run.heartbeat(worker, replacement.generation) == (False, 0.0)
-    assert run.channel(worker).last_seen > 0.0
+    new_key = replacement.worker_key
+    run.channel(worker, new_key).last_seen = 0.0
+    assert run.heartbeat(worker, key, joined) == (True, 0.5)
+    assert run.channel(worker, new_key).last_seen == 0.0
+    assert run.heartbeat(worker, new_key, replacement.generation) == (False, 0.0)
+    assert run.channel(worker, new_key).last_seen > 0.0
     # A process that does not say its generation is judged by its pool's channels, as before.
-    assert run.heartbeat(worker, 0) == (False, 0.0)
+    assert run.heartbeat(worker, new_key, 0) == (False, 0.0)
 
 
 def test_a_process_replaced_by_a_resize_gets_the_stop_grace(tmp_path):
     """0 in the reply: the worker's own router.stop_grace_s."""
     _, run, _ = _driver(tmp_path)
-    worker, joined = _joined(run)
+    worker, key, joined = _joined(run)
     run.new_generation(["llm"], {"llm": "127.0.0.1:4"})
-    assert run.heartbeat(worker, joined) == (True, 0.0)
+    assert run.heartbeat(worker, key, joined) == (True, 0.0)
 
 
 def test_the_abort_grace_is_checked_like_the_others():
