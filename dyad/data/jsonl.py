@@ -1,6 +1,6 @@
 """Image-caption data from a JSONL file.
 
-Format: one JSON object per line; blank lines are skipped.
+Format: one JSON object per line, in UTF-8; blank lines are skipped.
 
     {"images": ["cats/1.png", "/data/dog.jpg"], "caption": "<image> a cat <image> a dog"}
     {"images": ["cats/2.png"], "caption": "a sleeping cat", "split": "heldout"}
@@ -51,19 +51,23 @@ def _check_image(path: Path, name: str) -> str | None:
     try:
         with Image.open(path) as image:
             image.load()
-    except Exception as e:  # Pillow raises many types for corrupt files
+    except Exception as e:  # noqa: BLE001 - Pillow raises many types for corrupt files
         return f"image {name!r} cannot be read: {e}"
     return None
 
 
 def _parse_record(
-    line: str, root: Path, max_images: int
+    line: bytes, root: Path, max_images: int
 ) -> tuple[tuple[list[Path], str, str, str | None] | None, list[str]]:
     """Returns (record, problems); record is (image_paths, text, split, answer)."""
     try:
-        record = json.loads(line)
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return None, [f"not UTF-8 at byte {e.start + 1} of the line ({line[e.start]:#04x}: {e.reason})"]
     except json.JSONDecodeError as e:
         return None, [f"invalid JSON: {e}"]
+    except RecursionError:  # json's decoder recurses once per level
+        return None, ["JSON nested too deeply"]
     if not isinstance(record, dict):
         return None, [f"a record must be a JSON object, got {type(record).__name__}"]
     problems = [f"missing field {f!r}" for f in ("images", "caption") if f not in record]
@@ -103,7 +107,8 @@ class JsonlDataset(MultimodalDataset):
         if not path.is_file():
             raise ValueError(f"data.path: file not found: '{cfg.path}'")
         records, errors = [], []
-        for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        # Bytes: a line that is not UTF-8 is one record's problem, named by its line.
+        for line_no, line in enumerate(path.read_bytes().splitlines(), start=1):
             if not line.strip():
                 continue
             record, problems = _parse_record(line, path.parent, cfg.max_images_per_sample)
