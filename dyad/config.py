@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import reprlib
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -67,6 +69,13 @@ class TrainConfig:
             )
         if not self.lr > 0:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        if not self.eps > 0:
+            raise ValueError(f"train.eps must be > 0, got {self.eps}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps < 0:
@@ -193,6 +202,10 @@ class RunConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
     def __reduce__(self):  # composed classes are rebuilt from their values (see `composed_types`)
         return _rebuilt, ("run", to_dict(self))
 
@@ -233,6 +246,17 @@ def _field_types(cls) -> dict[str, Any]:
 
 
 _EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+_FLOAT_MAX = sys.float_info.max
+_INT64 = range(-(2**63), 2**63)  # what the wire (protobuf int64) and torch's seeds carry
+
+
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 80
+
+
+def _short(value: Any) -> str:
+    """A bounded repr: a message quotes a value, never all of a big one (and never walks it all)."""
+    return _SHORT_REPR.repr(value)
 
 
 def _coerce(value: Any, annotation: Any, name: str) -> Any:
@@ -244,21 +268,32 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
         return _coerce(value, options[0], name)
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, dict):
-            raise ValueError(f"{name} must be a mapping, got {value!r}")
+            raise ValueError(f"{name} must be a mapping, got {_short(value)}")
         return build(annotation, value, prefix=name)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{name} must be a list, got {value!r}")
+            raise ValueError(f"{name} must be a list, got {_short(value)}")
         return tuple(_coerce(v, typing.get_args(annotation)[0], name) for v in value)
-    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if annotation is float and isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
-        return float(value)  # YAML 1.1 (PyYAML) reads "1e-3", without a dot, as a string
-    if annotation in (int, float, str, bool) and not (
+    if annotation is float:
+        return _float(value, name)
+    if annotation in (int, str, bool) and not (
         isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
     ):
-        raise ValueError(f"{name} must be {annotation.__name__}, got {value!r}")
+        raise ValueError(f"{name} must be {annotation.__name__}, got {_short(value)}")
+    if annotation is int and value not in _INT64:
+        raise ValueError(f"{name} must fit in a signed 64-bit integer, got {_short(value)}")
     return value
+
+
+def _float(value: Any, name: str) -> float:
+    if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+        value = float(value)  # YAML 1.1 (PyYAML) reads "1e-3", without a dot, as a string
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be float, got {_short(value)}")  # noqa: TRY004 - a user's mistake
+    # A range, not math.isfinite: it refuses NaN and the infinities, and ints too big for a float.
+    if not -_FLOAT_MAX <= value <= _FLOAT_MAX:
+        raise ValueError(f"{name} must be a finite number, got {_short(value)}")
+    return float(value)
 
 
 def build(cls, values: dict[str, Any], prefix: str = ""):
@@ -268,7 +303,7 @@ def build(cls, values: dict[str, Any], prefix: str = ""):
     for key, value in values.items():
         name = f"{prefix}.{key}" if prefix else key
         if key not in types_by_name:
-            raise ValueError(f"unknown config field {name!r}")
+            raise ValueError(f"unknown config field {_short(name)}")
         kwargs[key] = _coerce(value, types_by_name[key], name)
     try:
         return cls(**kwargs)
@@ -305,9 +340,9 @@ def merge(base: dict, override: dict) -> dict:
 def parse_override(assignment: str) -> dict[str, Any]:
     """`train.lr=1e-3` -> {"train": {"lr": 0.001}} (values parsed as YAML)."""
     if "=" not in assignment:
-        raise ValueError(f"--set expects key=value, got {assignment!r}")
+        raise ValueError(f"--set expects key=value, got {_short(assignment)}")
     key, raw = assignment.split("=", 1)
-    value = yaml.safe_load(raw) if raw else ""
+    value = _parse_yaml(raw, f"--set {_short(key)}") if raw else ""
     nested: dict[str, Any] = {}
     cursor = nested
     parts = key.strip().split(".")
@@ -318,13 +353,53 @@ def parse_override(assignment: str) -> dict[str, Any]:
 
 
 def load_yaml_text(text: str) -> dict[str, Any]:
-    try:
-        values = yaml.safe_load(text) or {}
-    except yaml.YAMLError as error:
-        raise ValueError(f"config is not valid YAML: {error}") from None
+    values = _parse_yaml(text, "config") or {}
     if not isinstance(values, dict):
-        raise ValueError("config must be a YAML mapping")
+        raise ValueError("config must be a YAML mapping")  # noqa: TRY004 - a user's mistake
     return values
+
+
+# Far above any real config (the default is 1 KB, 4 levels deep); they bound what reading one
+# costs, and keep PyYAML's composer, which recurses once per level, far from Python's limit.
+MAX_CONFIG_CHARS = 2**20
+MAX_CONFIG_DEPTH = 32
+
+
+class _Refused(yaml.MarkedYAMLError):
+    """YAML that parses but that a config may not hold."""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without aliases, whose values a few hundred bytes of nested
+    anchors multiply into billions wherever something walks them (a message quoting one, a
+    copy), and with nesting bounded as the composer goes, before anything deeper is read."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            raise _Refused(None, None, f"a config may not use YAML aliases (*{event.anchor})", event.start_mark)
+        if self._depth == MAX_CONFIG_DEPTH:
+            raise _Refused(None, None, f"values nest more than {MAX_CONFIG_DEPTH} levels deep", event.start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _parse_yaml(text: str, what: str) -> Any:
+    if len(text) > MAX_CONFIG_CHARS:
+        raise ValueError(f"{what} is {len(text)} characters, more than the {MAX_CONFIG_CHARS} a config may hold")
+    try:
+        return yaml.load(text, Loader=_ConfigLoader)
+    except _Refused as error:
+        raise ValueError(f"{what}: {error}") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{what} is not valid YAML: {error}") from None
 
 
 def load(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:

@@ -10,10 +10,17 @@ from dyad.pools import PoolType
 
 
 def _resolve(run, vocab_size: int | None) -> EncoderConfig:
-    """Its rows are the LLM's input width, its images the dataset's."""
+    """Its rows are the LLM's input width, its images the dataset's; an image's rows must fit in
+    one LLM sequence (refused here, before any worker allocates an image that large)."""
     encoder = dataclasses.replace(
         run.encoder, out_dim=run.llm.dim, image_size=run.data.image_size, channels=run.data.channels
     )
+    if encoder.tokens_per_image > run.llm.max_seq_len:
+        raise ValueError(
+            f"data.image_size ({encoder.image_size}) gives {encoder.tokens_per_image} tokens per image "
+            f"((data.image_size / encoder.patch_size / encoder.spatial_merge)**2), more than one LLM sequence "
+            f"holds (llm.max_seq_len: {run.llm.max_seq_len})"
+        )
     validate_encoder_layout(run.parallel.encoder, encoder)
     return encoder
 
