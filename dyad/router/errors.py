@@ -43,12 +43,26 @@ def _status_of(error: Exception) -> grpc.StatusCode | None:
     return None
 
 
+# The details travel percent-encoded in a trailer (up to 3 bytes for each byte of UTF-8), and a
+# peer refuses metadata over 8 KiB: a longer message would reach the client as RESOURCE_EXHAUSTED
+# instead of the error it describes.
+MAX_DETAILS_BYTES = 2048
+
+
+def _bounded(message: str) -> str:
+    encoded = message.encode()
+    if len(encoded) <= MAX_DETAILS_BYTES:
+        return message
+    head = encoded[: MAX_DETAILS_BYTES - 64].decode(errors="ignore")  # room for the note
+    return f"{head} ... ({len(message) - len(head)} more characters)"
+
+
 def _abort(context: grpc.ServicerContext, error: Exception, method: str):
     code = _status_of(error)
     if code is None:
         log.exception("internal error in %s", method)
-        context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
-    context.abort(code, str(error))
+        context.abort(grpc.StatusCode.INTERNAL, _bounded(f"{type(error).__name__}: {error}"))
+    context.abort(code, _bounded(str(error)))
 
 
 def _wrap(method):
