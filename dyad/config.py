@@ -42,6 +42,10 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    # Steps whose update the run may skip (a non-finite loss or global gradient norm: every
+    # worker drops the step's gradients and keeps its weights and optimizer state) before it
+    # fails: one such step is noise, many are a diverged run.
+    max_skipped_steps: int = 10
     dtype: str = "float32"
     device: str = "cpu"
     compile: bool = False  # torch.compile each transformer block of both pools (dyad/compile.py)
@@ -82,6 +86,8 @@ class TrainConfig:
             raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not self.grad_clip > 0:
             raise ValueError(f"train.grad_clip must be > 0, got {self.grad_clip}")
+        if self.max_skipped_steps < 0:
+            raise ValueError(f"train.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"train.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):

@@ -59,6 +59,13 @@ def apply_update(optimizer: torch.optim.Optimizer, *, lr: float, grad_scale: flo
     optimizer.zero_grad(set_to_none=True)
 
 
+def skip_update(optimizer: torch.optim.Optimizer) -> None:
+    """No step: the gradients are dropped, and the weights and the optimizer's state (moments,
+    step counts) stay as they were (a step whose loss or gradient norm is not finite, which one
+    update would spread into every weight through the moments)."""
+    optimizer.zero_grad(set_to_none=True)
+
+
 def _scale_gradients(optimizer: torch.optim.Optimizer, grad_scale: float) -> None:
     """A fused optimizer divides each gradient by its `grad_scale` tensor inside its own pass
     (as torch.amp.GradScaler uses it), so the clipped gradients cost no pass of their own; the

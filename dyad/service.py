@@ -21,7 +21,7 @@ from dyad.config import RunConfig
 from dyad.data import make_dataset
 from dyad.init import init_parameters
 from dyad.kernels.boundary_pack import RowSegments
-from dyad.optim import apply_update, build_optimizer
+from dyad.optim import apply_update, build_optimizer, skip_update
 from dyad.parallel.gradients import pool_grad_sq_norm
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.overlap import GradientReduction
@@ -167,7 +167,12 @@ class PoolService(ABC):
         return sq_norm if self.rank == 0 else 0.0
 
     def apply(self, command: pb.ApplyCommand) -> pb.ApplyResult:
-        apply_update(self.optimizer, lr=self.lr, grad_scale=command.grad_scale)
+        """The step's update, or none (`command.skip`: the router saw a non-finite loss or
+        gradient norm): the gradients are dropped either way."""
+        if command.skip:
+            skip_update(self.optimizer)
+        else:
+            apply_update(self.optimizer, lr=self.lr, grad_scale=command.grad_scale)
         return pb.ApplyResult(step=command.step)
 
     def save(self, command: pb.SaveCommand) -> pb.SaveResult:

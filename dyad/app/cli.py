@@ -196,6 +196,8 @@ def _describe(info: pb.RunInfo) -> str:
     ]
     if info.last_checkpoint:
         lines.append(f"  last checkpoint: {info.last_checkpoint}")
+    if info.skipped_steps:
+        lines.append(f"  skipped steps (not finite, no update): {info.skipped_steps}")
     if info.message:
         lines.append(f"  message: {info.message}")
     return "\n".join(lines)
@@ -205,7 +207,7 @@ def _describe_step(step: pb.StepMetrics) -> str:
     return (
         f"step {step.step} loss {step.loss:.4f} lm_loss {step.lm_loss:.4f} "
         f"aux_loss {step.aux_loss:.4f} grad_norm {step.grad_norm:.3f} lr {step.lr:.2e} "
-        f"tokens/s {step.tokens_per_s:.0f}"
+        f"tokens/s {step.tokens_per_s:.0f}" + (" skipped (not finite: no update)" if step.skipped else "")
     )
 
 

@@ -63,6 +63,8 @@ def _follow(
                 record = as_dict(event.step)
                 by_step[record["step"]] = record
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                if record["skipped"]:
+                    bar.write(f"step {record['step']} skipped: loss {record['loss']}, grad_norm {record['grad_norm']}")
                 bar.n = record["step"] + 1
                 bar.refresh()
                 if record["step"] == stop_after:

@@ -384,10 +384,14 @@ class RunDriver:
         self._ahead = None
         spec, plan = sent.spec, sent.plan
         results = self._collect("step", lambda result: result.step == step)
-
+        llm = [r for (pool, _), r in results.items() if pool == "llm"]
+        encoder = [r for (pool, _), r in results.items() if pool == "encoder"]
+        lm_loss = sum(r.lm_loss_sum for r in llm)
+        aux_loss = sum(r.aux_loss for r in llm)
         total_sq = sum(r.grad_sq_norm for r in results.values())
-        grad_scale = clip_scale(total_sq, self.config.train.grad_clip)
-        self.run.send(pb.WorkerCommand(apply=pb.ApplyCommand(step=step, grad_scale=grad_scale)))
+
+        update = step_update(step, lm_loss + aux_loss, total_sq, self.config.train.grad_clip)
+        self.run.send(pb.WorkerCommand(apply=update))
         if self._may_send_ahead(step + 1):
             self._ahead = self._send_step(step + 1)
         self._collect("apply", lambda result: result.step == step)
@@ -395,13 +399,9 @@ class RunDriver:
         if self._ahead is not None:  # the next step's time counts from here: none is counted twice
             self._ahead.started = ended
 
-        llm = [r for (pool, _), r in results.items() if pool == "llm"]
-        encoder = [r for (pool, _), r in results.items() if pool == "encoder"]
-        lm_loss = sum(r.lm_loss_sum for r in llm)
-        aux_loss = sum(r.aux_loss for r in llm)
         elapsed = ended - sent.started
         slowest = max(llm, key=lambda r: r.boundary_wait_s, default=None)  # the LLM rank that waited longest
-        return pb.StepMetrics(
+        metrics = pb.StepMetrics(
             step=step,
             loss=lm_loss + aux_loss,
             lm_loss=lm_loss,
@@ -420,7 +420,26 @@ class RunDriver:
             encoder_imbalance=plan.encoder_imbalance,
             encoder_peak_memory_gb=max((r.peak_memory_gb for r in encoder), default=0.0),
             llm_peak_memory_gb=max((r.peak_memory_gb for r in llm), default=0.0),
-        ), [s for microbatch in spec.microbatches for s in microbatch]
+            skipped=update.skip,
+        )
+        if update.skip:
+            self._count_skipped(metrics)
+        return metrics, [s for microbatch in spec.microbatches for s in microbatch]
+
+    def _count_skipped(self, metrics: pb.StepMetrics) -> None:
+        """A step whose update every worker skipped: the run fails once more than
+        train.max_skipped_steps were, with that step recorded first."""
+        count, limit = self.run.count_skipped(), self.config.train.max_skipped_steps
+        log.warning("run %s: step %d skipped (loss %s, gradient norm %s), %d so far of at most %d",
+                    self.run.run_id, metrics.step, metrics.loss, metrics.grad_norm, count, limit)
+        if count > limit:
+            self._write(as_dict(metrics) | {"generation": self.run.generation})
+            self.run.record_step(metrics)
+            raise RunAborted(
+                f"{count} steps skipped for a non-finite loss or gradient norm, more than "
+                f"train.max_skipped_steps={limit} (the last: step {metrics.step}, loss {metrics.loss}, "
+                f"gradient norm {metrics.grad_norm})"
+            )
 
     def _send_step(self, step: int) -> SentStep:
         started = time.perf_counter()
@@ -524,3 +543,13 @@ def _last_line(text: str) -> str:
     """A traceback's last line: the exception and its message."""
     lines = text.strip().splitlines()
     return lines[-1] if lines else text
+
+
+def step_update(step: int, loss: float, grad_sq_norm: float, grad_clip: float) -> pb.ApplyCommand:
+    """A step's update from its loss and global squared gradient norm: the gradients scaled to
+    clip the norm at `grad_clip`, or none applied (`skip`) where either is not finite, since one
+    update would spread a NaN or an infinity into every weight through the optimizer's moments
+    (Megatron skips such an iteration too)."""
+    if not (math.isfinite(loss) and math.isfinite(grad_sq_norm)):
+        return pb.ApplyCommand(step=step, skip=True)
+    return pb.ApplyCommand(step=step, grad_scale=clip_scale(grad_sq_norm, grad_clip))

@@ -243,6 +243,15 @@ class Run:
             if kind == "finished":
                 return
 
+    def count_skipped(self) -> int:
+        """One more step whose update was skipped (a non-finite loss or gradient norm); the
+        run's count of them."""
+        with self._lock:
+            self._info.skipped_steps += 1
+            count = self._info.skipped_steps
+        self.persist()
+        return count
+
     # ------------------------------------------------------------------ requests between steps
 
     def request_scale(self, pool: int, replicas: int) -> None:
