@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from dyad.checkpoint import restore_pool, save_pool
+from dyad.checkpoint import pool_dir, restore_pool, save_pool
 from dyad.compile import compile_blocks, log_recompiles
 from dyad.config import RunConfig
 from dyad.data import make_dataset
@@ -178,10 +178,15 @@ class PoolService(ABC):
     def save(self, command: pb.SaveCommand) -> pb.SaveResult:
         """The pool's checkpoint at `<command.path>/<pool>/`, written by every rank together in
         a form that loads under any layout or pool size (`dyad.checkpoint`)."""
-        path = save_pool(
-            command.path, self.pool, self.model, self.optimizer, step=command.step,
-            sync_files=command.sync_files,
-        )
+        from torch.distributed.checkpoint import CheckpointException  # imported by save_pool anyway
+
+        try:
+            path = save_pool(
+                command.path, self.pool, self.model, self.optimizer, step=command.step,
+                sync_files=command.sync_files,
+            )
+        except CheckpointException as error:  # a BaseException: the worker reports Exceptions
+            raise _not_written(error, pool_dir(command.path, self.pool)) from error
         return pb.SaveResult(step=command.step, path=str(path))
 
     def restore(self, path: str) -> int:
@@ -194,3 +199,13 @@ class PoolService(ABC):
 
     def close(self) -> None:
         pass
+
+
+def _not_written(error, path) -> Exception:
+    """DCP's CheckpointException (every rank's failure: rank -> (exception, traceback)) as one
+    Exception that names the checkpoint's directory: the first failure's OSError, errno kept (a
+    full disk reads as one, `dyad.app.worker.would_repeat`), or a RuntimeError quoting it."""
+    cause, _ = next(iter(error.failures.values()))
+    if isinstance(cause, OSError) and cause.errno is not None:
+        return OSError(cause.errno, cause.strerror, str(path))
+    return RuntimeError(f"could not write the checkpoint {path}: {cause!r}")

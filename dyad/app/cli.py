@@ -115,14 +115,14 @@ def _run_job(args, config):
 
 def cmd_train(args) -> int:
     from dyad.app.evaluate import caption_accuracy, load_trained
-    from dyad.app.jobs import append_record, plot_losses
+    from dyad.app.jobs import append_record
 
     config = _job_config(args)
     print(f"dyad train: writing to {config.out_dir}")
     job = _run_job(args, config)
     out_dir = Path(config.out_dir)
     if job.metrics:
-        plot_losses(job.metrics, out_dir / "loss.png")
+        _plot(job.metrics, out_dir / "loss.png")
     if not job.succeeded:
         print(f"run {job.info.run_id} did not succeed: {job.info.message}", file=sys.stderr)
         return 1
@@ -139,6 +139,18 @@ def cmd_train(args) -> int:
         f"  checkpoint: {job.final_checkpoint()}"
     )
     return 0
+
+
+def _plot(metrics: list[dict], path: Path) -> None:
+    """The losses plotted to `path`, or a warning naming it: the job's outcome is the run's,
+    whatever becomes of the plot (a full disk, a missing or broken matplotlib)."""
+    try:
+        from dyad.app.jobs import plot_losses
+
+        plot_losses(metrics, path)
+    except Exception as error:  # noqa: BLE001 - any failure to plot leaves the run's outcome as it is
+        print(f"dyad train: warning: could not plot the losses to {path}: {type(error).__name__}: {error}",
+              file=sys.stderr)
 
 
 def cmd_verify(args) -> int:
@@ -342,6 +354,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except grpc.RpcError as error:
         print(f"dyad {args.command}: {error.code().name}: {error.details()}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as error:  # e.g. a full disk under --out: the file and why, not a traceback
+        print(f"dyad {args.command}: {error}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

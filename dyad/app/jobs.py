@@ -15,6 +15,7 @@ from dyad import config as config_lib
 from dyad.app.client import RouterClient, local_router
 from dyad.config import RunConfig
 from dyad.router.checkpoints import checkpoint_dir
+from dyad.router.records import JsonLines
 from dyad.wire import as_dict, pb
 
 
@@ -93,7 +94,8 @@ def _stop_unless_finished(client: RouterClient, run_id: str) -> None:
 
 
 def append_record(out_dir: Path, record: dict) -> None:
-    with open(Path(out_dir) / "metrics.jsonl", "a") as f:
+    """A record at the end of the run's metrics.jsonl, whole or not at all (OSError)."""
+    with JsonLines(Path(out_dir) / "metrics.jsonl") as f:
         f.write(json.dumps(record) + "\n")
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
 import sys
@@ -62,15 +63,38 @@ _RELEASED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 # allocations (a DistBackendError, e.g. in a gradient all-reduce: seen on two H100s, LLM ranks
 # sharing a GPU with the encoder), a CUDA call torch checks, and cuBLAS creating its workspace.
 _OUT_OF_MEMORY_MARKERS = ("Cuda failure 2 'out of memory'", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+# A full filesystem, or the user's quota on it used up.
+_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def would_repeat(error: BaseException) -> bool:
     """Whether the same command would fail again after a restart from the checkpoint: running
-    out of GPU memory does (same model, same batch, same layout), a lost peer does not."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    text = str(error)
-    return any(marker in text for marker in _OUT_OF_MEMORY_MARKERS)
+    out of GPU memory does (same model, same batch, same layout), and so does running out of
+    disk space (the restart writes the same checkpoints); a lost peer does not. Looks through
+    the exceptions that caused `error`."""
+    for cause in _causes(error):
+        if isinstance(cause, torch.OutOfMemoryError) or getattr(cause, "errno", None) in _OUT_OF_SPACE:
+            return True
+        if any(marker in str(cause) for marker in _OUT_OF_MEMORY_MARKERS):
+            return True
+    return False
+
+
+def _causes(error: BaseException):
+    """`error`, the exceptions it was raised from or while handling (`__cause__`, `__context__`),
+    and those torch.distributed.checkpoint's CheckpointException holds (`failures`: rank ->
+    (exception, traceback)), each once."""
+    seen, pending = set(), [error]
+    while pending:
+        cause = pending.pop()
+        if cause is None or id(cause) in seen:
+            continue
+        seen.add(id(cause))
+        yield cause
+        pending += [cause.__cause__, cause.__context__]
+        failures = getattr(cause, "failures", None)  # a CheckpointException's, not some other class's
+        if isinstance(failures, dict):
+            pending += [failure for failure, _ in failures.values()]
 
 
 class RouterLost(RuntimeError):

@@ -13,6 +13,7 @@ import queue
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from dyad import config as config_lib
 from dyad.clipping import clip_scale
@@ -20,7 +21,9 @@ from dyad.pools import pool_names, pool_type
 from dyad.router import checkpoints
 from dyad.router.boundary import BoundaryPlan
 from dyad.router.checkpoints import Committed
+from dyad.router.failures import OUT_OF_SPACE, blame, could_not_write
 from dyad.router.launcher import Launcher, WorkerSpec
+from dyad.router.records import JsonLines
 from dyad.router.run import Run, worker_key
 from dyad.router.sampler import Cursor
 from dyad.router.steps import StepPlanner, StepSpec, step_command
@@ -29,6 +32,10 @@ from dyad.wire import as_dict, pb
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
+# How long after a worker reports an error the router waits for a peer's death to show before it
+# blames the reporter: the error may be the death's consequence (its transfers canceled), and
+# a launcher may see deaths late (a pod watch; a local child's exit shows at once).
+_DEATH_SEEN_WITHIN_S = 2.0
 
 
 class RunAborted(RuntimeError):
@@ -105,7 +112,7 @@ class RunDriver:
             state, message = error.state, str(error)
         except Exception as error:
             log.exception("run %s failed", self.run.run_id)
-            state, message = pb.RUN_STATE_FAILED, f"{type(error).__name__}: {error}"
+            state, message = pb.RUN_STATE_FAILED, _ended_by(error)
         finally:
             self.run.send(pb.WorkerCommand(stop=pb.StopCommand(reason=message or "done")))
             self.launcher.stop(timeout_s=self.config.router.stop_grace_s)
@@ -115,9 +122,9 @@ class RunDriver:
     def _drive(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with (
-            open(self.out_dir / "metrics.jsonl", "a") as self._metrics_file,
+            JsonLines(self.out_dir / "metrics.jsonl") as self._metrics_file,
             # The samples each step trained on, to audit that none is lost or repeated.
-            open(self.out_dir / "samples.jsonl", "a") as self._samples_file,
+            JsonLines(self.out_dir / "samples.jsonl") as self._samples_file,
         ):
             try:
                 self._train_to_the_end()
@@ -159,8 +166,13 @@ class RunDriver:
         self._wait_for_commit()
 
     def _write(self, record: dict) -> None:
-        self._metrics_file.write(json.dumps(record) + "\n")
-        self._metrics_file.flush()
+        """A record in metrics.jsonl; the run ends where it cannot be written (a full disk
+        would fail a restart the same way)."""
+        try:
+            self._metrics_file.write(json.dumps(record) + "\n")
+            self._metrics_file.flush()
+        except OSError as error:
+            raise RunAborted(could_not_write(error)) from error
 
     def _notice(self, kind: str, message: str, step: int | None = None) -> None:
         """A RunNotice in the WatchRun stream and an `event` record in metrics.jsonl, of `step`
@@ -477,7 +489,7 @@ class RunDriver:
             key = worker_key(result.worker)
             which = result.WhichOneof("result")
             if which == "error":
-                _raise_failure(key, result, f"its {kind}")
+                self._fail(f"its {kind}", reporter=(key, result))
             if which == kind and key in pending and matches(getattr(result, kind)):
                 results[key] = getattr(result, kind)
                 pending.discard(key)
@@ -510,39 +522,42 @@ class RunDriver:
         self._check_alive()
 
     def _check_alive(self) -> None:
-        dead = self.launcher.dead()
-        if dead:
-            spec, reason = dead[0]
-            reported = self.run.failure_of((spec.pool, spec.rank))
-            if reported is not None:  # it said why before it exited: that wins
-                _raise_failure((spec.pool, spec.rank), reported, "its work")
-            raise WorkerLost(f"worker {spec.pool}/{spec.rank} {reason}")
-        deadline = time.monotonic() - self.config.router.worker_timeout_s
-        for (pool, rank), channel in self.run.registered().items():
-            if channel.last_seen < deadline:
-                raise WorkerLost(
-                    f"worker {pool}/{rank} silent for more than "
-                    f"router.worker_timeout_s={self.config.router.worker_timeout_s}"
-                )
+        if self._lost():
+            self._fail("its work")
 
+    def _lost(self) -> list[tuple[tuple[str, int], str]]:
+        """Workers whose process exited, or that went silent, with why."""
+        lost = [((spec.pool, spec.rank), reason) for spec, reason in self.launcher.dead()]
+        timeout_s = self.config.router.worker_timeout_s
+        deadline = time.monotonic() - timeout_s
+        return lost + [
+            (key, f"silent for more than router.worker_timeout_s={timeout_s}")
+            for key, channel in self.run.registered().items()
+            if channel.last_seen < deadline
+        ]
 
-def _raise_failure(key: tuple[str, int], result: pb.WorkerResult, during: str) -> None:
-    """A worker's reported failure: RunAborted where a restart would fail the same way (the GPU
-    ran out of memory), else WorkerLost (the run recovers from its checkpoint)."""
-    if result.error_repeats:
-        raise RunAborted(
-            f"worker {key[0]}/{key[1]} ran out of GPU memory in {during}; a restart from the "
-            f"checkpoint would too, so the run ends without recovering (fewer samples a "
-            f"microbatch: raise train.microbatches; or more GPUs, ep or tp for the pool): "
-            f"{_last_line(result.error)}"
-        )
-    raise WorkerLost(f"worker {key[0]}/{key[1]} failed: {_last_line(result.error)}\n{result.error}")
+    def _fail(self, during: str, reporter: tuple[tuple[str, int], pb.WorkerResult] | None = None) -> NoReturn:
+        """Raise what the step failed of (`failures.blame`): RunAborted where a restart would
+        fail the same way, else WorkerLost. A reported error may follow from a peer's death that
+        the launcher has not shown yet: unless one that would repeat is known, wait up to
+        _DEATH_SEEN_WITHIN_S for a worker lost without a word before blaming a reporter."""
+        waited_until = time.monotonic() + _DEATH_SEEN_WITHIN_S
+        while True:
+            lost = self._lost()
+            failures = self._reported([key for key, _ in lost])
+            if reporter is not None:
+                failures.setdefault(*reporter)
+            settled = any(f.error_repeats for f in failures.values()) or any(k not in failures for k, _ in lost)
+            if settled or time.monotonic() >= waited_until:
+                break
+            time.sleep(_POLL_S)
+        verdict = blame(lost, failures, during, reporter[0] if reporter else None)
+        raise (RunAborted if verdict.repeats else WorkerLost)(verdict.message)
 
-
-def _last_line(text: str) -> str:
-    """A traceback's last line: the exception and its message."""
-    lines = text.strip().splitlines()
-    return lines[-1] if lines else text
+    def _reported(self, lost: list[tuple[str, int]]) -> dict[tuple[str, int], pb.WorkerResult]:
+        """The failures reported in this generation, those of the `lost` workers first."""
+        keys = dict.fromkeys([*lost, *self.run.registered()])
+        return {key: failure for key in keys if (failure := self.run.failure_of(key)) is not None}
 
 
 def step_update(step: int, loss: float, grad_sq_norm: float, grad_clip: float) -> pb.ApplyCommand:
@@ -553,3 +568,11 @@ def step_update(step: int, loss: float, grad_sq_norm: float, grad_clip: float) -
     if not (math.isfinite(loss) and math.isfinite(grad_sq_norm)):
         return pb.ApplyCommand(step=step, skip=True)
     return pb.ApplyCommand(step=step, grad_scale=clip_scale(grad_sq_norm, grad_clip))
+
+
+def _ended_by(error: Exception) -> str:
+    """A failed run's message: out of disk space names the file the router could not write,
+    anything else is the exception."""
+    if isinstance(error, OSError) and error.errno in OUT_OF_SPACE and error.filename:
+        return could_not_write(error)
+    return f"{type(error).__name__}: {error}"
