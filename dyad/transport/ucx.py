@@ -30,8 +30,12 @@ current plan holding the run's secret (`authorize`); its fresh nonce makes a rec
                      followed by its own listening address, in one `send_obj`
     accepting side:  a 1-byte ack, once the MAC checks out, the address is one of its peers and
                      the endpoint is recorded under it (one per peer, kept until `close()`)
-A refused peer gets no ack: its endpoint is closed, a warning saying "refused" is logged, and
-the connecting side fails with ConnectionError (at worst after `connect_timeout`). The dialed
+A refused peer gets no ack: its endpoint is closed, a warning saying "refused" is logged with
+the address it claimed (or "an unidentified peer" where its answer never came or made no sense)
+and the reason, at most once a minute for each (`_Refusals`), and the connecting side fails with
+ConnectionError (at worst after `connect_timeout`). Bytes that are not UCX's own connection
+request (e.g. random ones sent to the listening port) never reach this handshake: UCX drops them
+below it, and no log line of ours can say so. The dialed
 address is in the MAC so that a proof given to one listener cannot be relayed to another. The
 handshake gates our endpoints, not UCX itself: tags match per worker, so a client speaking raw
 UCX could still post tagged messages before it is refused. It keeps out workers of other plans
@@ -53,6 +57,7 @@ import hmac
 import logging
 import secrets
 import threading
+import time
 import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -84,6 +89,9 @@ _NONCE_BYTES = 32
 _MAC_BYTES = hashlib.sha256().digest_size
 _MAX_ADDRESS_BYTES = 256  # bounds what a peer not yet proven can make us allocate
 _MAC_LABEL = b"dyad-ucx-handshake-v1"
+_REFUSALS_LOGGED_EVERY_S = 60.0  # per claimed address
+_REFUSERS_KEPT = 1024  # claimed addresses remembered: whoever connects chooses what to claim
+_UNIDENTIFIED = "an unidentified peer"
 
 
 class UcxTransport(Transport):
@@ -294,6 +302,7 @@ class _Engine:
         self.incoming: dict[str, Endpoint] = {}
         self.operations: set[asyncio.Future] = set()  # handshakes, messages connecting
         self.flights: set[_InFlight] = set()  # messages posted to UCX, with their buffers
+        self.refusals = _Refusals()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="dyad-ucx", daemon=True)
         self.thread.start()
@@ -464,7 +473,7 @@ class _Engine:
             answer = await asyncio.wait_for(asyncio.shield(handshake), self.connect_timeout)
         except Exception as e:  # a peer that died mid-handshake must not take us down
             if not self.closed:
-                logger.warning("%s: dropped an incoming UCX connection: %r", self.address, e)
+                self.refusals(self.address, _UNIDENTIFIED, f"no valid handshake answer: {e!r}")
             await endpoint.close()
             return
         if self.closed:  # finished its handshake after close() collected the endpoints
@@ -477,9 +486,7 @@ class _Engine:
             proves=lambda secret: hmac.compare_digest(mac, _mac(secret, nonce, peer, self.address)),
         )
         if reason is not None:
-            logger.warning(
-                "%s: refused UCX connection from %s: %s", self.address, _printable(peer), reason
-            )
+            self.refusals(self.address, _printable(peer), reason)
             await endpoint.close()
             return
         previous = self.incoming.pop(peer, None)
@@ -556,6 +563,29 @@ class _Engine:
         for flight in self.flights:
             if not flight.result.done():
                 flight.result.set_exception(self._closed_during(flight.message))
+
+
+class _Refusals:
+    """Refused connections, logged as warnings: an address's first refusal at once, then at most
+    one line per `every_s` for it, counting those left out since. Called on the loop thread
+    only. Past `kept` addresses (claimed by peers not proven, so chosen by whoever connects) new
+    ones share one line, so that neither the table nor the log grows without bound."""
+
+    def __init__(self, every_s: float = _REFUSALS_LOGGED_EVERY_S, kept: int = _REFUSERS_KEPT, clock=time.monotonic):
+        self.every_s, self.kept, self.clock = every_s, kept, clock
+        self._seen: dict[str, tuple[float, int]] = {}  # address -> (last logged, refusals left out since)
+
+    def __call__(self, listener: str, peer: str, reason: str) -> None:
+        if peer not in self._seen and len(self._seen) >= self.kept:
+            peer = "other addresses"
+        now = self.clock()
+        logged, left_out = self._seen.get(peer, (None, 0))
+        if logged is not None and now - logged < self.every_s:
+            self._seen[peer] = (logged, left_out + 1)
+            return
+        self._seen[peer] = (now, 0)
+        since = f" ({left_out} more refused since the last line for it)" if left_out else ""
+        logger.warning("%s: refused UCX connection from %s: %s%s", listener, peer, reason, since)
 
 
 def _mac(secret: bytes, nonce: bytes, connecting: str, listening: str) -> bytes:
