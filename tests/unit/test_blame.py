@@ -43,6 +43,10 @@ class _Launcher:
         return [(SimpleNamespace(pool=pool, rank=rank), reason) for (pool, rank), reason in self.deaths]
 
 
+def _pool_name(wire_id: int) -> str:
+    return next(name for name in ("encoder", "llm") if pool_type(name).wire_id == wire_id)
+
+
 def _driver(launcher, queued=(), silent=()) -> RunDriver:
     """A driver whose run has WORKERS registered (those `silent` last heard of long ago) and
     `queued` results waiting; each error result is on record as its worker's failure."""
@@ -50,7 +54,7 @@ def _driver(launcher, queued=(), silent=()) -> RunDriver:
     failures = {}
     for result in queued:
         results.put(result)
-        failures[(pool_type_name(result.worker.pool), result.worker.rank)] = result
+        failures[(_pool_name(result.worker.pool), result.worker.rank)] = result
     now = time.monotonic()
     run = SimpleNamespace(
         registered=lambda: {key: SimpleNamespace(last_seen=now - (100 if key in silent else 0)) for key in WORKERS},
@@ -64,10 +68,6 @@ def _driver(launcher, queued=(), silent=()) -> RunDriver:
     driver.run, driver.launcher = run, launcher
     driver.step, driver._early = 0, []
     return driver
-
-
-def pool_type_name(wire_id: int) -> str:
-    return next(name for name in ("encoder", "llm") if pool_type(name).wire_id == wire_id)
 
 
 def test_a_dead_worker_is_blamed_before_the_peers_that_reported_its_consequences():
