@@ -110,6 +110,7 @@ class WorkerRuntime:
         self.stub = rpc.CoordinatorStub(self.channel)
         self.generation = 0
         self.worker_key = b""  # issued by the router at each registration, shown on every call
+        self.last_command = 0  # the seq of the last command received, told when registering again
         self._stopped = threading.Event()
         self._gc = GcPauses()
         self._startup = StartupTimeline()
@@ -162,6 +163,7 @@ class WorkerRuntime:
         request = pb.RegisterRequest(
             run_id=self.run_id, worker=self.worker, data_address=data_address,
             generation=self.generation, pid=os.getpid(), worker_key=self.worker_key,
+            last_command=self.last_command,
         )
         deadline = time.monotonic() + timeout_s
         while True:
@@ -221,6 +223,7 @@ class WorkerRuntime:
         )
         try:
             for command in commands:
+                self.last_command = command.seq or self.last_command
                 kind = command.WhichOneof("command")
                 if kind == "stop":
                     log.info("stopping: %s", command.stop.reason)

@@ -260,7 +260,7 @@ class RunDriver:
 
     def _start_generation(
         self, restarting, restore_all: bool, timeout_s: float | None = None, stop_grace_s: float | None = None,
-        before_setup=None,
+        before_setup=None, as_they_register=lambda: None,
     ) -> GenerationStart:
         """Stop the workers of the `restarting` pools (waiting `stop_grace_s` for them to exit, by
         default router.stop_grace_s), start them at the pools' current sizes, wait until every
@@ -287,9 +287,14 @@ class RunDriver:
         env = worker_progress_env(self.config.train.device) | self.worker_env
         self.launcher.start(self.run.run_id, self.router_address, specs, self.out_dir / "logs", env)
         timeout_s = timeout_s or self.config.router.start_timeout_s
-        if not self.run.wait_for_workers(timeout_s, self._check_stop_or_lost):
+        def check() -> None:
+            self._check_stop_or_lost()
+            as_they_register()
+
+        if not self.run.wait_for_workers(timeout_s, check):
             missing = ", ".join(f"{pool}/{rank}" for pool, rank in self.run.missing())
             raise WorkerLost(f"worker(s) {missing} did not register within {timeout_s:g}s")
+        as_they_register()
         registered = time.perf_counter()
         if before_setup is not None:
             before_setup()
@@ -312,15 +317,32 @@ class RunDriver:
 
     def _take_over_workers(self) -> None:
         """After a router restart: the run's workers register again and restore the last
-        committed checkpoint in place. A worker that does not come back within
-        router.worker_timeout_s (e.g. one left waiting mid-step for a peer that never got its
-        step command) makes it a recovery instead."""
+        committed checkpoint in place. The last router may have died having sent a command to
+        only some of them, and one that has it may wait for a peer that has not (a step's
+        boundary, a collective): each worker that registers is first sent the recent commands
+        it never received, so that every in-flight command completes everywhere and its waiting
+        peers come back too. A worker that does not come back within router.worker_timeout_s
+        makes it a recovery instead."""
         for key, pid in self.run.pids.items():
             pool, rank = key.split("/")
             self.launcher.adopt(WorkerSpec(pool, int(rank)), pid)
+        caught_up: set[tuple[str, int]] = set()
+
+        def catch_up() -> None:
+            for key, channel in self.run.registered().items():
+                if key not in caught_up:
+                    caught_up.add(key)
+                    missed = self.run.missed_by(key)
+                    if missed:
+                        log.info("run %s: %s/%d missed commands %s of the last router; sending them",
+                                 self.run.run_id, *key, [command.seq for command in missed])
+                    for command in missed:
+                        channel.commands.put(command)
+
         try:
             self._start_generation(
-                restarting=(), restore_all=True, timeout_s=self.config.router.worker_timeout_s
+                restarting=(), restore_all=True, timeout_s=self.config.router.worker_timeout_s,
+                as_they_register=catch_up,
             )
         except WorkerLost as lost:
             raise WorkerLost(f"after the router restart: {lost}") from None

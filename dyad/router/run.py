@@ -25,13 +25,19 @@ from dyad.config import RunConfig, to_yaml
 from dyad.pools import pool_on_wire, pool_types
 from dyad.router.errors import FailedPrecondition, PermissionDenied
 from dyad.router.results import check_result
-from dyad.router.store import NullStore, RunRecord
+from dyad.router.store import NullStore, RunRecord, SentCommand
 from dyad.wire import pb
 
 log = logging.getLogger(__name__)
 
 TERMINAL = (pb.RUN_STATE_SUCCEEDED, pb.RUN_STATE_FAILED, pb.RUN_STATE_STOPPED)
 _STREAM_POLL_S = 0.5
+# The last commands sent, kept (and persisted) for a router that takes the run over: a command
+# can have reached only some workers when the router died, and one that did may be waiting for a
+# peer that did not. The driver waits for every worker's results before it sends more than a few
+# commands ahead (an update and the next step; one setup per pool), so this many always reach
+# back past the last command every worker received.
+_RECENT_COMMANDS = 8
 
 
 def worker_key(worker: pb.WorkerId) -> tuple[str, int]:
@@ -66,6 +72,7 @@ class WorkerChannel:
     key: bytes = field(default_factory=lambda: secrets.token_bytes(16))
     commands: queue.Queue = field(default_factory=queue.Queue)
     last_seen: float = field(default_factory=time.monotonic)
+    received: int = 0  # the seq of the last command it had received when it registered
 
 
 class RunObserver:
@@ -95,6 +102,8 @@ class Run:
         # router.stop_grace_s)
         self.exit_within_s: dict[str, float] = {}
         self.restores = False  # the current generation's setup restores a checkpoint
+        self.commands_sent = 0  # WorkerCommand.seq of the last command sent
+        self.recent_commands: list[SentCommand] = []
         self.pids: dict[str, int] = {}
         self.results: queue.Queue[pb.WorkerResult] = queue.Queue()
         # Each worker's last reported failure: why a worker that then exits did (see failure_of).
@@ -127,6 +136,8 @@ class Run:
         run.pids = dict(record.pids)
         run.exit_within_s = dict(record.exit_within_s)
         run.restores = record.restores
+        run.recent_commands = store.commands(record.run_id)
+        run.commands_sent = run.recent_commands[-1][0] if run.recent_commands else 0
         run._events = store.events(record.run_id)
         return run
 
@@ -328,7 +339,7 @@ class Run:
 
     def register(
         self, worker: pb.WorkerId, data_address: str, pid: int, generation: int = 0,
-        worker_key: bytes = b"",
+        worker_key: bytes = b"", last_command: int = 0,
     ) -> pb.RegisterReply:
         """A new process (generation 0), or one of the pool's current processes registering
         again (after a router restart, or a broken command stream: it shows the `worker_key` it
@@ -354,7 +365,7 @@ class Run:
             held = self._workers.get(key)
             if held is not None and not hmac.compare_digest(held.key, worker_key):
                 self._refuse_duplicate(key, held, data_address, pid)
-            channel = WorkerChannel(address=data_address, pid=pid)
+            channel = WorkerChannel(address=data_address, pid=pid, received=last_command)
             if held is not None and held.key == worker_key:
                 channel.key = held.key
             self._workers[key] = channel
@@ -434,16 +445,39 @@ class Run:
         """(stop, exit_within_s) for one beat of `worker`, a process of `generation` (0: not
         said). A process of a pool that has re-formed since is told to stop, within what the
         re-forming allowed, and leaves its replacement's channel alone."""
-        pool, _ = self._check_worker(worker)
+        key = self._check_worker(worker)
         with self._lock:
-            if 0 < generation < self.formed_at.get(pool, 0):
-                return True, self.exit_within_s.get(pool, 0.0)
+            if 0 < generation < self.formed_at.get(key[0], 0):
+                return True, self.exit_within_s.get(key[0], 0.0)
+            if generation > 0 and key not in self._workers:
+                # A process of the pool as it is that has not registered with this router yet:
+                # busy finishing a command the router it had sent before it died. It goes on.
+                return self.finished or self.stop_requested.is_set(), 0.0
         self.channel(worker, worker_key).last_seen = time.monotonic()
         return self.finished or self.stop_requested.is_set(), 0.0
 
     def send(self, command: pb.WorkerCommand, pools: Iterable[str] | None = None) -> None:
+        """Number `command`, keep it among the recent ones (persisted before any worker can have
+        it), and queue it for the registered workers of `pools` (all: None)."""
+        pools = tuple(pools) if pools is not None else None
+        with self._lock:
+            self.commands_sent += 1
+            command.seq = self.commands_sent
+            sent = (command.seq, pools, command)
+            self.recent_commands = [*self.recent_commands, sent][-_RECENT_COMMANDS:]
+        self.store.keep_command(self.run_id, sent, _RECENT_COMMANDS)
         for channel in self.registered(pools).values():
             channel.commands.put(command)
+
+    def missed_by(self, key: tuple[str, int]) -> list[pb.WorkerCommand]:
+        """The recent commands for `key`'s pool that its process had not received when it
+        registered: those a router that died sent to only some workers."""
+        with self._lock:
+            received = self._workers[key].received
+            return [
+                command for seq, pools, command in self.recent_commands
+                if seq > received and (pools is None or key[0] in pools)
+            ]
 
     def commands_for(self, worker: pb.WorkerId, worker_key: bytes, is_active) -> Iterator[pb.WorkerCommand]:
         channel = self.channel(worker, worker_key)

@@ -85,16 +85,25 @@ class RouterState:
         self._drive(run, launcher, dataset, resumed=False)
         return run
 
-    def resume_runs(self) -> None:
-        """Load the runs of the store; drive again those that had not finished."""
+    def load_runs(self) -> list[tuple[Run, Launcher]]:
+        """The runs of the store, known from now on (before the server answers its first call:
+        a worker re-registering must find its run); those that had not finished, with their
+        launchers, for `resume_runs`."""
+        unfinished = []
         for record in self._store.runs():
             launcher = self._launcher_factory()
             run = Run.restored(record, self._store, self._observer, launcher.max_workers)
             with self._lock:
                 self._runs[run.run_id] = run
             if not run.finished:
-                log.info("resuming run %s from the state store", run.run_id)
-                self._drive(run, launcher, make_dataset(run.config.data), resumed=True)
+                unfinished.append((run, launcher))
+        return unfinished
+
+    def resume_runs(self, unfinished: list[tuple[Run, Launcher]]) -> None:
+        """Drive again the runs `load_runs` found unfinished (once `address` is set)."""
+        for run, launcher in unfinished:
+            log.info("resuming run %s from the state store", run.run_id)
+            self._drive(run, launcher, make_dataset(run.config.data), resumed=True)
 
     def _drive(self, run: Run, launcher: Launcher, dataset, *, resumed: bool) -> None:
         worker_env = {"DYAD_JOIN_TOKEN": self.credentials.join_token} if self.credentials else {}
@@ -178,7 +187,8 @@ class CoordinatorService(rpc.CoordinatorServicer):
     def Register(self, request, context):
         run = self.state.get(request.run_id) if request.run_id else self.state.active()
         return run.register(
-            request.worker, request.data_address, request.pid, request.generation, request.worker_key
+            request.worker, request.data_address, request.pid, request.generation,
+            request.worker_key, request.last_command,
         )
 
     def Heartbeat(self, request, context):
@@ -211,6 +221,7 @@ def serve(
     """
     state = RouterState(launcher_factory, **state_options)
     state.credentials = credentials  # the launcher hands the join token to its workers
+    unfinished = state.load_runs()
     threads = state.watchers.limit + THREADS_BESIDES_WATCHERS
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
@@ -231,5 +242,5 @@ def serve(
     state.address = f"{host}:{bound}"
     for service in ("", "dyad.v1.Router", "dyad.v1.Coordinator"):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    state.resume_runs()
+    state.resume_runs(unfinished)
     return server, state

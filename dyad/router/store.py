@@ -26,7 +26,17 @@ CREATE TABLE IF NOT EXISTS events (
     event BLOB NOT NULL,
     PRIMARY KEY (run_id, seq)
 );
+CREATE TABLE IF NOT EXISTS commands (
+    run_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    pools TEXT,
+    command BLOB NOT NULL,
+    PRIMARY KEY (run_id, seq)
+);
 """
+
+# A command sent to the pools named (None: all), as `Run.send` keeps it.
+SentCommand = tuple[int, "tuple[str, ...] | None", pb.WorkerCommand]
 
 
 @dataclass
@@ -54,10 +64,16 @@ class NullStore:
     def append_event(self, run_id: str, seq: int, event: pb.RunEvent) -> None:
         pass
 
+    def keep_command(self, run_id: str, sent: SentCommand, keep: int) -> None:
+        pass
+
     def runs(self) -> list[RunRecord]:
         return []
 
     def events(self, run_id: str) -> list[pb.RunEvent]:
+        return []
+
+    def commands(self, run_id: str) -> list[SentCommand]:
         return []
 
 
@@ -89,6 +105,16 @@ class SqliteStore(NullStore):
                 (run_id, seq, event.SerializeToString()),
             )
 
+    def keep_command(self, run_id: str, sent: SentCommand, keep: int) -> None:
+        """Add a sent command; only the last `keep` of the run are kept."""
+        seq, pools, command = sent
+        with self._lock, self._connect() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO commands (run_id, seq, pools, command) VALUES (?, ?, ?, ?)",
+                (run_id, seq, None if pools is None else json.dumps(pools), command.SerializeToString()),
+            )
+            db.execute("DELETE FROM commands WHERE run_id = ? AND seq <= ?", (run_id, seq - keep))
+
     def runs(self) -> list[RunRecord]:
         with self._connect() as db:
             rows = db.execute("SELECT record FROM runs").fetchall()
@@ -105,6 +131,16 @@ class SqliteStore(NullStore):
                 "SELECT event FROM events WHERE run_id = ? ORDER BY seq", (run_id,)
             ).fetchall()
         return [pb.RunEvent.FromString(blob) for (blob,) in rows]
+
+    def commands(self, run_id: str) -> list[SentCommand]:
+        with self._connect() as db:
+            rows = db.execute(
+                "SELECT seq, pools, command FROM commands WHERE run_id = ? ORDER BY seq", (run_id,)
+            ).fetchall()
+        return [
+            (seq, None if pools is None else tuple(json.loads(pools)), pb.WorkerCommand.FromString(blob))
+            for seq, pools, blob in rows
+        ]
 
 
 def open_store(path: str | Path | None) -> NullStore:
