@@ -4,7 +4,6 @@ submit the config, follow the run's metrics with a progress bar, and report the 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from dyad import config as config_lib
 from dyad.app.client import RouterClient, local_router
 from dyad.config import RunConfig
 from dyad.router.checkpoints import checkpoint_dir
-from dyad.router.records import JsonLines
+from dyad.router.records import JsonLines, json_line
 from dyad.wire import as_dict, pb
 
 
@@ -96,7 +95,7 @@ def _stop_unless_finished(client: RouterClient, run_id: str) -> None:
 def append_record(out_dir: Path, record: dict) -> None:
     """A record at the end of the run's metrics.jsonl, whole or not at all (OSError)."""
     with JsonLines(Path(out_dir) / "metrics.jsonl") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json_line(record))
 
 
 def plot_losses(metrics: list[dict], path: Path) -> None:

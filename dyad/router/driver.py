@@ -6,7 +6,6 @@ committed checkpoint in a new generation and go on (a bounded number of times).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import queue
@@ -23,7 +22,7 @@ from dyad.router.boundary import BoundaryPlan
 from dyad.router.checkpoints import Committed
 from dyad.router.failures import OUT_OF_SPACE, blame, could_not_write
 from dyad.router.launcher import Launcher, WorkerSpec
-from dyad.router.records import JsonLines
+from dyad.router.records import JsonLines, json_line
 from dyad.router.run import Run, worker_key
 from dyad.router.sampler import Cursor
 from dyad.router.steps import StepPlanner, StepSpec, step_command
@@ -154,9 +153,9 @@ class RunDriver:
                 self._recover(lost)
                 continue
             self._write(as_dict(metrics) | {"generation": self.run.generation})
-            self._samples_file.write(json.dumps(
+            self._samples_file.write(json_line(
                 {"step": self.step, "generation": self.run.generation, "samples": samples}
-            ) + "\n")
+            ))
             self._samples_file.flush()
             self.run.record_step(metrics)
             self.step += 1
@@ -169,7 +168,7 @@ class RunDriver:
         """A record in metrics.jsonl; the run ends where it cannot be written (a full disk
         would fail a restart the same way)."""
         try:
-            self._metrics_file.write(json.dumps(record) + "\n")
+            self._metrics_file.write(json_line(record))
             self._metrics_file.flush()
         except OSError as error:
             raise RunAborted(could_not_write(error)) from error

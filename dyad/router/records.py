@@ -3,9 +3,17 @@ whole or not at all, so that a reader never meets half a line, a full disk inclu
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
 from typing import Self
+
+
+def json_line(record: dict) -> str:
+    """`record` as one line of strict JSON: a NaN or infinite number (a diverged step's loss) is
+    written as null, which every JSON reader reads."""
+    return json.dumps(_finite(record), allow_nan=False) + "\n"
 
 
 class NotWritten(OSError):
@@ -47,3 +55,13 @@ class JsonLines:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value

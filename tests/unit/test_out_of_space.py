@@ -120,3 +120,16 @@ def test_json_lines_keep_a_file_like_face_for_the_samples(tmp_path):
         lines.write('{"step": 0, "samples": [1, 2]}\n')
         lines.flush()
     assert _records(tmp_path / "samples.jsonl") == [{"step": 0, "samples": [1, 2]}]
+
+
+def test_a_diverged_steps_record_is_strict_json():
+    """NaN and infinities (a skipped step's loss) are written as null, which any JSON reader
+    reads; Python's own writer would emit NaN, which strict readers refuse."""
+    from dyad.router.records import json_line
+
+    line = json_line({"step": 3, "loss": float("nan"), "grad_norm": float("inf"), "skipped": True,
+                      "nested": [float("-inf"), 1.5]})
+    assert line.endswith("\n") and line.count("\n") == 1
+    assert json.loads(line, parse_constant=lambda name: pytest.fail(f"non-standard JSON {name}")) == {
+        "step": 3, "loss": None, "grad_norm": None, "skipped": True, "nested": [None, 1.5],
+    }
