@@ -25,6 +25,7 @@ no layout's slicing is written twice.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -144,7 +145,8 @@ def restore_pool(
     RNG states when the checkpoint holds them, and returns the saved step."""
     dcp = _dcp()
     path = pool_dir(directory, pool)
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    with _reading(path):
+        metadata = dcp.FileSystemReader(path).read_metadata()
     stored = metadata.state_dict_metadata
     targets = _restore_targets(model, optimizer)
     _check_holds(stored, targets, path)
@@ -160,7 +162,8 @@ def restore_pool(
     small = _hyperparameters(optimizer) | {f"optimizer.{key}.step": torch.zeros(()) for key, *_ in owned_parameters(model)}
     small.update({k: v for k, v in _rng_states(dist.get_rank(), _device(model)).items() if k in stored})
     small["step"] = 0
-    dcp.load(small, checkpoint_id=path)
+    with _reading(path):
+        dcp.load(small, checkpoint_id=path)
     for key, _, _, param in owned_parameters(model):
         step = small[f"optimizer.{key}.step"]  # fused AdamW keeps its step count beside the parameter
         optimizer.state[param]["step"] = step.to(param.device) if _fused(optimizer) else step
@@ -170,6 +173,25 @@ def restore_pool(
     optimizer.zero_grad(set_to_none=True)
     _set_rng_states({k: v for k, v in small.items() if k.startswith("rng.")}, dist.get_rank(), _device(model))
     return int(small["step"])
+
+
+class UnreadableCheckpoint(RuntimeError):
+    """A pool's checkpoint files could not be read (missing, truncated, or damaged)."""
+
+
+@contextlib.contextmanager
+def _reading(path: Path):
+    """Names the checkpoint in a failure to read it: DCP's errors name no file (a truncated one
+    fails with "PytorchStreamReader failed reading zip archive"), and its CheckpointException,
+    whose message is every failed rank's traceback, is a BaseException, which a worker's report
+    of its failure (`except Exception`) let through: the worker died saying nothing."""
+    try:
+        yield
+    except (Exception, _dcp().api.CheckpointException) as error:
+        lines = str(error).strip().splitlines()
+        last = lines[-1] if lines else ""
+        reason = last if isinstance(error, _dcp().api.CheckpointException) else f"{type(error).__name__}: {last}"
+        raise UnreadableCheckpoint(f"cannot read the checkpoint at {path}: {reason}") from error
 
 
 def _check_holds(stored: dict, targets: dict, path: Path) -> None:
@@ -206,7 +228,8 @@ def _read_once_for_all(keys: list[str], stored: dict, turns: _TurnsByBytes, stag
     owners = {key: turns.owner(_stored_bytes(stored[key])) for key in keys}
     rank = dist.get_rank()
     mine = staging.holders({key: stored[key] for key in keys if owners[key] == rank})
-    reader.load(mine)
+    with _reading(reader.path):
+        reader.load(mine)
     for key in keys:
         if owners[key] == rank:
             full = mine.pop(key).to(staging.device, non_blocking=True)
