@@ -1,15 +1,20 @@
 """Committed checkpoints: a directory per step with each pool's DCP checkpoint, and a manifest
 the router writes last and atomically, once every file of the pools' parts is on stable storage.
-A directory without a manifest is incomplete (a pool died while writing, or the router did
-before committing) and is never loaded.
+The manifest records each of those files' size and SHA-256, read as the file is synced, and a
+checkpoint is loaded only once its files still match them (`verify`). A directory without a
+manifest is incomplete (a pool died while writing, or the router did before committing) and is
+never loaded; one whose files do not verify is passed over for the previous committed one.
 
     <out_dir>/checkpoints/step_00000120/{encoder/, llm/, manifest.json}
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +22,16 @@ from pathlib import Path
 from dyad.pools import pool_names
 from dyad.router.sampler import Cursor
 
+log = logging.getLogger(__name__)
+
 MANIFEST = "manifest.json"
+# Files read (hashed, synced) at a time: SHA-256 releases the GIL, so threads hash in parallel
+# (about 1 GB/s a core with the CPU's SHA instructions; docs/resilience.md).
+DIGEST_THREADS = 8
+
+
+class CorruptCheckpoint(ValueError):
+    """A committed checkpoint's file is missing, unreadable, or not what its manifest recorded."""
 
 
 @dataclass(frozen=True)
@@ -26,6 +40,10 @@ class Committed:
     step: int
     cursor: Cursor  # the sampler's position after `step` steps
     layouts: dict  # the pools' layouts when it was written (informational: loading reshards)
+    # Path relative to `path` -> {"bytes": size, "sha256": hex digest}, for every file of the
+    # pools' parts; None where none were recorded (written, not yet committed; or a manifest
+    # from before they were recorded).
+    files: dict | None = None
 
 
 def checkpoint_dir(out_dir: str | Path, step: int) -> Path:
@@ -33,17 +51,20 @@ def checkpoint_dir(out_dir: str | Path, step: int) -> Path:
 
 
 def commit(path: Path, *, run_id: str, step: int, cursor: Cursor, layouts: dict) -> Committed:
-    """Sync the pools' parts to stable storage, then write the manifest; atomic (rename)."""
+    """Sync the pools' parts to stable storage, then write the manifest, with each of their
+    files' size and SHA-256 (read as it is synced); atomic (rename)."""
     missing = [pool for pool in pool_names() if not (path / pool).is_dir()]
     if missing:
         raise RuntimeError(f"cannot commit {path}: no checkpoint from pool(s) {', '.join(missing)}")
-    for pool in pool_names():
-        sync_tree(path / pool)
+    files = {
+        f"{pool}/{name}": record for pool in pool_names() for name, record in sync_tree(path / pool).items()
+    }
     manifest = {
         "run_id": run_id,
         "step": step,
         "cursor": {"epoch": cursor.epoch, "offset": cursor.offset},
         "layouts": layouts,
+        "files": files,
     }
     tmp = path / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
@@ -53,19 +74,68 @@ def commit(path: Path, *, run_id: str, step: int, cursor: Cursor, layouts: dict)
     os.replace(tmp, path / MANIFEST)
     _fsync(path)  # the rename itself
     _fsync(path.parent)  # and the step's directory in checkpoints/
-    return Committed(path, step, cursor, layouts)
+    return Committed(path, step, cursor, layouts, files)
 
 
-def sync_tree(root: Path) -> None:
-    """fsync every file under `root`, then every directory (their entries), `root` last. On one
-    host fsync flushes a file whoever wrote it; on a shared filesystem see docs/deploy.md."""
-    directories = []
-    for directory, _, files in os.walk(root):
-        for name in files:
-            _fsync(Path(directory) / name)
+def sync_tree(root: Path) -> dict[str, dict]:
+    """fsync every file under `root`, then every directory (their entries), `root` last; returns
+    each file's size and SHA-256 by its path relative to `root`, read in the same pass (files on
+    `DIGEST_THREADS` threads). On one host fsync flushes a file whoever wrote it; on a shared
+    filesystem see docs/deploy.md."""
+    paths, directories = [], []
+    for directory, _, names in os.walk(root):
+        paths += [Path(directory) / name for name in names]
         directories.append(Path(directory))
+    with ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="digest") as threads:
+        records = dict(zip(paths, threads.map(_digest_and_sync, paths)))
     for directory in reversed(directories):
         _fsync(directory)
+    return {path.relative_to(root).as_posix(): records[path] for path in sorted(paths)}
+
+
+def _digest_and_sync(path: Path) -> dict:
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        size = f.tell()
+        os.fsync(f.fileno())
+    return {"bytes": size, "sha256": digest}
+
+
+def _sha256(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as error:
+        raise CorruptCheckpoint(f"{path}: {error.strerror or error}") from None
+
+
+def verify(committed: Committed) -> None:
+    """Check that every file the manifest recorded is there with its size and then (all sizes
+    being right, so a truncated file costs no hashing) its SHA-256; CorruptCheckpoint naming the
+    first bad file otherwise. A manifest that recorded no files (written before manifests did) is
+    taken as it is: there is nothing to check its files against, and refusing it would strand
+    every run that has only such checkpoints."""
+    if committed.files is None:
+        log.info("%s records no file sizes or digests (an older manifest): loaded unverified", committed.path)
+        return
+    for name, record in committed.files.items():
+        path = committed.path / name
+        try:
+            size = path.stat().st_size
+        except OSError as error:
+            raise CorruptCheckpoint(f"{path}: {error.strerror or error} (recorded in {committed.path / MANIFEST})") from None
+        if size != record["bytes"]:
+            raise CorruptCheckpoint(f"{path}: size {size} != {record['bytes']} recorded")
+    names = list(committed.files)
+    threads = ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="verify")
+    try:
+        for name, digest in zip(names, threads.map(_sha256, [committed.path / name for name in names])):
+            if digest != committed.files[name]["sha256"]:
+                raise CorruptCheckpoint(
+                    f"{committed.path / name}: sha256 mismatch ({digest} != {committed.files[name]['sha256']} recorded)"
+                )
+    finally:
+        threads.shutdown(cancel_futures=True)  # the first bad file settles it
 
 
 def _fsync(path: Path) -> None:
@@ -110,40 +180,80 @@ class BackgroundCommits:
 
 
 def read_committed(path: str | Path) -> Committed:
-    """The committed checkpoint at `path`; ValueError if it has no (valid) manifest."""
+    """The committed checkpoint at `path` as its manifest records it (its files unverified:
+    `verify`); ValueError if it has no (valid) manifest."""
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         cursor = Cursor(int(manifest["cursor"]["epoch"]), int(manifest["cursor"]["offset"]))
-        return Committed(path.resolve(), int(manifest["step"]), cursor, manifest.get("layouts", {}))
+        files = manifest.get("files")
+        if files is not None:
+            files = {str(name): {"bytes": int(r["bytes"]), "sha256": str(r["sha256"])} for name, r in files.items()}
+        return Committed(path.resolve(), int(manifest["step"]), cursor, manifest.get("layouts", {}), files)
     except FileNotFoundError:
         raise ValueError(f"{path} is not a committed checkpoint (no {MANIFEST})") from None
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(f"{path / MANIFEST} is malformed: {error!r}") from None
 
 
-def latest_committed(out_dir: str | Path) -> Committed | None:
-    """The newest committed checkpoint of a run's out_dir; incomplete ones are skipped."""
+def committed_in(out_dir: str | Path) -> list[Committed]:
+    """A run's committed checkpoints, newest first, as their manifests record them (unverified);
+    directories without a (valid) manifest are left out."""
     root = Path(out_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    for candidate in sorted(root.glob("step_*"), reverse=True):
+    found = []
+    for candidate in sorted(root.glob("step_*"), reverse=True) if root.is_dir() else []:
         try:
-            return read_committed(candidate)
+            found.append(read_committed(candidate))
         except ValueError:
             continue
+    return found
+
+
+def first_verified(
+    candidates: Iterable[Committed], passed_over: Callable[[Committed, CorruptCheckpoint], None] | None = None,
+) -> Committed | None:
+    """The first of `candidates` whose files verify. Each one that does not is logged as a
+    warning naming the bad file and handed, as its CorruptCheckpoint, to `passed_over(committed,
+    error)` if given."""
+    for candidate in candidates:
+        try:
+            verify(candidate)
+            return candidate
+        except CorruptCheckpoint as error:
+            log.warning("passing over the checkpoint at step %d: %s", candidate.step, error)
+            if passed_over is not None:
+                passed_over(candidate, error)
     return None
 
 
-def resolve_resume(resume_from: str) -> Committed:
-    """`checkpoint.resume_from`: a committed checkpoint directory or a run's out_dir."""
+def latest_committed(out_dir: str | Path) -> Committed | None:
+    """The newest committed checkpoint of a run's out_dir whose files verify; incomplete ones
+    are skipped, and so (with a warning naming the bad file) are ones that do not verify."""
+    return first_verified(committed_in(out_dir))
+
+
+def resume_candidates(resume_from: str) -> list[Committed]:
+    """What `checkpoint.resume_from` offers, newest first: the committed checkpoint directory it
+    names (that one only), or a run out_dir's committed checkpoints; unverified."""
     path = Path(resume_from)
     if (path / MANIFEST).exists():
-        return read_committed(path)
-    found = latest_committed(path)
-    if found is None:
+        return [read_committed(path)]
+    found = committed_in(path)
+    if not found:
         raise ValueError(
             f"checkpoint.resume_from ({resume_from}) holds no committed checkpoint "
             f"(a checkpoint directory with {MANIFEST}, or a run directory with checkpoints/)"
         )
+    return found
+
+
+def resolve_resume(resume_from: str) -> Committed:
+    """`checkpoint.resume_from`: the committed checkpoint directory it names, or a run out_dir's
+    newest committed checkpoint whose files verify (older ones stand in for those that do not);
+    ValueError naming the bad file when none does."""
+    candidates = resume_candidates(resume_from)
+    bad = []
+    found = first_verified(candidates, lambda committed, error: bad.append(str(error)))
+    if found is None:
+        raise ValueError(f"checkpoint.resume_from ({resume_from}) holds no checkpoint whose files verify: {'; '.join(bad)}")
     return found

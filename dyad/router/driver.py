@@ -6,6 +6,8 @@ committed checkpoint in a new generation and go on (a bounded number of times).
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import math
 import queue
@@ -47,6 +49,10 @@ class RunAborted(RuntimeError):
 
 class WorkerLost(RuntimeError):
     """A worker died, hung, went silent or failed: the run can recover from a checkpoint."""
+
+
+class _NothingToRestore(Exception):
+    """A recovery's workers, started to restore a checkpoint, have none left that verifies."""
 
 
 @dataclass
@@ -185,12 +191,34 @@ class RunDriver:
     # ------------------------------------------------------------------ checkpoints
 
     def _first_checkpoint(self) -> Committed | None:
-        own = checkpoints.latest_committed(self.out_dir) if self.resumed else None
-        if own is not None:
-            return own
+        """Where the run starts: after a router restart its own newest checkpoint, else
+        `checkpoint.resume_from`'s, else the initial weights (none); the newest whose files
+        verify (`_verified`)."""
+        own = checkpoints.committed_in(self.out_dir) if self.resumed else []
+        return self._verified(self._lineage(own))
+
+    def _lineage(self, own: list[Committed]):
+        """`own` checkpoints (of this run's out_dir, newest first), then those
+        `checkpoint.resume_from` offers, read only if reached."""
+        yield from own
         if self.config.checkpoint.resume_from:
-            return checkpoints.resolve_resume(self.config.checkpoint.resume_from)
-        return None
+            yield from checkpoints.resume_candidates(self.config.checkpoint.resume_from)
+
+    def _verified(self, candidates) -> Committed | None:
+        """The first of `candidates` whose files verify. Each one passed over is a
+        `corrupt_checkpoint` notice naming its bad file, and no recovery. None where none
+        verifies: the initial weights, as with no checkpoint, unless the run resumes from
+        `checkpoint.resume_from`, which then fails naming the bad files rather than start over."""
+        bad = []
+
+        def passed_over(committed: Committed, error: checkpoints.CorruptCheckpoint) -> None:
+            bad.append(str(error))
+            self._notice("corrupt_checkpoint", f"{error}; passing over {committed.path}", step=committed.step)
+
+        found = checkpoints.first_verified(candidates, passed_over)
+        if found is None and bad and self.config.checkpoint.resume_from:
+            raise RunAborted(f"no checkpoint to continue from verifies: {'; '.join(bad)}")
+        return found
 
     def _continue_from(self, committed: Committed | None) -> None:
         self.committed = self.written = committed
@@ -361,25 +389,43 @@ class RunDriver:
                         self.run.run_id, used, limit, back_to, lost)
             self._notice("recovery", f"attempt {used}/{limit}: {lost}", step=back_to)
             try:
-                self._start_generation(
-                    restarting=pool_names(), restore_all=True, stop_grace_s=self.config.router.abort_grace_s,
-                    before_setup=self._back_to_the_committed_checkpoint,
-                )
+                self._restart_from_the_committed_checkpoint()
                 return
             except WorkerLost as again:
                 lost = again
+
+    def _restart_from_the_committed_checkpoint(self) -> None:
+        """A recovery's new generation, set up from the last committed checkpoint that verifies.
+        Where none does and the run goes back to its initial weights, workers started to
+        restore one (built without them) are started again to draw them: one more generation,
+        not another recovery."""
+        restart = functools.partial(
+            self._start_generation, restarting=pool_names(), restore_all=True,
+            stop_grace_s=self.config.router.abort_grace_s,
+        )
+        try:
+            restart(before_setup=self._back_to_the_committed_checkpoint)
+        except _NothingToRestore:
+            restart()
 
     def _back_to_the_committed_checkpoint(self) -> None:
         """A recovery's workers have registered: the run goes back to the last committed
         checkpoint, the one being synced included (waiting for its commit here, not before the
         workers stop, lets the sync go on while they stop and start; docs/resilience.md, "What a
-        failure costs (two H200s)")."""
-        waited = time.perf_counter()
+        failure costs (two H200s)"), or, where its files no longer verify, to the newest earlier
+        one that does (`_verified`)."""
+        began = time.perf_counter()
         self._wait_for_commit()
-        waited = time.perf_counter() - waited
-        self._continue_from(self.committed)
-        log.info("run %s: back at step %d (%.1fs waited for its checkpoint's commit)",
-                 self.run.run_id, self.step, waited)
+        committed = time.perf_counter()
+        newest = self.committed
+        if newest is not None:
+            earlier = (c for c in self._lineage(checkpoints.committed_in(self.out_dir)) if c.step < newest.step)
+            newest = self._verified(itertools.chain([newest], earlier))
+        self._continue_from(newest)
+        log.info("run %s: back at step %d (%.1fs waited for its checkpoint's commit, %.1fs verifying its files)",
+                 self.run.run_id, self.step, committed - began, time.perf_counter() - committed)
+        if newest is None and self.run.restores:
+            raise _NothingToRestore()
 
     def _between_steps(self) -> None:
         """Requests that wait for a step boundary: resizes, then an on-demand checkpoint. A
