@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
+import select
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -56,7 +59,7 @@ class Followed:
 
 def follow(
     client: RouterClient, run_id: str, on_step: Callable[[pb.StepMetrics], None] = lambda m: None,
-    from_step: int = 0,
+    from_step: int = 0, on_notice: Callable[[pb.RunNotice], None] = lambda n: None,
 ) -> Followed:
     steps, notices = {}, []
     info = None
@@ -67,18 +70,72 @@ def follow(
             on_step(event.step)
         elif kind == "notice":
             notices.append(event.notice)
+            on_notice(event.notice)
         else:
             info = event.finished
     return Followed(info or client.get_run(run_id), steps, notices)
 
 
-def run_followed(client: RouterClient, config, on_step=lambda m: None) -> Followed:
+def run_followed(client: RouterClient, config, on_step=lambda m: None, on_notice=lambda n: None) -> Followed:
     info = client.start_run(config_lib.to_yaml(config))
-    return follow(client, info.run_id, on_step)
+    return follow(client, info.run_id, on_step, on_notice=on_notice)
 
 
 def kill(pid: int, sig: int = signal.SIGKILL) -> None:
     os.kill(pid, sig)
+
+
+def exited(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie counts: its parent has yet to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def largest_shard(checkpoint: Path, pool: str) -> Path:
+    """The pool's largest DCP data file in a checkpoint directory: tensors, not metadata."""
+    return max((checkpoint / pool).glob("*.distcp"), key=lambda path: path.stat().st_size)
+
+
+def truncate_half(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def flip_bytes(path: Path, count: int = 64) -> None:
+    """Inverts `count` bytes in the middle of the file: its size stays, its contents do not."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        data = f.read(count)
+        f.seek(-len(data), os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+class HeldWrite:
+    """Holds a pool's rank 0 inside its write of a checkpoint: the pool's metadata file, which
+    DCP writes last (`.metadata.tmp`, then renamed; its data files need a seekable stream), is
+    made a FIFO whose reader reads nothing, with a one-page buffer, so the write blocks after
+    its first page and the save cannot end. `wait` returns once bytes are waiting in the pipe
+    (the write has begun); `release` removes the FIFO, so a later save of the same checkpoint
+    writes an ordinary file."""
+
+    def __init__(self, checkpoint: Path, pool: str):
+        self.path = path = checkpoint / pool / ".metadata.tmp"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(path)
+        self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a writer's open then does not block
+        fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, os.sysconf("SC_PAGE_SIZE"))
+
+    def wait(self, timeout_s: float = 180.0) -> None:
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while not any(mask & select.POLLIN for _, mask in poller.poll(1000)):  # no writer yet: no event
+            assert time.monotonic() < deadline, f"nothing began writing {self.path} within {timeout_s}s"
+
+    def release(self) -> None:
+        self.path.unlink()
+        os.close(self._fd)
 
 
 def trained_samples(out_dir: str | Path) -> dict[int, list[int]]:

@@ -1,9 +1,13 @@
-"""Runs survive: a SIGKILLed encoder or LLM worker, pools resized mid-run, a resume under
-another layout, a truncated checkpoint, a router killed and started again — each run ends with the losses of an uninterrupted run
-(fp32, 1e-5) and trains on every sample of the epoch exactly once."""
+"""Runs survive: a SIGKILLed encoder or LLM worker (once, twice, or while it writes a
+checkpoint), a frozen worker (left stopped, or continued once it is replaced), pools resized
+mid-run, a resume under another layout, checkpoints that cannot load (no manifest, a truncated or
+changed shard: passed over, naming the file, without spending a recovery), a router killed and
+started again — each run ends with the losses of an uninterrupted run (fp32, 1e-5) and trains on
+every sample of the epoch exactly once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -17,18 +21,23 @@ import pytest
 from dyad import config as config_lib
 from dyad.app.cli import _describe_step, main
 from dyad.app.client import RouterClient
-from dyad.router.checkpoints import MANIFEST
+from dyad.router.checkpoints import MANIFEST, checkpoint_dir
 from dyad.router.launcher import free_ports
 from dyad.wire import pb
 from tests.helpers.resilience import (
     CREDENTIALS,
+    HeldWrite,
     assert_losses_match,
+    exited,
+    flip_bytes,
     follow,
     in_process_router,
     job_config,
     kill,
+    largest_shard,
     run_followed,
     trained_samples,
+    truncate_half,
 )
 
 
@@ -135,8 +144,12 @@ def test_recoveries_are_bounded_by_max_recoveries(tmp_path):
     assert max(run.steps) < 7
 
 
-def test_a_hung_worker_is_detected_by_its_silence_and_replaced(tmp_path, uninterrupted):
-    """SIGSTOP freezes every thread of the LLM worker, its heartbeats included."""
+@pytest.mark.parametrize("continued", [False, True], ids=["left-stopped", "continued"])
+def test_a_hung_worker_is_detected_by_its_silence_and_replaced(tmp_path, uninterrupted, continued):
+    """SIGSTOP freezes every thread of the LLM worker, its heartbeats included. Left stopped, the
+    recovery's signals end it; continued (SIGCONT) as soon as the recovery is announced, the stale
+    process wakes into a run that has moved on to a new generation: it ends, and the run counts
+    no second failure for it."""
     frozen = []
 
     with in_process_router() as (client, state):
@@ -145,10 +158,94 @@ def test_a_hung_worker_is_detected_by_its_silence_and_replaced(tmp_path, uninter
                 frozen.append(state.get(state.active_run_ids()[0]).pids["llm/0"])
                 kill(frozen[0], signal.SIGSTOP)
 
+        def continue_it(notice):
+            if continued and notice.kind == "recovery":
+                with contextlib.suppress(ProcessLookupError):  # the recovery's SIGKILL came first
+                    kill(frozen[0], signal.SIGCONT)
+
         config = job_config(tmp_path, "router.worker_timeout_s=4")
-        run = run_followed(client, config, freeze_once)
+        run = run_followed(client, config, freeze_once, continue_it)
+        replacement = state.get(run.info.run_id).pids["llm/0"]
     recoveries = [n for n in run.notices if n.kind == "recovery"]
     assert len(recoveries) == 1 and "silent" in recoveries[0].message, run.notices
+    assert run.info.recoveries == 1 and run.info.generation == 2
+    assert replacement != frozen[0] and exited(frozen[0])
+    _assert_same_training(tmp_path, run, uninterrupted)
+
+
+def test_a_second_worker_killed_right_after_a_recovery_is_recovered_too(tmp_path, uninterrupted):
+    """The encoder worker is SIGKILLed after step 2; at the first step the recovered run reports,
+    the LLM worker of the new generation is SIGKILLed too."""
+    killed, recovered = [], []
+
+    with in_process_router() as (client, state):
+        def pid(key):
+            return state.get(state.active_run_ids()[0]).pids[key]
+
+        def kill_twice(metrics):
+            if metrics.step == 2 and not killed:
+                killed.append(pid("encoder/0"))
+                kill(killed[-1])
+            elif recovered and len(killed) == 1:
+                killed.append(pid("llm/0"))
+                kill(killed[-1])
+
+        run = run_followed(client, job_config(tmp_path), kill_twice,
+                           lambda notice: recovered.append(notice) if notice.kind == "recovery" else None)
+    assert len(killed) == 2, killed
+    assert [n.kind for n in run.notices].count("recovery") == 2, run.notices
+    assert run.info.recoveries == 2 and run.info.generation == 3
+    _assert_same_training(tmp_path, run, uninterrupted)
+
+
+def test_a_worker_killed_while_it_writes_a_checkpoint_is_recovered_from_the_one_before(tmp_path, uninterrupted):
+    """The LLM worker is held inside its write of step 4's checkpoint (its metadata file a FIFO
+    nobody reads) and SIGKILLed there: the checkpoint is never committed, the run goes back to
+    step 2's, and writes step 4's again, whole, when it gets there."""
+    held = HeldWrite(checkpoint_dir(tmp_path, 4), "llm")
+    killed = []
+
+    with in_process_router() as (client, state):
+        def kill_in_the_write(metrics):
+            if metrics.step == 3 and not killed:  # step 4's checkpoint is due next
+                held.wait()
+                killed.append(state.get(state.active_run_ids()[0]).pids["llm/0"])
+                kill(killed[0])
+                held.release()
+
+        run = run_followed(client, job_config(tmp_path), kill_in_the_write)
+    assert killed
+    assert [(n.kind, n.step) for n in run.notices if n.kind != "checkpoint"] == [("recovery", 2)], run.notices
+    assert run.info.recoveries == 1 and run.info.generation == 2
+    assert (checkpoint_dir(tmp_path, 4) / MANIFEST).exists()
+    _assert_same_training(tmp_path, run, uninterrupted)
+
+
+def test_a_recovery_passes_over_a_checkpoint_changed_since_its_commit(tmp_path, uninterrupted):
+    """Step 4's checkpoint is committed, then 64 bytes of one of its shards are inverted while
+    the run goes on; the LLM worker is SIGKILLed while it writes step 6's (held there, so step
+    4's is the newest committed one). The recovery finds the shard changed, names it, and goes
+    back to step 2's instead: one recovery, not one per attempt to load the bad checkpoint."""
+    held = HeldWrite(checkpoint_dir(tmp_path, 6), "llm")
+    killed, changed = [], []
+
+    with in_process_router() as (client, state):
+        def change_then_kill(metrics):
+            if metrics.step == 5 and not killed:  # step 6's checkpoint is due next; step 4's committed before it
+                held.wait()
+                changed.append(largest_shard(checkpoint_dir(tmp_path, 4), "encoder"))
+                flip_bytes(changed[0])
+                killed.append(state.get(state.active_run_ids()[0]).pids["llm/0"])
+                kill(killed[0])
+                held.release()
+
+        run = run_followed(client, job_config(tmp_path), change_then_kill)
+    assert killed
+    kinds = [(n.kind, n.step) for n in run.notices if n.kind != "checkpoint"]
+    assert kinds == [("recovery", 4), ("corrupt_checkpoint", 4)], run.notices
+    assert f"{changed[0]}: sha256 mismatch" in run.notices[[n.kind for n in run.notices].index("corrupt_checkpoint")].message
+    assert run.info.recoveries == 1 and run.info.generation == 2
+    assert '"event": "corrupt_checkpoint"' in (tmp_path / "metrics.jsonl").read_text()
     _assert_same_training(tmp_path, run, uninterrupted)
 
 
@@ -172,25 +269,60 @@ def test_pools_resized_mid_run_keep_the_math(tmp_path, uninterrupted):
     _assert_same_training(tmp_path, run, uninterrupted)
 
 
-def test_resume_under_another_llm_layout_skips_a_truncated_checkpoint(tmp_path, uninterrupted):
-    """Resume from a copy of the uninterrupted run whose newest checkpoints lost their
-    manifests (as if the router died while committing): the run continues from the newest
-    committed one, under LLM tp=2 instead of 1, with the same losses."""
+def _lose_manifests(source):
+    for step in (6, 8):
+        (checkpoint_dir(source, step) / MANIFEST).unlink()
+    return []
+
+
+def _truncate_a_shard(source):
+    shard = largest_shard(checkpoint_dir(source, 8), "llm")
+    truncate_half(shard)
+    return [shard]
+
+
+def _change_shards(source):
+    shards = [largest_shard(checkpoint_dir(source, step), "encoder") for step in (8, 6)]
+    for shard in shards:
+        flip_bytes(shard)
+    return shards
+
+
+# How the source's newest checkpoints are damaged (returning the files that no longer verify,
+# newest first), and the step the run resumes at.
+DAMAGE = {
+    "lost-manifests": (_lose_manifests, 4),  # as if the router died while committing them
+    "truncated-shard": (_truncate_a_shard, 6),
+    "changed-shards": (_change_shards, 4),  # 64 bytes inverted in each: sizes unchanged
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_resume_under_another_llm_layout_skips_checkpoints_that_cannot_load(tmp_path, uninterrupted, damage):
+    """Resume from a copy of the uninterrupted run whose newest checkpoints were damaged: the run
+    continues from the newest one that is committed and whose files verify, under LLM tp=2
+    instead of 1, with the same losses; each one passed over is announced naming its bad file,
+    and none costs a recovery."""
     baseline_dir, baseline = uninterrupted
     source = tmp_path / "source"
     shutil.copytree(baseline_dir / "checkpoints", source / "checkpoints")
-    for step in (6, 8):
-        (source / "checkpoints" / f"step_{step:08d}" / MANIFEST).unlink()
+    damage_it, start = DAMAGE[damage]
+    bad_files = damage_it(source)
 
     with in_process_router() as (client, _):
         config = job_config(tmp_path / "resumed", "parallel.llm.tp=2",
                             f"checkpoint.resume_from={source}")
         run = run_followed(client, config)
     assert run.info.state == 3, run.info.message
-    assert sorted(run.steps) == [4, 5, 6, 7]
-    assert_losses_match(run.steps, {s: baseline.steps[s] for s in (4, 5, 6, 7)})
+    assert run.info.recoveries == 0 and run.info.generation == 1
+    passed_over = [n.message for n in run.notices if n.kind == "corrupt_checkpoint"]
+    assert len(passed_over) == len(bad_files), run.notices
+    assert all(message.startswith(f"{path}: ") for message, path in zip(passed_over, bad_files)), passed_over
+    steps = list(range(start, 8))
+    assert sorted(run.steps) == steps
+    assert_losses_match(run.steps, {s: baseline.steps[s] for s in steps})
     resumed = trained_samples(tmp_path / "resumed")
-    assert resumed == {s: trained_samples(baseline_dir)[s] for s in (4, 5, 6, 7)}
+    assert resumed == {s: trained_samples(baseline_dir)[s] for s in steps}
 
 
 def _start_router(tmp_path, port: int, name: str) -> subprocess.Popen:
@@ -226,9 +358,11 @@ def test_a_restarted_router_finishes_the_run(tmp_path, uninterrupted):
         second = _start_router(tmp_path, port, "router-2")
         run = follow(client, info.run_id)
         assert run.info.state == 3, (run.info.message, (tmp_path / "router-2.log").read_text()[-3000:])
-        # Workers either re-registered and continued in place, or (one of them waiting
-        # mid-step for a peer that never got its step command) were replaced.
-        assert {n.kind for n in run.notices} & {"resume", "recovery"}, run.notices
+        # Every worker registered again and the run went on in place: one left waiting for a
+        # peer that never got the dead router's last command is unblocked by the new router
+        # sending that peer the command.
+        assert [n.kind for n in run.notices if n.kind in ("resume", "recovery")] == ["resume"], run.notices
+        assert run.info.recoveries == 0
         _assert_same_training(tmp_path / "run", run, uninterrupted)
     finally:
         client.close()
