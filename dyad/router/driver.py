@@ -243,6 +243,10 @@ class RunDriver:
         wait = wait or not self.config.checkpoint.sync_in_background
         path = checkpoints.checkpoint_dir(self.out_dir, self.step)
         path.mkdir(parents=True, exist_ok=True)
+        # A run that went back past this step committed it once: the pools now write it again,
+        # and its old manifest no longer describes the files (it becomes a checkpoint again at
+        # its new commit).
+        (path / checkpoints.MANIFEST).unlink(missing_ok=True)
         save = pb.SaveCommand(step=self.step, path=str(path), sync_files=wait)
         self.run.send(pb.WorkerCommand(save=save))
         self._collect("save", lambda result: result.step == self.step)

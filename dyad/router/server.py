@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from dyad import config as config_lib
 from dyad.data import make_dataset
 from dyad.router.auth import Credentials, TokenInterceptor
-from dyad.router.checkpoints import resolve_resume
+from dyad.router.checkpoints import resume_candidates
 from dyad.router.driver import RunDriver
 from dyad.router.errors import FailedPrecondition, NotFound, map_errors
 from dyad.router.launcher import Launcher, LocalLauncher
@@ -65,7 +65,9 @@ class RouterState:
         dataset = make_dataset(config.data)
         config = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
         if config.checkpoint.resume_from:
-            resolve_resume(config.checkpoint.resume_from)  # refuse a bad path before starting
+            # Refuse a path that holds no checkpoint now; the driver verifies the files (reading
+            # them all, which a caller's deadline need not wait for).
+            resume_candidates(config.checkpoint.resume_from)
         if not still_wanted():
             log.warning("StartRun's caller gave up (deadline or cancel) while its config was validated: no run started")
             raise FailedPrecondition("the caller's deadline passed while the config was validated; no run was started")

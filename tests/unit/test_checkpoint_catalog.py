@@ -258,3 +258,17 @@ def test_a_resumed_run_whose_checkpoints_do_not_verify_fails_naming_the_file(tmp
     with pytest.raises(RunAborted, match=f"no checkpoint to continue from verifies: {shard}: sha256 mismatch"):
         driver._first_checkpoint()
     driver._metrics_file.close()
+
+
+def test_a_step_written_again_loses_its_old_manifest_before_the_pools_write(tmp_path):
+    """A run that went back past step 4 writes step 4 again: until its new commit, the old
+    manifest would describe files being overwritten."""
+    driver, _, _ = _recovering_driver(tmp_path)
+    driver.step = 4
+    manifest_while_saving = []
+    driver._collect = lambda kind, matches: manifest_while_saving.append(
+        (checkpoint_dir(tmp_path, 4) / MANIFEST).exists()) or {}
+    driver._commit(wait=True)
+    driver._metrics_file.close()
+    assert manifest_while_saving == [False]
+    assert read_committed(checkpoint_dir(tmp_path, 4)).step == 4  # committed again
