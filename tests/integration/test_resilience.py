@@ -110,9 +110,12 @@ def test_a_killed_worker_is_recovered_from_the_last_checkpoint(tmp_path, uninter
         run = run_followed(client, config, act)
     assert killed
     kinds = [(n.kind, n.step) for n in run.notices]
-    on_demand = kinds[0]
-    assert on_demand[0] == "checkpoint" and 2 <= on_demand[1] <= 4, kinds
-    assert kinds[1] == ("recovery", on_demand[1]), kinds
+    # The on-demand checkpoint (written at a step between 2 and 4) and the recovery back to it;
+    # in either order: the checkpoint's commit may still be going on in the background when the
+    # recovery is announced (the recovery waits for it before restoring).
+    committed = [step for kind, step in kinds if kind == "checkpoint"]
+    assert 2 <= committed[0] <= 4 and committed[1:] == [8], kinds
+    assert [step for kind, step in kinds if kind == "recovery"] == [committed[0]], kinds
     assert run.info.recoveries == 1 and run.info.generation == 2
     assert '"event": "recovery"' in (tmp_path / "metrics.jsonl").read_text()
     # The restarted workers, told that they restore the checkpoint, drew no initial weights; the
