@@ -188,10 +188,15 @@ class CheckpointConfig:
     # run waits for (before a resize, at the end): every worker syncs its own files as it writes
     # them (for a shared filesystem where one client's fsync does not cover another's writes).
     sync_in_background: bool = True
+    # Committed checkpoints kept in the run's out_dir: once one is committed, those older than
+    # the newest this many are deleted (0: keep all). The newest is what a recovery or a resize
+    # restores; the ones before it are what a recovery falls back to if it fails verification.
+    keep_last: int = 5
 
     def __post_init__(self) -> None:
-        if self.interval_steps < 0:
-            raise ValueError(f"checkpoint.interval_steps must be >= 0, got {self.interval_steps}")
+        for name in ("interval_steps", "keep_last"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"checkpoint.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(kw_only=True)

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -75,6 +76,23 @@ def commit(path: Path, *, run_id: str, step: int, cursor: Cursor, layouts: dict)
     _fsync(path)  # the rename itself
     _fsync(path.parent)  # and the step's directory in checkpoints/
     return Committed(path, step, cursor, layouts, files)
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete the step directories of `root` (a run's checkpoints/) older than its newest `keep`
+    committed ones (0: none), incomplete ones among them; returns them. Each loses its manifest
+    first, so that a deletion cut short never leaves a directory that reads as committed."""
+    steps = sorted(root.glob("step_*"))
+    committed = [path for path in steps if (path / MANIFEST).exists()]
+    if keep == 0 or len(committed) <= keep:
+        return []
+    oldest_kept = committed[-keep]
+    pruned = [path for path in steps if path < oldest_kept]
+    for path in pruned:
+        (path / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(path)
+        log.info("deleted %s (checkpoint.keep_last=%d)", path, keep)
+    return pruned
 
 
 def sync_tree(root: Path) -> dict[str, dict]:
@@ -155,13 +173,20 @@ class BackgroundCommits:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit")
         self._pending: Future | None = None
 
-    def start(self, written: Committed, run_id: str) -> None:
+    def start(self, written: Committed, run_id: str, keep_last: int = 0) -> None:
+        """Commit `written`, then prune the checkpoints before the newest `keep_last`."""
         if self._pending is not None:
             raise RuntimeError("a checkpoint is still being committed: wait() for it first")
-        self._pending = self._thread.submit(
-            commit, written.path, run_id=run_id, step=written.step, cursor=written.cursor,
-            layouts=written.layouts,
-        )
+
+        def commit_and_prune() -> Committed:
+            committed = commit(
+                written.path, run_id=run_id, step=written.step, cursor=written.cursor,
+                layouts=written.layouts,
+            )
+            prune(written.path.parent, keep_last)
+            return committed
+
+        self._pending = self._thread.submit(commit_and_prune)
 
     def finished(self) -> Committed | None:
         """The pending checkpoint if it has been committed since the last call, else None."""

@@ -10,6 +10,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import queue
 import time
 from dataclasses import dataclass
@@ -103,6 +104,7 @@ class RunDriver:
         self.step = 0
         self.planner = StepPlanner(run.config, dataset)
         self._ahead: SentStep | None = None  # the next step, sent with this one's update
+        self._stop_seen: float | None = None  # when a client's stop was first seen mid-step
         self._early: list[pb.WorkerResult] = []  # results of it that came before their collection
 
     @property
@@ -126,6 +128,7 @@ class RunDriver:
 
     def _drive(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._write_config()
         with (
             JsonLines(self.out_dir / "metrics.jsonl") as self._metrics_file,
             # The samples each step trained on, to audit that none is lost or repeated.
@@ -148,7 +151,8 @@ class RunDriver:
         self.run.set_state(pb.RUN_STATE_RUNNING)
         total = self.config.train.steps
         while self.written is None or self.written.step != total:
-            self._check_stop()
+            if self._ahead is None:  # a step sent ahead is trained first: its samples are taken
+                self._stop_if_requested()
             try:
                 if self.step == total:  # the final checkpoint (a recovery rewinds the step)
                     self._commit(wait=True)
@@ -169,6 +173,17 @@ class RunDriver:
             if interval and self.step % interval == 0 and self.step < total:
                 self._commit_or_recover()
         self._wait_for_commit()
+
+    def _write_config(self) -> None:
+        """The run's config as it runs (derived fields filled, the pools' current layouts) in
+        out_dir/config.yaml: what `dyad eval` and a resume read back."""
+        path = self.out_dir / "config.yaml"
+        try:
+            tmp = path.with_suffix(".yaml.tmp")
+            tmp.write_text(self.run.config_yaml)
+            os.replace(tmp, path)
+        except OSError as error:
+            raise RunAborted(could_not_write(error)) from error
 
     def _write(self, record: dict) -> None:
         """A record in metrics.jsonl; the run ends where it cannot be written (a full disk
@@ -253,7 +268,7 @@ class RunDriver:
         parallel = config_lib.to_dict(self.config.parallel)
         layouts = {pool: parallel[pool] for pool in pool_names()}
         self.written = Committed(path, self.step, self.planner.cursor, layouts)
-        self.commits.start(self.written, run_id=self.run.run_id)
+        self.commits.start(self.written, run_id=self.run.run_id, keep_last=self.config.checkpoint.keep_last)
         if wait:
             self._wait_for_commit()
 
@@ -451,6 +466,7 @@ class RunDriver:
             config = config_lib.scaled(config, pool, replicas)
         before = self.run.pool_sizes
         self.run.resize(config)
+        self._write_config()
         self.planner = StepPlanner(config, self.dataset, self.planner.cursor)
         changed = [pool for pool in pool_names() if before[pool] != self.run.pool_sizes[pool]]
         timing = self._start_generation(restarting=changed, restore_all=False)
@@ -540,7 +556,10 @@ class RunDriver:
         interval = self.config.checkpoint.interval_steps
         if interval and step % interval == 0:
             return False
-        return not (self.run.checkpoint_requested.is_set() or self.run.has_scale_requests())
+        return not (
+            self.run.checkpoint_requested.is_set() or self.run.has_scale_requests()
+            or self.run.stop_requested.is_set()
+        )
 
     # ------------------------------------------------------------------ waiting
 
@@ -570,7 +589,14 @@ class RunDriver:
         for result in early:
             take(result)
         while pending:
-            self._check_stop()
+            # A stop waits for the step in flight, to commit the step it ends at, but not for one
+            # that does not end.
+            stopping = kind in ("step", "apply") and self.run.stop_requested.is_set()
+            if stopping and time.monotonic() > self._stop_deadline():
+                raise RunAborted(
+                    f"stopped by the client during step {self.step}, which did not end within "
+                    f"router.stop_grace_s={self.config.router.stop_grace_s}", pb.RUN_STATE_STOPPED,
+                )
             self._check_alive()
             if time.monotonic() > deadline:
                 late = ", ".join(f"{pool}/{rank}" for pool, rank in sorted(pending))
@@ -587,6 +613,27 @@ class RunDriver:
     def _check_stop(self) -> None:
         if self.run.stop_requested.is_set():
             raise RunAborted("stopped by the client", pb.RUN_STATE_STOPPED)
+
+    def _stop_deadline(self) -> float:
+        if self._stop_seen is None:
+            self._stop_seen = time.monotonic()
+        return self._stop_seen + self.config.router.stop_grace_s
+
+    def _stop_if_requested(self) -> None:
+        """Between steps: a client's stop first commits the step the run has reached (unless
+        it is committed already), so that nothing trained is lost, then ends the run."""
+        if not self.run.stop_requested.is_set():
+            return
+        if self.step > 0 and (self.written is None or self.written.step != self.step):
+            try:
+                self._commit(wait=True)
+            except (WorkerLost, RunAborted) as error:
+                raise RunAborted(
+                    f"stopped by the client at step {self.step}; its checkpoint could not be committed: {error}",
+                    pb.RUN_STATE_STOPPED,
+                ) from error
+        where = f"; checkpoint {self.committed.path}" if self.committed else ""
+        raise RunAborted(f"stopped by the client at step {self.step}{where}", pb.RUN_STATE_STOPPED)
 
     def _check_stop_or_lost(self) -> None:
         self._check_stop()

@@ -71,7 +71,7 @@ def _config(tmp_path, overrides):
     if config.llm.moe.expert_bias:
         # a checkpoint after every step shows the first update move the bias: at these rates it
         # swings back and forth and can end the ten steps at zero
-        config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, interval_steps=1))
+        config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, interval_steps=1, keep_last=0))
     return dataclasses.replace(config, out_dir=str(tmp_path / "run"))
 
 

@@ -272,3 +272,28 @@ def test_a_step_written_again_loses_its_old_manifest_before_the_pools_write(tmp_
     driver._metrics_file.close()
     assert manifest_while_saving == [False]
     assert read_committed(checkpoint_dir(tmp_path, 4)).step == 4  # committed again
+
+
+def test_pruning_keeps_the_newest_committed_checkpoints_and_deletes_the_older_ones(tmp_path):
+    for step in (2, 4, 6, 8):
+        _write(tmp_path, step)
+    (checkpoint_dir(tmp_path, 3) / "llm").mkdir(parents=True)  # a crashed write, older than those kept
+    (checkpoint_dir(tmp_path, 9) / "llm").mkdir(parents=True)  # one being written now
+    root = tmp_path / "checkpoints"
+    assert checkpoints.prune(root, 0) == []  # 0: keep all
+    assert checkpoints.prune(root, 2) == [checkpoint_dir(tmp_path, s) for s in (2, 3, 4)]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000006", "step_00000008", "step_00000009"]
+    assert [c.step for c in checkpoints.committed_in(tmp_path)] == [8, 6]
+    assert checkpoints.prune(root, 2) == []
+
+
+def test_a_background_commit_prunes_once_it_has_committed(tmp_path):
+    _write(tmp_path, 2)
+    _write(tmp_path, 4, committed=False)  # written by the pools, not yet committed
+    written = checkpoints.Committed(checkpoint_dir(tmp_path, 4), 4, Cursor(1, 32), {})
+    commits = checkpoints.BackgroundCommits()
+    commits.start(written, run_id="r", keep_last=1)
+    assert commits.wait().step == 4
+    commits.close()
+    assert [c.step for c in checkpoints.committed_in(tmp_path)] == [4]
+    assert not checkpoint_dir(tmp_path, 2).exists()

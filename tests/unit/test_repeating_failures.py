@@ -68,7 +68,7 @@ class _Service:
 def _runtime() -> WorkerRuntime:
     runtime = object.__new__(WorkerRuntime)  # no router connection: its stub is _Stub
     runtime.run_id, runtime.pool, runtime.rank, runtime.generation = "run", "llm", 0, 1
-    runtime.worker_key = b"issued-at-registration"
+    runtime.worker_key, runtime.last_command = b"issued-at-registration", 0
     runtime.worker = pb.WorkerId(pool=pool_type("llm").wire_id, rank=0)
     runtime.stub = _Stub()
     runtime._gc = GcPauses()
