@@ -55,6 +55,7 @@ import functools
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 import threading
 import time
@@ -62,6 +63,12 @@ import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
+
+# UCX reads UCX_MEMTYPE_CACHE when libucs loads, which importing ucxx does before ucxx sets it
+# to "n": too late to act, and UCX then warns of an unused variable in every worker's log.
+# Setting UCX's own default first keeps what UCX has always done here and silences the warning;
+# a value the user set wins, and is read in time.
+os.environ.setdefault("UCX_MEMTYPE_CACHE", "try")
 
 import torch
 from ucxx._lib.arr import Array
