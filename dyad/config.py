@@ -9,6 +9,7 @@ values raise ValueError naming the dotted field.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import re
 import reprlib
@@ -314,12 +315,38 @@ def build(cls, values: dict[str, Any], prefix: str = ""):
     for key, value in values.items():
         name = f"{prefix}.{key}" if prefix else key
         if key not in types_by_name:
-            raise ValueError(f"unknown config field {_short(name)}")
+            raise ValueError(f"unknown config field {_short(name)}{_did_you_mean(cls, name)}")
         kwargs[key] = _coerce(value, types_by_name[key], name)
     try:
         return cls(**kwargs)
     except TypeError as error:  # e.g. a missing required field
         raise ValueError(f"{prefix or 'config'}: {error}") from None
+
+
+def _did_you_mean(cls, name: str) -> str:
+    """The hint after "unknown config field" for a `name` that `cls` (at its prefix) lacks, e.g.
+    "; did you mean 'train.lr'?": the closest known dotted field at any depth below, else those
+    whose last part is closest to `name`'s (`lr` given without its section); "" if none is close."""
+    if len(name) > 200:  # no one types that: not worth comparing
+        return ""
+    prefix, _, key = name.rpartition(".")
+    known = list(_dotted_fields(cls, prefix))
+    close = difflib.get_close_matches(name, known, n=1)
+    if not close:
+        by_last = {}
+        for dotted in known:
+            by_last.setdefault(dotted.rpartition(".")[2], []).append(dotted)
+        close = [dotted for last in difflib.get_close_matches(key, by_last, n=1) for dotted in by_last[last]]
+    return f"; did you mean {' or '.join(repr(dotted) for dotted in close)}?" if close else ""
+
+
+def _dotted_fields(cls, prefix: str):
+    """Every field of dataclass `cls` and of the sections below it, dotted from `prefix`."""
+    for key, annotation in _field_types(cls).items():
+        name = f"{prefix}.{key}" if prefix else key
+        yield name
+        if dataclasses.is_dataclass(annotation):
+            yield from _dotted_fields(annotation, name)
 
 
 def to_dict(config) -> dict[str, Any]:
