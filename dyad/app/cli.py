@@ -76,32 +76,115 @@ def _add_job_arguments(
 
 
 def _job_config(args, *, local: bool = True):
-    """The run config from the job arguments. A `local` job (train, verify) also picks the device
-    and the output directory here; a submitted one leaves what is unset to the router."""
+    """The run config from the job arguments, checked before anything starts (`_check`). A
+    `local` job (train, verify) also picks the device and the output directory here; a submitted
+    one leaves what is unset to the router."""
     from dyad import config as config_lib
 
     overrides = list(args.set)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
-    device = args.device
-    if device is None and local:
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device is not None:
-        overrides.append(f"train.device={device}")
-    config = config_lib.load(args.config, overrides)
+    if args.device is not None:
+        overrides.append(f"train.device={args.device}")
+    try:
+        config = config_lib.load(args.config, overrides)
+    except OSError as error:  # the --config file
+        raise ValueError(f"--config {args.config}: {error.strerror}") from None
+    _check(config, local=local, local_router=local and not args.router, command=args.command)
+    if args.device is None and local:
+        train = dataclasses.replace(config.train, device=_default_device())
+        config = dataclasses.replace(config, train=train)
     out = args.out
     if out is None and local:
         out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     return dataclasses.replace(config, out_dir=str(Path(out).resolve())) if out else config
 
 
-def _resolved(config):
+def _check(config, *, local: bool, local_router: bool, command: str) -> None:
+    """What the router checks before it starts a run, checked here (ValueError naming the field)
+    before a router, a worker or a run directory exists, and without torch (whose import alone
+    takes seconds): every field and value, and the pools' layouts against their models. A `local`
+    job also reads its data (paths and records) and `checkpoint.resume_from` here; a submitted one
+    leaves those to the router, whose files they are (its paths). A `local_router` runs as many
+    workers as this machine's launcher allows."""
     from dyad import config as config_lib
+
+    vocab_size = None
+    if local:
+        vocab_size = _dataset(config).tokenizer.vocab_size
+    config_lib.resolve(config, vocab_size=vocab_size)
+    if local_router:
+        from dyad.router.launcher import local_max_workers
+        from dyad.router.run import check_worker_count, pool_sizes
+
+        check_worker_count(pool_sizes(config), local_max_workers())
+    if local and config.checkpoint.resume_from:
+        _check_resume(config, command)
+
+
+def _dataset(config):
     from dyad.data import make_dataset
 
-    dataset = make_dataset(config.data)
+    try:
+        return make_dataset(config.data)
+    except OSError as error:  # e.g. a data.path that exists but cannot be read
+        raise ValueError(f"data: cannot read {error.filename or config.data.path}: {error.strerror}") from None
+
+
+def _check_resume(config, command: str) -> None:
+    """A run resumed from `checkpoint.resume_from` continues from its newest committed
+    checkpoint: refused past `train.steps`. The router plans each step's learning rate from the
+    config it runs (warm-up, then cosine decay to `train.steps`): a `train.steps` other than the
+    run's own bends the decay from the resumed step on, which a warning says with the rates."""
+    from dyad.router.checkpoints import resume_candidates
+
+    newest = resume_candidates(config.checkpoint.resume_from)[0]
+    train = config.train
+    if newest.step > train.steps:
+        raise ValueError(
+            f"checkpoint.resume_from ({config.checkpoint.resume_from}) continues from step {newest.step}, "
+            f"past train.steps ({train.steps})"
+        )
+    previous = _previous_train_section(newest.path.parent.parent)  # <out_dir>/checkpoints/step_N
+    steps = previous.get("steps")
+    if not isinstance(steps, int) or steps == train.steps:
+        return
+    from dyad.router.schedule import lr_at
+
+    def rate(total_steps: int) -> float:
+        return lr_at(newest.step, lr=train.lr, warmup_steps=train.warmup_steps, total_steps=total_steps,
+                     min_lr_ratio=train.min_lr_ratio)
+
+    print(
+        f"dyad {command}: warning: train.steps is {train.steps}, the run resumed at step {newest.step} had "
+        f"{steps}: the learning rate decays over the new count from here on (at step {newest.step}: "
+        f"{rate(train.steps):.3g}, not the {rate(steps):.3g} of the run's schedule)",
+        file=sys.stderr,
+    )
+
+
+def _previous_train_section(out_dir: Path) -> dict:
+    """The `train:` section of the config a run's `dyad train` wrote to `out_dir`; {} when there
+    is none to read (a run submitted to a router, or an older file)."""
+    from dyad import config as config_lib
+
+    try:
+        section = config_lib.load_yaml_text((out_dir / "config.yaml").read_text()).get("train")
+    except (OSError, ValueError):
+        return {}
+    return section if isinstance(section, dict) else {}
+
+
+def _default_device() -> str:
+    import torch  # seconds: only once the config is known to be good
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _resolved(config):
+    from dyad import config as config_lib
+
+    dataset = _dataset(config)
     return config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size), dataset
 
 
@@ -114,11 +197,10 @@ def _run_job(args, config):
 
 
 def cmd_train(args) -> int:
-    from dyad.app.evaluate import caption_accuracy, load_trained
     from dyad.app.jobs import append_record
 
     config = _job_config(args)
-    print(f"dyad train: writing to {config.out_dir}")
+    print(f"dyad train: writing to {config.out_dir}", flush=True)  # before the progress on stderr
     job = _run_job(args, config)
     out_dir = Path(config.out_dir)
     if job.metrics:
@@ -126,6 +208,8 @@ def cmd_train(args) -> int:
     if not job.succeeded:
         print(f"run {job.info.run_id} did not succeed: {job.info.message}", file=sys.stderr)
         return 1
+    from dyad.app.evaluate import caption_accuracy, load_trained  # torch and the models
+
     resolved, dataset = _resolved(config)
     encoder, llm = load_trained(resolved, job.final_checkpoint())
     accuracy, count = caption_accuracy(resolved, dataset, encoder, llm)
@@ -154,13 +238,13 @@ def _plot(metrics: list[dict], path: Path) -> None:
 
 
 def cmd_verify(args) -> int:
-    from dyad.app.verify import compare_with_reference
-
     config = _job_config(args)
     job = _run_job(args, config)
     if not job.succeeded:
         print(f"run {job.info.run_id} did not succeed: {job.info.message}", file=sys.stderr)
         return 1
+    from dyad.app.verify import compare_with_reference  # torch and the models
+
     resolved, dataset = _resolved(config)
     comparison = compare_with_reference(resolved, dataset, job)
     print(f"{'step':>5} {'layout loss':>14} {'reference loss':>15} {'rel. error':>11}")
@@ -202,8 +286,8 @@ def _state_name(state: int) -> str:
 def _describe(info: pb.RunInfo) -> str:
     lines = [
         f"run {info.run_id}: {_state_name(info.state)}, step {info.step}/{info.total_steps}",
-        f"  generation {info.generation}, recoveries {info.recoveries}, "
-        f"replicas: encoder {info.encoder_replicas}, llm {info.llm_replicas}",
+        (f"  generation {info.generation}, recoveries {info.recoveries}, "
+         f"replicas: encoder {info.encoder_replicas}, llm {info.llm_replicas}"),
         f"  out_dir: {info.out_dir}",
     ]
     if info.last_checkpoint:

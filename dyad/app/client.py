@@ -9,8 +9,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
+from typing import Self
 
 from dyad.channels import open_channel
 from dyad.credentials import CLIENT_TOKEN_ENV, JOIN_TOKEN_ENV
@@ -60,7 +61,7 @@ class RouterClient:
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> RouterClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -201,6 +201,15 @@ def test_submit_checks_the_config_before_calling(router, capsys):
     assert router.active_run_ids() == []
 
 
+def test_submit_checks_the_layouts_and_names_a_mistyped_field_before_calling(router, capsys):
+    """The data and `checkpoint.resume_from` are the router's files: it checks those."""
+    code, _, err = dyad(capsys, "submit", "--set", "parallel.llm.tp=3")
+    assert (code, err) == (2, "dyad submit: parallel.llm: tp (3) must divide n_heads (4)\n")
+    code, _, err = dyad(capsys, "submit", "--set", "train.lrr=1")
+    assert (code, err) == (2, "dyad submit: unknown config field 'train.lrr'; did you mean 'train.lr'?\n")
+    assert router.active_run_ids() == []
+
+
 def test_the_router_command_needs_its_tokens(capsys, monkeypatch):
     monkeypatch.delenv("DYAD_TOKEN", raising=False)
     monkeypatch.setenv("DYAD_JOIN_TOKEN", "join")
