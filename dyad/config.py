@@ -201,6 +201,21 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class MetricsConfig:
+    """`metrics:`. Where a run's metrics go besides metrics.jsonl (always written)."""
+
+    tensorboard: bool = True  # event files in out_dir/tensorboard/ (`tensorboard --logdir`)
+    wandb_project: str = ""  # a Weights & Biases project to log to (needs `pip install wandb`)
+    wandb_mode: str = "online"  # "online", "offline" (synced later with `wandb sync`) or "disabled"
+    mlflow_tracking_uri: str = ""  # an MLflow tracking server or a file:// store (needs `pip install mlflow`)
+    mlflow_experiment: str = "dyad"
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode not in ("online", "offline", "disabled"):
+            raise ValueError(f"metrics.wandb_mode must be 'online', 'offline' or 'disabled', got {self.wandb_mode!r}")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """A run's config: the sections every run has and, in the class `composed_types` builds from
     the registered pool types, one `<pool>:` section per pool (e.g. `config.llm`)."""
@@ -213,6 +228,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         if self.seed < 0:

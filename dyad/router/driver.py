@@ -28,9 +28,10 @@ from dyad.router.launcher import Launcher, WorkerSpec
 from dyad.router.records import JsonLines, json_line
 from dyad.router.run import Run, worker_key
 from dyad.router.sampler import Cursor
+from dyad.router.sinks import open_sinks
 from dyad.router.steps import StepPlanner, StepSpec, step_command
 from dyad.ucx_progress import worker_progress_env
-from dyad.wire import as_dict, pb
+from dyad.wire import pb
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
@@ -129,15 +130,18 @@ class RunDriver:
     def _drive(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._write_config()
-        with (
-            JsonLines(self.out_dir / "metrics.jsonl") as self._metrics_file,
-            # The samples each step trained on, to audit that none is lost or repeated.
-            JsonLines(self.out_dir / "samples.jsonl") as self._samples_file,
-        ):
+        sinks = open_sinks(self.run, self.out_dir)
+        for sink in sinks:
+            self.run.subscribe(sink)
+        # The samples each step trained on, to audit that none is lost or repeated.
+        with JsonLines(self.out_dir / "samples.jsonl") as self._samples_file:
             try:
                 self._train_to_the_end()
             finally:  # a stopped or failed run's last checkpoint is committed all the same
                 self._commit_before_leaving()
+                for sink in sinks:
+                    self.run.unsubscribe(sink)
+                    sink.close()
 
     def _train_to_the_end(self) -> None:
         self._continue_from(self._first_checkpoint())
@@ -162,12 +166,10 @@ class RunDriver:
             except WorkerLost as lost:
                 self._recover(lost)
                 continue
-            self._write(as_dict(metrics) | {"generation": self.run.generation})
+            self._record(self.run.record_step, metrics)
             self._samples_file.write(json_line(
                 {"step": self.step, "generation": self.run.generation, "samples": samples}
             ))
-            self._samples_file.flush()
-            self.run.record_step(metrics)
             self.step += 1
             interval = self.config.checkpoint.interval_steps
             if interval and self.step % interval == 0 and self.step < total:
@@ -185,23 +187,19 @@ class RunDriver:
         except OSError as error:
             raise RunAborted(could_not_write(error)) from error
 
-    def _write(self, record: dict) -> None:
-        """A record in metrics.jsonl; the run ends where it cannot be written (a full disk
-        would fail a restart the same way)."""
+    def _record(self, emit, *args):
+        """`emit(*args)` (a step's metrics, a notice): the run's history and every sink (its
+        metrics.jsonl among them) have it; the run ends where a sink cannot write it (a full
+        disk would fail a restart the same way)."""
         try:
-            self._metrics_file.write(json_line(record))
-            self._metrics_file.flush()
+            return emit(*args)
         except OSError as error:
             raise RunAborted(could_not_write(error)) from error
 
     def _notice(self, kind: str, message: str, step: int | None = None) -> None:
         """A RunNotice in the WatchRun stream and an `event` record in metrics.jsonl, of `step`
         (default the current one)."""
-        notice = self.run.notice(kind, self.step if step is None else step, message)
-        self._write({
-            "event": kind, "step": notice.step, "generation": notice.generation,
-            "recoveries": notice.recoveries, "message": message,
-        })
+        self._record(self.run.notice, kind, self.step if step is None else step, message)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -532,8 +530,7 @@ class RunDriver:
         log.warning("run %s: step %d skipped (loss %s, gradient norm %s), %d so far of at most %d",
                     self.run.run_id, metrics.step, metrics.loss, metrics.grad_norm, count, limit)
         if count > limit:
-            self._write(as_dict(metrics) | {"generation": self.run.generation})
-            self.run.record_step(metrics)
+            self._record(self.run.record_step, metrics)
             raise RunAborted(
                 f"{count} steps skipped for a non-finite loss or gradient norm, more than "
                 f"train.max_skipped_steps={limit} (the last: step {metrics.step}, loss {metrics.loss}, "

@@ -94,7 +94,9 @@ class Run:
         self.config = config
         self.config_yaml = to_yaml(config)  # what workers and the store get; kept with `config`
         self.store = store or NullStore()
-        self.observer = observer or RunObserver()
+        # Told what the run does, in order: the router's (e.g. Prometheus, dyad/router/metrics.py)
+        # and the run's own sinks (dyad/router/sinks.py), which its driver subscribes.
+        self._observers: list[RunObserver] = [observer] if observer else []
         self.secret = secrets.token_bytes(32)
         self.rendezvous: dict[str, str] = {}
         self.formed_at: dict[str, int] = {}  # pool -> the generation its processes joined
@@ -154,6 +156,18 @@ class Run:
         sizes = self.pool_sizes
         self._info.encoder_replicas, self._info.llm_replicas = sizes["encoder"], sizes["llm"]
 
+    def subscribe(self, observer: RunObserver) -> None:
+        self._observers.append(observer)
+
+    def unsubscribe(self, observer: RunObserver) -> None:
+        self._observers.remove(observer)
+
+    def _tell(self, event: str, *args) -> None:
+        """Every observer's `event`, in the thread that made it happen: a sink that cannot record
+        it (a full disk) raises to the driver, which ends the run."""
+        for observer in list(self._observers):
+            getattr(observer, event)(self, *args)
+
     def persist(self) -> None:
         with self._lock:
             record = RunRecord(
@@ -194,7 +208,7 @@ class Run:
                 self._append(finished)
             self._lock.notify_all()
         self.persist()
-        self.observer.state(self, state)
+        self._tell("state", state)
 
     def _append(self, event: pb.RunEvent) -> None:
         self._events.append(event)
@@ -206,7 +220,7 @@ class Run:
             self._append(pb.RunEvent(step=metrics))
             self._lock.notify_all()
         self.persist()
-        self.observer.step(self, metrics)
+        self._tell("step", metrics)
 
     def notice(self, kind: str, step: int, message: str) -> pb.RunNotice:
         with self._lock:
@@ -217,7 +231,7 @@ class Run:
             self._append(pb.RunEvent(notice=notice))
             self._lock.notify_all()
         self.persist()
-        self.observer.notice(self, notice)
+        self._tell("notice", notice)
         return notice
 
     def continue_from(self, step: int) -> None:
@@ -291,7 +305,7 @@ class Run:
             self.config = config
             self.config_yaml = to_yaml(config)
             self._set_sizes()
-        self.observer.resize(self)
+        self._tell("resize")
 
     # ------------------------------------------------------------------ generations and workers
 

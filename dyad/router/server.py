@@ -23,6 +23,7 @@ from dyad.router.driver import RunDriver
 from dyad.router.errors import FailedPrecondition, NotFound, map_errors
 from dyad.router.launcher import Launcher, LocalLauncher
 from dyad.router.run import Run, check_worker_count, pool_sizes
+from dyad.router.sinks import check_sinks
 from dyad.router.store import open_store
 from dyad.router.streams import MAX_WATCHERS, THREADS_BESIDES_WATCHERS, StreamSlots
 from dyad.wire import GRPC_OPTIONS, pb, rpc
@@ -60,6 +61,7 @@ class RouterState:
         dataset's records included, which can take long) is done: a caller that gave up by then
         (its deadline passed) gets no run."""
         config = config_lib.from_yaml(config_yaml)
+        check_sinks(config.metrics)
         launcher = self._launcher_factory()
         check_worker_count(pool_sizes(config), launcher.max_workers)  # before reading any data
         dataset = make_dataset(config.data)

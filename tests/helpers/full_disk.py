@@ -38,7 +38,7 @@ def fill_up(budgets: dict[str | Path, int], monkeypatch=None) -> None:
         opened = real_open(file, mode, *args, **kwargs)
         if isinstance(file, int) or not any(ch in mode for ch in "wax+"):
             return opened
-        path = os.path.abspath(os.fspath(file))
+        path = os.path.abspath(os.fsdecode(file))  # str or bytes (TensorBoard's writer opens by bytes)
         under = [prefix for prefix in left if path == prefix or path.startswith(prefix + os.sep)]
         return _Filling(opened, left, under[0]) if under else opened
 

@@ -154,3 +154,13 @@ def assert_losses_match(actual: dict, expected: dict, rtol: float = 1e-5) -> Non
         assert abs(got - metrics.loss) <= rtol * abs(metrics.loss), (
             f"step {step}: loss {got} vs uninterrupted {metrics.loss}"
         )
+
+
+def records_of(run, out_dir: Path):
+    """`run`'s metrics.jsonl in `out_dir`, subscribed to it as a driver's own run does (for tests
+    that drive a RunDriver's parts without `_drive`)."""
+    from dyad.router.sinks import RunRecords
+
+    records = RunRecords(Path(out_dir) / "metrics.jsonl")
+    run.subscribe(records)
+    return records

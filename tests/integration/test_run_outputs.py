@@ -4,6 +4,7 @@ reached."""
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from dyad.router.checkpoints import committed_in
@@ -39,6 +40,13 @@ def test_only_the_newest_checkpoints_are_kept_and_the_config_is_written_as_it_ra
     assert run.info.state == pb.RUN_STATE_SUCCEEDED, run.info.message
     assert [c.step for c in committed_in(tmp_path)] == [8, 7]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000007", "step_00000008"]
+    # TensorBoard's event files, by default, with every step's loss as metrics.jsonl has it.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert {e.step: e.value for e in events.Scalars("train/loss")} == pytest.approx(
+        {step: metrics.loss for step, metrics in run.steps.items()})
     written = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert written["llm"]["vocab_size"] > 0  # derived from the tokenizer, as the workers ran it
     assert written["checkpoint"]["keep_last"] == 2

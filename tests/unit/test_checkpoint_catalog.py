@@ -31,7 +31,7 @@ from dyad.router.driver import RunAborted, RunDriver, WorkerLost
 from dyad.router.run import Run
 from dyad.router.sampler import Cursor
 from tests.helpers.launchers import NoWorkers
-from tests.helpers.resilience import job_config
+from tests.helpers.resilience import job_config, records_of
 
 
 def _write(out_dir, step, *, committed=True):
@@ -206,7 +206,7 @@ def _recovering_driver(tmp_path, *overrides):
     setups = []
     run.send = lambda command, pools=None: setups.append(command.setup) if command.HasField("setup") else None
     driver._collect = lambda kind, matches: {}
-    driver._metrics_file = open(tmp_path / "metrics.jsonl", "a")  # noqa: SIM115 - closed by the test's end
+    driver._metrics_file = records_of(driver.run, tmp_path)
     return driver, run, setups
 
 

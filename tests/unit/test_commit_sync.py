@@ -17,7 +17,7 @@ from dyad.router.run import Run
 from dyad.router.sampler import Cursor
 from dyad.wire import pb
 from tests.helpers.launchers import NoWorkers
-from tests.helpers.resilience import job_config
+from tests.helpers.resilience import job_config, records_of
 
 
 def _driver(tmp_path, *overrides):
@@ -35,7 +35,7 @@ def _driver(tmp_path, *overrides):
     run.send = send
     driver._collect = lambda kind, matches: {}
     driver._start_generation = lambda restarting, restore_all: GenerationStart(0.0, 0.0, 0.0)
-    driver._metrics_file = open(tmp_path / "metrics.jsonl", "a")  # noqa: SIM115 - closed by the test's end
+    driver._metrics_file = records_of(driver.run, tmp_path)
     return driver, run, saves
 
 
@@ -98,7 +98,7 @@ def test_a_recovery_restarts_the_workers_while_the_last_checkpoint_syncs_then_re
     setups = []
     run.send = lambda command, pools=None: setups.append(command.setup) if command.HasField("setup") else None
     driver._collect = lambda kind, matches: {}
-    with open(tmp_path / "metrics.jsonl", "a") as driver._metrics_file:
+    with records_of(driver.run, tmp_path) as driver._metrics_file:
         driver._recover(WorkerLost("worker llm/1 exited with code -9"))
     assert events == ["workers stopped", "workers started", "commit waited for"]
     assert {setup.restore_path for setup in setups} == {str(checkpoint_dir(tmp_path, 4))}

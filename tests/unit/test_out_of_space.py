@@ -14,9 +14,11 @@ from dyad.app.worker import would_repeat
 from dyad.router.driver import RunAborted, RunDriver
 from dyad.router.failures import blame, could_not_write
 from dyad.router.records import JsonLines, NotWritten
+from dyad.router.run import Run
 from dyad.service import _not_written
 from dyad.wire import pb
 from tests.helpers.full_disk import fill_up
+from tests.helpers.resilience import job_config, records_of
 
 NO_SPACE = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -44,12 +46,13 @@ def test_a_line_that_does_not_fit_is_cut_off_again_and_the_error_names_the_file(
 def test_the_routers_write_that_fails_ends_the_run_naming_the_file_and_the_bytes(tmp_path, monkeypatch):
     path = tmp_path / "metrics.jsonl"
     fill_up({path: 10}, monkeypatch)
-    driver = object.__new__(RunDriver)  # only its writing is under test
-    record = {"event": "checkpoint", "step": 2, "message": "committed"}
-    with JsonLines(path) as driver._metrics_file, pytest.raises(RunAborted) as aborted:
-        driver._write(record)
+    driver = object.__new__(RunDriver)  # only its recording is under test
+    run = Run("r", job_config(tmp_path))
+    with records_of(run, tmp_path), pytest.raises(RunAborted) as aborted:
+        driver._record(run.notice, "checkpoint", 2, "committed")
     message = str(aborted.value)
     assert aborted.value.state == pb.RUN_STATE_FAILED
+    record = {"event": "checkpoint", "step": 2, "generation": 0, "recoveries": 0, "message": "committed"}
     size = len(json.dumps(record)) + 1
     assert message.startswith(f"out of disk space writing {path} (No space left on device: {size} bytes to write, ")
     assert message.endswith("so the run ends without recovering")

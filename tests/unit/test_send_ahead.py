@@ -18,7 +18,7 @@ from dyad.pools import pool_type
 from dyad.router.driver import GenerationStart, RunDriver
 from dyad.router.run import Run
 from dyad.wire import pb
-from tests.helpers.resilience import job_config
+from tests.helpers.resilience import job_config, records_of
 
 
 def _driver(tmp_path, *overrides, during_collect=lambda run, kind, step: None):
@@ -52,7 +52,7 @@ def _driver(tmp_path, *overrides, during_collect=lambda run, kind, step: None):
 
 def _train(driver, tmp_path) -> None:
     with (
-        open(tmp_path / "metrics.jsonl", "a") as driver._metrics_file,
+        records_of(driver.run, tmp_path) as driver._metrics_file,
         open(tmp_path / "samples.jsonl", "a") as driver._samples_file,
     ):
         driver._train_to_the_end()

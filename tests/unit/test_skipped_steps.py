@@ -21,7 +21,7 @@ from dyad.router.driver import GenerationStart, RunAborted, RunDriver, step_upda
 from dyad.router.run import Run
 from dyad.service import PoolService
 from dyad.wire import pb
-from tests.helpers.resilience import job_config
+from tests.helpers.resilience import job_config, records_of
 
 
 @pytest.mark.parametrize("loss, grad_sq_norm", [(math.nan, 4.0), (2.0, math.inf), (math.inf, math.nan)])
@@ -95,7 +95,7 @@ def _driver(tmp_path, *overrides, loss_at=lambda step: 2.0):
 
 def _train(driver, tmp_path) -> list[dict]:
     with (
-        open(tmp_path / "metrics.jsonl", "a") as driver._metrics_file,
+        records_of(driver.run, tmp_path) as driver._metrics_file,
         open(tmp_path / "samples.jsonl", "a") as driver._samples_file,
     ):
         try:

@@ -17,7 +17,7 @@ from dyad.router.driver import RunDriver, WorkerLost
 from dyad.router.run import Run
 from dyad.wire import pb
 from tests.helpers.launchers import NoWorkers
-from tests.helpers.resilience import job_config
+from tests.helpers.resilience import job_config, records_of
 
 
 class _Stopped(Exception):
@@ -38,7 +38,7 @@ def _driver(tmp_path) -> tuple[RunDriver, Run, _RecordsStops]:
     run = Run("r", config)
     launcher = _RecordsStops()
     driver = RunDriver(run, launcher=launcher, router_address="", dataset=make_dataset(config.data))
-    driver._metrics_file = open(tmp_path / "metrics.jsonl", "a")  # noqa: SIM115 - closed by the test
+    driver._metrics_file = records_of(driver.run, tmp_path)
     return driver, run, launcher
 
 

@@ -14,7 +14,7 @@ from dyad.router.run import Run
 from dyad.router.store import SqliteStore
 from dyad.wire import pb
 from tests.helpers.launchers import NoWorkers
-from tests.helpers.resilience import job_config
+from tests.helpers.resilience import job_config, records_of
 
 ENCODER0 = pb.WorkerId(pool=pb.POOL_ENCODER, rank=0)
 LLM0 = pb.WorkerId(pool=pb.POOL_LLM, rank=0)
@@ -66,7 +66,7 @@ def test_the_new_router_sends_each_worker_what_it_missed_before_the_setup(tmp_pa
     restored, sent = _sent_and_restored(tmp_path)
     driver = RunDriver(restored, NoWorkers(), "", make_dataset(restored.config.data), resumed=True)
     driver._collect = lambda kind, matches: {}  # no workers answer here: the setup is not awaited
-    driver._metrics_file = open(tmp_path / "metrics.jsonl", "a")  # noqa: SIM115 - closed below
+    driver._metrics_file = records_of(driver.run, tmp_path)
     took_over = threading.Thread(target=driver._take_over_workers)
     took_over.start()
     try:
