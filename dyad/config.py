@@ -476,6 +476,28 @@ def resolve(config: RunConfig, *, vocab_size: int | None = None) -> RunConfig:
     return dataclasses.replace(config, **sections)
 
 
+# Fields that name files or directories: relative ones are relative to where the config was
+# written (the client's working directory), not to where the router happens to run.
+PATH_FIELDS = ("out_dir", "data.path", "data.tokenizer", "checkpoint.resume_from")
+
+
+def with_absolute_paths(config: RunConfig, base: str | Path) -> RunConfig:
+    """`config` with each relative path of PATH_FIELDS made absolute against `base`."""
+    for dotted in PATH_FIELDS:
+        *sections, name = dotted.split(".")
+        owners = [config]
+        for section in sections:
+            owners.append(getattr(owners[-1], section))
+        value = getattr(owners[-1], name)
+        if not value or Path(value).is_absolute():
+            continue
+        updated = dataclasses.replace(owners[-1], **{name: str(Path(base) / value)})
+        for owner, key in zip(reversed(owners[:-1]), reversed(sections), strict=True):
+            updated = dataclasses.replace(owner, **{key: updated})
+        config = updated
+    return config
+
+
 def scaled(config: RunConfig, pool: str, replicas: int) -> RunConfig:
     """`config` with `pool` resized to `replicas` processes: the data-parallel degree follows,
     every other degree stays, and the step keeps its global batch and microbatches. Validated

@@ -317,7 +317,8 @@ def _describe_notice(notice: pb.RunNotice) -> str:
 def cmd_submit(args) -> int:
     from dyad import config as config_lib
 
-    config = _job_config(args, local=False)
+    # Paths as the user wrote them, from here: the router may run elsewhere.
+    config = config_lib.with_absolute_paths(_job_config(args, local=False), Path.cwd())
     with _connect(args) as client:
         info = client.start_run(config_lib.to_yaml(config))
     print(info.run_id)

@@ -244,3 +244,24 @@ def test_python_m_dyad_router_serves_with_token_files(tmp_path, capsys, monkeypa
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_submit_sends_paths_resolved_against_the_clients_directory(router, capsys, monkeypatch, tmp_path):
+    """The router may run anywhere, in any directory: relative paths mean the client's."""
+    import yaml
+
+    from dyad.app.client import RouterClient
+
+    sent = []
+    start_run = RouterClient.start_run
+    monkeypatch.setattr(RouterClient, "start_run", lambda self, text: sent.append(text) or start_run(self, text))
+    monkeypatch.chdir(tmp_path)
+    code, _, err = dyad(capsys, "submit", "--steps", "2", "--set", "out_dir=runs/a",
+                        "--set", "data.tokenizer=tokenizers/words.json")
+    # The router reads the file (absent here), at the path the client meant.
+    assert code == 1 and f"data.tokenizer: file not found: '{tmp_path / 'tokenizers' / 'words.json'}'" in err, err
+    code, _, err = dyad(capsys, "submit", "--steps", "2", "--set", "out_dir=runs/a")
+    assert code == 0, err
+    config = yaml.safe_load(sent[-1])
+    assert config["out_dir"] == str(tmp_path / "runs" / "a")
+    assert yaml.safe_load(sent[0])["data"]["tokenizer"] == str(tmp_path / "tokenizers" / "words.json")

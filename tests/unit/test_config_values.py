@@ -28,3 +28,12 @@ def test_exponents_in_a_config_file(tmp_path):
 def test_what_is_not_a_number_still_names_the_field(override, message):
     with pytest.raises(ValueError, match=message):
         config_lib.load(None, [override])
+
+
+def test_relative_paths_are_made_absolute_against_a_base_and_others_kept():
+    config = config_lib.load(None, ["data.name=jsonl", "data.path=data/x.jsonl", "out_dir=out",
+                                    "checkpoint.resume_from=/runs/a"])
+    absolute = config_lib.with_absolute_paths(config, "/home/user")
+    assert (absolute.out_dir, absolute.data.path, absolute.data.tokenizer, absolute.checkpoint.resume_from) == (
+        "/home/user/out", "/home/user/data/x.jsonl", None, "/runs/a")
+    assert absolute.train == config.train
