@@ -2,6 +2,7 @@
 
     dyad train   [--config FILE] [--set key=value ...] [--steps N] [--device cpu|cuda] [--out DIR]
     dyad verify  [--config FILE] [--set key=value ...] [--steps N] [--tolerance T]
+    dyad eval    CHECKPOINT_OR_RUN_DIR [--config FILE] [--set key=value ...] [--device cpu|cuda]
     dyad router  [--host H] [--port P] [--token-file F] [--join-token-file F] [--tls-cert ...]
 
 Against a running router (--router HOST:PORT, default $DYAD_ROUTER or 127.0.0.1:50051; the token
@@ -203,8 +204,6 @@ def cmd_train(args) -> int:
     print(f"dyad train: writing to {config.out_dir}", flush=True)  # before the progress on stderr
     job = _run_job(args, config)
     out_dir = Path(config.out_dir)
-    if job.metrics:
-        _plot(job.metrics, out_dir / "loss.png")
     if not job.succeeded:
         print(f"run {job.info.run_id} did not succeed: {job.info.message}", file=sys.stderr)
         return 1
@@ -225,16 +224,32 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _plot(metrics: list[dict], path: Path) -> None:
-    """The losses plotted to `path`, or a warning naming it: the job's outcome is the run's,
-    whatever becomes of the plot (a full disk, a missing or broken matplotlib)."""
-    try:
-        from dyad.app.jobs import plot_losses
+def cmd_eval(args) -> int:
+    """A committed checkpoint (or a run's newest) on the held-out split, on one device: its loss
+    and the task's accuracy. Any layout wrote it: the pools' parts are read whole."""
+    from dyad import config as config_lib
+    from dyad.router.checkpoints import resolve_resume
 
-        plot_losses(metrics, path)
-    except Exception as error:  # noqa: BLE001 - any failure to plot leaves the run's outcome as it is
-        print(f"dyad train: warning: could not plot the losses to {path}: {type(error).__name__}: {error}",
-              file=sys.stderr)
+    committed = resolve_resume(args.checkpoint, named="CHECKPOINT")  # ValueError naming what is wrong
+    path = args.config or committed.path.parent.parent / "config.yaml"  # the run's, as it ran
+    if not Path(path).is_file():
+        raise ValueError(f"no config.yaml in the run directory of {committed.path}: name the run's with --config")
+    overrides = [*args.set, f"train.device={args.device}"] if args.device else list(args.set)
+    try:
+        config = config_lib.load(path, overrides)
+    except OSError as error:
+        raise ValueError(f"--config {path}: {error.strerror}") from None
+    if not args.device:
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, device=_default_device()))
+    from dyad.app.evaluate import caption_accuracy, heldout_loss, load_trained  # torch and the models
+
+    resolved, dataset = _resolved(config)
+    encoder, llm = load_trained(resolved, committed.path)
+    loss, tokens = heldout_loss(resolved, dataset, encoder, llm)
+    accuracy, samples = caption_accuracy(resolved, dataset, encoder, llm)
+    print(f"{committed.path} (step {committed.step}): held-out loss {loss:.4f} over {tokens} caption tokens, "
+          f"caption_accuracy {accuracy:.3f} on {samples} held-out samples")
+    return 0
 
 
 def cmd_verify(args) -> int:
@@ -390,6 +405,14 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--tolerance", type=float, default=1e-5, help="relative tolerance")
     _add_connection_arguments(verify, default_router=None)
     verify.set_defaults(func=cmd_verify)
+    evaluate = commands.add_parser("eval", help="a checkpoint's held-out loss and accuracy, on one device")
+    evaluate.add_argument("checkpoint", help="a committed checkpoint directory, or a run's (its newest)")
+    evaluate.add_argument("--config", help="the run's config (default: config.yaml in its run directory)")
+    evaluate.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (repeatable)"
+    )
+    evaluate.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
+    evaluate.set_defaults(func=cmd_eval)
     router = commands.add_parser("router", help="serve the router")
     add_router_arguments(router, default_port=50051)
     router.set_defaults(func=cmd_router)

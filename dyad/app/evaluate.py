@@ -1,5 +1,6 @@
-"""Caption accuracy on the held-out split: given the image(s) and the caption's prompt, does
-greedy decoding produce the answer (e.g. the digit word) exactly?
+"""A trained model on the held-out split, on one device: its loss (cross-entropy per caption
+token), and caption accuracy: given the image(s) and the caption's prompt, does greedy decoding
+produce the answer (e.g. the digit word) exactly? `dyad eval` and `dyad train`'s last record.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import torch
 from dyad.checkpoint import load_pool_state
 from dyad.config import RunConfig
 from dyad.data import build_prompt
+from dyad.data.batch import collate
 from dyad.encoder_service.step import encode_rows
 from dyad.llm_service.model import greedy_next_token
-from dyad.service import build_model
+from dyad.llm_service.step import microbatch_loss, whole_microbatch
+from dyad.router.checkpoints import MANIFEST
+from dyad.service import build_model, compute_context
 
 _EVAL_BATCH = 128
 
@@ -32,6 +36,33 @@ def caption_accuracy(config: RunConfig, dataset, encoder, llm) -> tuple[float, i
         chunk = samples[start : start + _EVAL_BATCH]
         correct += int(_decode_matches(config, dataset, encoder, llm, chunk).sum())
     return correct / len(samples), len(samples)
+
+
+@torch.no_grad()
+def heldout_loss(config: RunConfig, dataset, encoder, llm) -> tuple[float, int]:
+    """(the LM loss per caption token over the held-out samples, caption tokens counted)."""
+    encoder.eval()
+    llm.eval()
+    device = config.train.device
+    batches = [
+        collate(dataset.tokenizer, [dataset.sample(i) for i in dataset.heldout_ids[start : start + _EVAL_BATCH]],
+                config.encoder.tokens_per_image)
+        for start in range(0, len(dataset.heldout_ids), _EVAL_BATCH)
+    ]
+    targets = sum(batch.n_targets for batch in batches)
+    if targets == 0:
+        return float("nan"), 0
+    total = 0.0
+    for batch in batches:
+        batch = batch.to(device)
+        local = whole_microbatch(batch, dataset.tokenizer.pad_id)
+        with compute_context(config):
+            rows_RD = None
+            if batch.image_ids:
+                rows_RD = encode_rows(encoder, dataset, batch.image_ids, device)[local.image_rows_Nl]
+            loss = microbatch_loss(llm, local, rows_RD, global_target_tokens=targets, global_microbatches=len(batches))
+        total += float(loss.lm)
+    return total, targets
 
 
 def _decode_matches(config, dataset, encoder, llm, samples) -> torch.Tensor:
@@ -67,8 +98,8 @@ def _decode_matches(config, dataset, encoder, llm, samples) -> torch.Tensor:
 
 def load_trained(config: RunConfig, checkpoint_dir: Path):
     """The encoder and LLM of a committed checkpoint, as single-device models."""
-    if not (checkpoint_dir / "manifest.json").exists():
-        raise FileNotFoundError(f"{checkpoint_dir} has no manifest.json: not a committed checkpoint")
+    if not (checkpoint_dir / MANIFEST).exists():
+        raise ValueError(f"{checkpoint_dir} has no {MANIFEST}: not a committed checkpoint")
     models = []
     for pool in ("encoder", "llm"):
         model = build_model(config, pool)

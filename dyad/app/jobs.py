@@ -169,22 +169,3 @@ def append_record(out_dir: Path, record: dict) -> None:
     """A record at the end of the run's metrics.jsonl, whole or not at all (OSError)."""
     with JsonLines(Path(out_dir) / "metrics.jsonl") as f:
         f.write(json_line(record))
-
-
-def plot_losses(metrics: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    steps = [m["step"] for m in metrics]
-    ax.plot(steps, [m["loss"] for m in metrics], label="loss")
-    ax.plot(steps, [m["lm_loss"] for m in metrics], label="lm_loss", alpha=0.7)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_yscale("log")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

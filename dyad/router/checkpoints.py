@@ -257,7 +257,7 @@ def latest_committed(out_dir: str | Path) -> Committed | None:
     return first_verified(committed_in(out_dir))
 
 
-def resume_candidates(resume_from: str) -> list[Committed]:
+def resume_candidates(resume_from: str, named: str = "checkpoint.resume_from") -> list[Committed]:
     """What `checkpoint.resume_from` offers, newest first: the committed checkpoint directory it
     names (that one only), or a run out_dir's committed checkpoints; unverified."""
     path = Path(resume_from)
@@ -266,19 +266,19 @@ def resume_candidates(resume_from: str) -> list[Committed]:
     found = committed_in(path)
     if not found:
         raise ValueError(
-            f"checkpoint.resume_from ({resume_from}) holds no committed checkpoint "
+            f"{named} ({resume_from}) holds no committed checkpoint "
             f"(a checkpoint directory with {MANIFEST}, or a run directory with checkpoints/)"
         )
     return found
 
 
-def resolve_resume(resume_from: str) -> Committed:
+def resolve_resume(resume_from: str, named: str = "checkpoint.resume_from") -> Committed:
     """`checkpoint.resume_from`: the committed checkpoint directory it names, or a run out_dir's
     newest committed checkpoint whose files verify (older ones stand in for those that do not);
     ValueError naming the bad file when none does."""
-    candidates = resume_candidates(resume_from)
+    candidates = resume_candidates(resume_from, named)
     bad = []
     found = first_verified(candidates, lambda committed, error: bad.append(str(error)))
     if found is None:
-        raise ValueError(f"checkpoint.resume_from ({resume_from}) holds no checkpoint whose files verify: {'; '.join(bad)}")
+        raise ValueError(f"{named} ({resume_from}) holds no checkpoint whose files verify: {'; '.join(bad)}")
     return found

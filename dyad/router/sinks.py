@@ -2,6 +2,8 @@
 step and notice, from the one place that emits them (`Run.record_step`, `Run.notice`).
 
 - `RunRecords`: out_dir/metrics.jsonl, always (a line per step and per notice).
+- `LossPlot`: out_dir/loss.png when the run ends, always (from metrics.jsonl: the whole run, a
+  router restart included).
 - `TensorBoardEvents`: out_dir/tensorboard/, by default (`metrics.tensorboard`).
 - `WandbRun`, `MlflowRun`: when configured (`metrics.wandb_project`, `metrics.mlflow_tracking_uri`)
   and their library is installed; offline modes work without a server.
@@ -10,6 +12,8 @@ step and notice, from the one place that emits them (`Run.record_step`, `Run.not
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import time
 from pathlib import Path
 from typing import Self
@@ -18,6 +22,8 @@ from dyad.config import MetricsConfig
 from dyad.router.records import JsonLines, json_line
 from dyad.router.run import Run, RunObserver
 from dyad.wire import as_dict, pb
+
+log = logging.getLogger(__name__)
 
 # StepMetrics fields that are not a quantity over the run.
 _NOT_PLOTTED = ("step", "skipped")
@@ -56,6 +62,48 @@ class RunRecords(RunObserver):
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+class LossPlot(RunObserver):
+    """The losses of the run's final lineage (each step's last record in metrics.jsonl), plotted
+    to loss.png when the run ends. A plot that cannot be made (a full disk, a broken matplotlib)
+    is a warning in the router's log: the run's outcome is its own."""
+
+    def __init__(self, out_dir: Path):
+        self._metrics, self._path = out_dir / "metrics.jsonl", out_dir / "loss.png"
+
+    def close(self) -> None:
+        try:
+            steps = {}
+            for line in self._metrics.read_text().splitlines():
+                record = json.loads(line)
+                if "loss" in record and "event" not in record:
+                    steps[record["step"]] = record
+            if steps:
+                _plot_losses([steps[step] for step in sorted(steps)], self._path)
+        except Exception as error:  # noqa: BLE001 - a plot never changes how the run ended
+            log.warning("could not plot the losses to %s: %s: %s", self._path, type(error).__name__, error)
+
+
+def _plot_losses(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    steps = [r["step"] for r in records]
+    ax.plot(steps, [r["loss"] for r in records], label="loss")
+    ax.plot(steps, [r["lm_loss"] for r in records], label="lm_loss", alpha=0.7)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
 
 
 class TensorBoardEvents(RunObserver):
@@ -159,7 +207,7 @@ def check_sinks(settings: MetricsConfig) -> None:
 def open_sinks(run: Run, out_dir: Path) -> list[RunObserver]:
     """The sinks `run`'s config asks for, metrics.jsonl first."""
     settings = run.config.metrics
-    sinks: list[RunObserver] = [RunRecords(out_dir / "metrics.jsonl")]
+    sinks: list[RunObserver] = [RunRecords(out_dir / "metrics.jsonl"), LossPlot(out_dir)]
     if settings.tensorboard:
         sinks.append(TensorBoardEvents(out_dir / "tensorboard"))
     if settings.wandb_project:

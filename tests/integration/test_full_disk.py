@@ -56,7 +56,8 @@ def test_dyad_train_ends_on_a_full_disk_under_a_checkpoint_with_the_runs_failure
     result = _dyad_train(out, environment({full: 0, out / "loss.png": 0}))
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert f"dyad train: warning: could not plot the losses to {out / 'loss.png'}: OSError: [Errno 28]" in result.stderr
+    router_log = (out / "logs" / "router.log").read_text()
+    assert f"could not plot the losses to {out / 'loss.png'}: OSError: [Errno 28]" in router_log, router_log[-3000:]
     failed = re.search(r"did not succeed: (.*)", result.stderr)
     assert failed, result.stderr[-3000:]
     assert re.match(

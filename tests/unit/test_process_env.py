@@ -109,7 +109,6 @@ def test_the_tests_router_and_client_log_no_goaway():
     assert "Got goaway" not in printed
 
 
-@pytest.mark.xfail(strict=True, reason="dyad's processes do not yet default GRPC_VERBOSITY to ERROR")
 def test_dyad_processes_log_no_goaway_without_grpc_verbosity():
     printed = _run(START_AND_STOP_ROUTER, _environ(("GRPC_VERBOSITY",)))
     assert "stopped" in printed

@@ -13,7 +13,15 @@ import pytest
 
 from dyad.config import MetricsConfig
 from dyad.router.run import Run
-from dyad.router.sinks import MlflowRun, RunRecords, TensorBoardEvents, WandbRun, check_sinks, open_sinks
+from dyad.router.sinks import (
+    LossPlot,
+    MlflowRun,
+    RunRecords,
+    TensorBoardEvents,
+    WandbRun,
+    check_sinks,
+    open_sinks,
+)
 from dyad.wire import pb
 from tests.helpers.resilience import job_config
 
@@ -33,13 +41,14 @@ def _run(tmp_path, *overrides) -> Run:
 def test_the_default_sinks_are_metrics_jsonl_and_tensorboard(tmp_path):
     run = _run(tmp_path)
     sinks = open_sinks(run, tmp_path)
-    assert [type(sink) for sink in sinks] == [RunRecords, TensorBoardEvents]
+    assert [type(sink) for sink in sinks] == [RunRecords, LossPlot, TensorBoardEvents]
     for sink in sinks:
         sink.close()
     (tmp_path / "b").mkdir()
-    [records] = open_sinks(_run(tmp_path, "metrics.tensorboard=false"), tmp_path / "b")
-    assert isinstance(records, RunRecords)
-    records.close()
+    without = open_sinks(_run(tmp_path, "metrics.tensorboard=false"), tmp_path / "b")
+    assert [type(sink) for sink in without] == [RunRecords, LossPlot]
+    for sink in without:
+        sink.close()
 
 
 def test_every_step_and_notice_reaches_metrics_jsonl_and_tensorboard(tmp_path):
@@ -113,3 +122,18 @@ def test_mlflow_gets_every_step_in_a_file_store(tmp_path, monkeypatch):
     history = client.get_metric_history(found.info.run_id, "train/loss")
     assert [m.step for m in history] == [0, 1, 2, 3]
     assert [m.value for m in history][:2] == [2.5, 1.75] and history[3].value == 1.25
+
+
+def test_the_loss_plot_is_drawn_from_the_runs_records_at_its_end(tmp_path, caplog):
+    run = _run(tmp_path)
+    records = RunRecords(tmp_path / "metrics.jsonl")
+    run.subscribe(records)
+    _emit(run)
+    records.close()
+    LossPlot(tmp_path).close()
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A plot that cannot be written is a warning, never the run's failure.
+    (tmp_path / "loss.png").unlink()
+    (tmp_path / "loss.png").mkdir()
+    LossPlot(tmp_path).close()
+    assert f"could not plot the losses to {tmp_path / 'loss.png'}: IsADirectoryError" in caplog.text
