@@ -370,6 +370,15 @@ class RunDriver:
         for key, pid in self.run.pids.items():
             pool, rank = key.split("/")
             self.launcher.adopt(WorkerSpec(pool, int(rank)), pid)
+        if self.committed is None:
+            # Nothing to restore in place, and the workers' weights have moved on from the initial
+            # ones the run goes back to: the pools start again, as at the run's start.
+            self._start_generation(
+                restarting=pool_names(), restore_all=True, stop_grace_s=self.config.router.abort_grace_s
+            )
+            self._notice("restart", "router restarted with no committed checkpoint: the pools started "
+                         "again from their initial weights", step=0)
+            return
         caught_up: set[tuple[str, int]] = set()
 
         def catch_up() -> None:

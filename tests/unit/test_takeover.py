@@ -9,8 +9,10 @@ from __future__ import annotations
 import threading
 
 from dyad.data import make_dataset
+from dyad.router.checkpoints import Committed
 from dyad.router.driver import RunDriver
 from dyad.router.run import Run
+from dyad.router.sampler import Cursor
 from dyad.router.store import SqliteStore
 from dyad.wire import pb
 from tests.helpers.launchers import NoWorkers
@@ -66,6 +68,7 @@ def test_the_new_router_sends_each_worker_what_it_missed_before_the_setup(tmp_pa
     restored, sent = _sent_and_restored(tmp_path)
     driver = RunDriver(restored, NoWorkers(), "", make_dataset(restored.config.data), resumed=True)
     driver._collect = lambda kind, matches: {}  # no workers answer here: the setup is not awaited
+    driver.committed = Committed(tmp_path / "checkpoints" / "step_00000004", 4, Cursor(), {})  # restored in place
     driver._metrics_file = records_of(driver.run, tmp_path)
     took_over = threading.Thread(target=driver._take_over_workers)
     took_over.start()
@@ -92,3 +95,31 @@ def _drained(commands) -> list[pb.WorkerCommand]:
     while not commands.empty():
         found.append(commands.get_nowait())
     return found
+
+
+class _RecordsStarts(NoWorkers):
+    def __init__(self):
+        self.started, self.stopped = [], []
+
+    def start(self, run_id, router_address, workers, log_dir, env=None):
+        self.started.extend(workers)
+
+    def stop(self, pools=None, timeout_s=10.0):
+        self.stopped.append(tuple(pools) if pools is not None else None)
+
+
+def test_a_router_taking_over_a_run_with_no_committed_checkpoint_starts_the_pools_again(tmp_path):
+    """Restoring in place would keep weights trained past the step the run goes back to (0)."""
+    restored, _ = _sent_and_restored(tmp_path)
+    launcher = _RecordsStarts()
+    driver = RunDriver(restored, launcher, "", make_dataset(restored.config.data), resumed=True)
+    driver._collect = lambda kind, matches: {}
+    restored.wait_for_workers = lambda timeout_s, check: True
+    driver._metrics_file = records_of(driver.run, tmp_path)
+    driver._continue_from(driver._first_checkpoint())
+    driver._take_over_workers()
+    driver._metrics_file.close()
+    assert driver.committed is None and driver.step == 0
+    assert launcher.stopped == [("encoder", "llm")]
+    assert sorted((spec.pool, spec.rank) for spec in launcher.started) == [("encoder", 0), ("llm", 0)]
+    assert [n.notice.kind for n in restored._events if n.HasField("notice")] == ["restart"]
