@@ -146,34 +146,12 @@ def _check_resume(config, command: str) -> None:
             f"checkpoint.resume_from ({config.checkpoint.resume_from}) continues from step {newest.step}, "
             f"past train.steps ({train.steps})"
         )
-    previous = _previous_train_section(newest.path.parent.parent)  # <out_dir>/checkpoints/step_N
-    steps = previous.get("steps")
-    if not isinstance(steps, int) or steps == train.steps:
-        return
-    from dyad.router.schedule import lr_at
+    from dyad.router.schedule import schedule_change, steps_of_run
 
-    def rate(total_steps: int) -> float:
-        return lr_at(newest.step, lr=train.lr, warmup_steps=train.warmup_steps, total_steps=total_steps,
-                     min_lr_ratio=train.min_lr_ratio)
-
-    print(
-        f"dyad {command}: warning: train.steps is {train.steps}, the run resumed at step {newest.step} had "
-        f"{steps}: the learning rate decays over the new count from here on (at step {newest.step}: "
-        f"{rate(train.steps):.3g}, not the {rate(steps):.3g} of the run's schedule)",
-        file=sys.stderr,
-    )
-
-
-def _previous_train_section(out_dir: Path) -> dict:
-    """The `train:` section of the config a run's `dyad train` wrote to `out_dir`; {} when there
-    is none to read (a run submitted to a router, or an older file)."""
-    from dyad import config as config_lib
-
-    try:
-        section = config_lib.load_yaml_text((out_dir / "config.yaml").read_text()).get("train")
-    except (OSError, ValueError):
-        return {}
-    return section if isinstance(section, dict) else {}
+    # <out_dir>/checkpoints/step_N: the config its router wrote is in <out_dir>
+    change = schedule_change(newest.step, train, steps_of_run(newest.path.parent.parent))
+    if change:
+        print(f"dyad {command}: warning: {change}", file=sys.stderr)
 
 
 def _default_device() -> str:

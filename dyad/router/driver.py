@@ -20,7 +20,7 @@ from typing import NoReturn
 from dyad import config as config_lib
 from dyad.clipping import clip_scale
 from dyad.pools import pool_names, pool_type
-from dyad.router import checkpoints
+from dyad.router import checkpoints, schedule
 from dyad.router.boundary import BoundaryPlan
 from dyad.router.checkpoints import Committed
 from dyad.router.failures import OUT_OF_SPACE, blame, could_not_write
@@ -145,6 +145,7 @@ class RunDriver:
 
     def _train_to_the_end(self) -> None:
         self._continue_from(self._first_checkpoint())
+        self._warn_of_a_changed_schedule()
         try:
             if self.resumed:
                 self._take_over_workers()
@@ -232,6 +233,16 @@ class RunDriver:
         if found is None and bad and self.config.checkpoint.resume_from:
             raise RunAborted(f"no checkpoint to continue from verifies: {'; '.join(bad)}")
         return found
+
+    def _warn_of_a_changed_schedule(self) -> None:
+        """A run resumed from another with a different train.steps: a `warning` notice (in `dyad
+        watch` and metrics.jsonl) says the learning rate's decay bends from the resumed step."""
+        if self.resumed or self.committed is None or not self.config.checkpoint.resume_from:
+            return
+        previous = schedule.steps_of_run(self.committed.path.parent.parent)
+        change = schedule.schedule_change(self.committed.step, self.config.train, previous)
+        if change:
+            self._notice("warning", change)
 
     def _continue_from(self, committed: Committed | None) -> None:
         self.committed = self.written = committed
