@@ -45,6 +45,9 @@ class RunMetrics(RunObserver):
         self.steps = counter("dyad_steps_total", "Steps trained (again after a recovery too)")
         self.recoveries = counter("dyad_recoveries_total", "Recoveries from a lost worker")
         self.checkpoints = counter("dyad_checkpoints_total", "Checkpoints committed")
+        self.skipped = counter(
+            "dyad_skipped_steps_total", "Steps whose update was skipped (a non-finite loss or gradient norm)"
+        )
 
     def _membership(self, run: Run) -> None:
         self.generation.labels(run.run_id).set(run.generation)
@@ -63,6 +66,8 @@ class RunMetrics(RunObserver):
         self.boundary_bytes.labels(run_id, "forward").inc(metrics.boundary_bytes_fwd)
         self.boundary_bytes.labels(run_id, "backward").inc(metrics.boundary_bytes_bwd)
         self.steps.labels(run_id).inc()
+        if metrics.skipped:
+            self.skipped.labels(run_id).inc()
         self._membership(run)
 
     def notice(self, run: Run, notice: pb.RunNotice) -> None:

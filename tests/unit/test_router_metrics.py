@@ -55,6 +55,9 @@ def test_metrics_follow_steps_notices_and_resizes(metrics):
 
     run.record_step(step(0))
     run.record_step(step(1))
+    diverged = step(1)
+    diverged.skipped = True  # a skipped step, recorded as it happened
+    run.record_step(diverged)
     run.notice("checkpoint", 2, "committed")
     run.notice("recovery", 2, "attempt 1/3: worker llm/0 exited")
     run.resize(config_lib.scaled(run.config, "encoder", 3))
@@ -71,7 +74,8 @@ def test_metrics_follow_steps_notices_and_resizes(metrics):
     assert value(samples, "dyad_step_time_seconds", **labels) == 0.5
     assert value(samples, "dyad_pool_peak_memory_bytes", pool="encoder", **labels) == 2.5e9
     assert value(samples, "dyad_pool_peak_memory_bytes", pool="llm", **labels) == 70.25e9
-    assert value(samples, "dyad_steps_total", **labels) == 2
+    assert value(samples, "dyad_steps_total", **labels) == 3
+    assert value(samples, "dyad_skipped_steps_total", **labels) == 1
     assert value(samples, "dyad_boundary_bytes_total", direction="forward", **labels) == 8192
     assert value(samples, "dyad_boundary_bytes_total", direction="backward", **labels) == 2048
     assert value(samples, "dyad_checkpoints_total", **labels) == 1
