@@ -76,8 +76,8 @@ def test_metrics_follow_steps_notices_and_resizes(metrics):
     assert value(samples, "dyad_pool_peak_memory_bytes", pool="llm", **labels) == 70.25e9
     assert value(samples, "dyad_steps_total", **labels) == 3
     assert value(samples, "dyad_skipped_steps_total", **labels) == 1
-    assert value(samples, "dyad_boundary_bytes_total", direction="forward", **labels) == 8192
-    assert value(samples, "dyad_boundary_bytes_total", direction="backward", **labels) == 2048
+    assert value(samples, "dyad_boundary_bytes_total", direction="forward", **labels) == 3 * 4096
+    assert value(samples, "dyad_boundary_bytes_total", direction="backward", **labels) == 3 * 1024
     assert value(samples, "dyad_checkpoints_total", **labels) == 1
     assert value(samples, "dyad_recoveries_total", **labels) == 1
     assert value(samples, "dyad_generation", **labels) == 2
