@@ -10,6 +10,8 @@ import json
 import os
 import select
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -164,3 +166,24 @@ def records_of(run, out_dir: Path):
     records = RunRecords(Path(out_dir) / "metrics.jsonl")
     run.subscribe(records)
     return records
+
+
+def start_router(tmp_path: Path, port: int, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m dyad.router` on `port` with its state in tmp_path/router.db and its log in
+    tmp_path/<name>.log (`env`: its environment, default ours), once it serves."""
+    port_file = tmp_path / f"{name}.address"
+    env = (os.environ if env is None else env) | {
+        "DYAD_TOKEN": CREDENTIALS.client_token, "DYAD_JOIN_TOKEN": CREDENTIALS.join_token,
+    }
+    with open(tmp_path / f"{name}.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dyad.router", "--port", str(port), "--port-file", str(port_file),
+             "--state-db", str(tmp_path / "router.db")],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()
+        assert time.monotonic() < deadline, "router did not start"
+        time.sleep(0.1)
+    return proc

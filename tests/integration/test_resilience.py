@@ -8,13 +8,9 @@ every sample of the epoch exactly once."""
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -36,6 +32,7 @@ from tests.helpers.resilience import (
     kill,
     largest_shard,
     run_followed,
+    start_router,
     trained_samples,
     truncate_half,
 )
@@ -328,27 +325,9 @@ def test_resume_under_another_llm_layout_skips_checkpoints_that_cannot_load(tmp_
     assert resumed == {s: trained_samples(baseline_dir)[s] for s in steps}
 
 
-def _start_router(tmp_path, port: int, name: str) -> subprocess.Popen:
-    port_file = tmp_path / f"{name}.address"
-    env = os.environ | {"DYAD_TOKEN": CREDENTIALS.client_token,
-                        "DYAD_JOIN_TOKEN": CREDENTIALS.join_token}
-    with open(tmp_path / f"{name}.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dyad.router", "--port", str(port), "--port-file",
-             str(port_file), "--state-db", str(tmp_path / "router.db")],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
-        )
-    deadline = time.monotonic() + 60
-    while not port_file.exists():
-        assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()
-        assert time.monotonic() < deadline, "router did not start"
-        time.sleep(0.1)
-    return proc
-
-
 def test_a_restarted_router_finishes_the_run(tmp_path, uninterrupted):
     port = free_ports(1)[0]
-    first = _start_router(tmp_path, port, "router-1")
+    first = start_router(tmp_path, port, "router-1")
     client = RouterClient(f"127.0.0.1:{port}", token=CREDENTIALS.client_token)
     second = None
     try:
@@ -358,7 +337,7 @@ def test_a_restarted_router_finishes_the_run(tmp_path, uninterrupted):
                 first.send_signal(signal.SIGKILL)
                 break
         first.wait(10)
-        second = _start_router(tmp_path, port, "router-2")
+        second = start_router(tmp_path, port, "router-2")
         run = follow(client, info.run_id)
         assert run.info.state == 3, (run.info.message, (tmp_path / "router-2.log").read_text()[-3000:])
         # Every worker registered again and the run went on in place: one left waiting for a

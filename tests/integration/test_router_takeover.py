@@ -6,9 +6,6 @@ run goes on in place from its last checkpoint (no recovery) with the uninterrupt
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 
 from dyad import config as config_lib
 from dyad.app.client import RouterClient
@@ -22,27 +19,11 @@ from tests.helpers.resilience import (
     in_process_router,
     job_config,
     run_followed,
+    start_router,
     trained_samples,
 )
 
 DIES_AT_STEP = 5
-
-
-def _router(tmp_path, port: int, name: str, env: dict[str, str]) -> subprocess.Popen:
-    port_file = tmp_path / f"{name}.address"
-    env = env | {"DYAD_TOKEN": CREDENTIALS.client_token, "DYAD_JOIN_TOKEN": CREDENTIALS.join_token}
-    with open(tmp_path / f"{name}.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dyad.router", "--port", str(port), "--port-file", str(port_file),
-             "--state-db", str(tmp_path / "router.db")],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
-        )
-    deadline = time.monotonic() + 60
-    while not port_file.exists():
-        assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()
-        assert time.monotonic() < deadline, "router did not start"
-        time.sleep(0.1)
-    return proc
 
 
 def test_a_router_that_died_between_its_sends_is_taken_over_in_place(tmp_path):
@@ -51,13 +32,13 @@ def test_a_router_that_died_between_its_sends_is_taken_over_in_place(tmp_path):
     assert baseline.info.state == pb.RUN_STATE_SUCCEEDED, baseline.info.message
 
     port = free_ports(1)[0]
-    first = _router(tmp_path, port, "router-1", router_death.environment(dict(os.environ), DIES_AT_STEP))
+    first = start_router(tmp_path, port, "router-1", router_death.environment(dict(os.environ), DIES_AT_STEP))
     second = None
     client = RouterClient(f"127.0.0.1:{port}", token=CREDENTIALS.client_token)
     try:
         info = client.start_run(config_lib.to_yaml(job_config(tmp_path / "run")))
         assert first.wait(300) == 9, (tmp_path / "router-1.log").read_text()[-3000:]
-        second = _router(tmp_path, port, "router-2", dict(os.environ))
+        second = start_router(tmp_path, port, "router-2", dict(os.environ))
         run = follow(client, info.run_id)
         log = (tmp_path / "router-2.log").read_text()
         assert run.info.state == pb.RUN_STATE_SUCCEEDED, (run.info.message, log[-3000:])
