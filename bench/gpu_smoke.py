@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 from dyad import config as config_lib
-from dyad.app.evaluate import caption_accuracy, load_trained
 from dyad.app.jobs import run_job
 from dyad.app.verify import compare_with_reference
 from dyad.data import make_dataset
@@ -57,10 +56,7 @@ def train(work: Path) -> dict:
     wall_s = time.perf_counter() - started
     if not job.succeeded:
         return {"succeeded": False, "message": job.info.message}
-    dataset = make_dataset(config.data)
-    resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
-    encoder, llm = load_trained(resolved, job.final_checkpoint())
-    accuracy, count = caption_accuracy(resolved, dataset, encoder, llm)
+    final = job.evaluations[-1]  # the run's own, at its end (eval.final)
     step_times = [m["step_time_s"] for m in job.metrics[10:]]
     return {
         "succeeded": True,
@@ -68,8 +64,9 @@ def train(work: Path) -> dict:
         "wall_s": wall_s,
         "median_step_s": statistics.median(step_times),
         "final_loss": job.metrics[-1]["loss"],
-        "caption_accuracy": accuracy,
-        "heldout_samples": count,
+        "heldout_loss": final["loss"],
+        "caption_accuracy": final["accuracy"],
+        "heldout_samples": final["answered"],
     }
 
 

@@ -216,6 +216,23 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True)
+class EvalConfig:
+    """`eval:`. The model on the held-out split (`data.heldout_fraction`), in the pools' own
+    layouts with forward passes only: its loss per caption token and, where samples have an
+    answer, the task's accuracy (metrics.jsonl, `dyad watch`, the sinks, Prometheus)."""
+
+    interval_steps: int = 0  # evaluate every this many steps (0: not during training)
+    final: bool = True  # evaluate the trained model at the end of the run
+    # At most this many held-out samples, the first of the split's fixed order (0: all of them).
+    max_samples: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("interval_steps", "max_samples"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"eval.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """A run's config: the sections every run has and, in the class `composed_types` builds from
     the registered pool types, one `<pool>:` section per pool (e.g. `config.llm`)."""
@@ -229,6 +246,7 @@ class RunConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         if self.seed < 0:

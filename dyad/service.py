@@ -166,6 +166,11 @@ class PoolService(ABC):
         sq_norm = pool_grad_sq_norm(self.gradient_plan, self.groups)
         return sq_norm if self.rank == 0 else 0.0
 
+    def evaluate(self, command: pb.EvalCommand) -> pb.EvalResult:
+        """Forward passes over the held-out batches of `command`, the weights unchanged. A pool
+        that adds nothing to the held-out measures (none here) reports nothing."""
+        return pb.EvalResult(step=command.step)
+
     def apply(self, command: pb.ApplyCommand) -> pb.ApplyResult:
         """The step's update, or none (`command.skip`: the router saw a non-finite loss or
         gradient norm): the gradients are dropped either way."""

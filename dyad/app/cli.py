@@ -176,8 +176,6 @@ def _run_job(args, config):
 
 
 def cmd_train(args) -> int:
-    from dyad.app.jobs import append_record
-
     config = _job_config(args)
     print(f"dyad train: writing to {config.out_dir}", flush=True)  # before the progress on stderr
     job = _run_job(args, config)
@@ -185,17 +183,15 @@ def cmd_train(args) -> int:
     if not job.succeeded:
         print(f"run {job.info.run_id} did not succeed: {job.info.message}", file=sys.stderr)
         return 1
-    from dyad.app.evaluate import caption_accuracy, load_trained  # torch and the models
-
-    resolved, dataset = _resolved(config)
-    encoder, llm = load_trained(resolved, job.final_checkpoint())
-    accuracy, count = caption_accuracy(resolved, dataset, encoder, llm)
-    append_record(out_dir, {"caption_accuracy": accuracy, "heldout_samples": count,
-                            "step": job.info.total_steps})
     last = job.metrics[-1]
+    final = job.evaluations[-1] if job.evaluations else None
+    evaluated = ""
+    if final and final["step"] == job.info.total_steps:  # eval.final
+        evaluated = f", held-out loss {final['loss']:.4f}"
+        if final["answered"]:
+            evaluated += f", caption_accuracy {final['accuracy']:.3f} on {final['answered']} held-out samples"
     print(
-        f"done: {len(job.metrics)} steps, final loss {last['loss']:.4f}, "
-        f"caption_accuracy {accuracy:.3f} on {count} held-out samples\n"
+        f"done: {len(job.metrics)} steps, final loss {last['loss']:.4f}{evaluated}\n"
         f"  metrics: {out_dir / 'metrics.jsonl'}\n  plot: {out_dir / 'loss.png'}\n"
         f"  checkpoint: {job.final_checkpoint()}"
     )
@@ -337,13 +333,18 @@ def cmd_status(args) -> int:
 
 
 def cmd_watch(args) -> int:
-    """One line per step and notice, then the run's final state; succeeds iff the run did."""
+    """One line per step, evaluation and notice, then the run's final state; succeeds iff the
+    run did."""
+    from dyad.app.jobs import describe_evaluation
+
     with _connect(args) as client:
         run_id = _run_id(args, client)
         for event in client.watch(run_id, from_step=args.from_step):
             kind = event.WhichOneof("event")
             if kind == "step":
                 print(_describe_step(event.step), flush=True)
+            elif kind == "evaluation":
+                print(describe_evaluation(event.evaluation), flush=True)
             elif kind == "notice":
                 print(_describe_notice(event.notice), flush=True)
         info = client.get_run(run_id)  # the same as the stream's final event

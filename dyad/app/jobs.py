@@ -20,7 +20,6 @@ from dyad import config as config_lib
 from dyad.app.client import RouterClient, local_router
 from dyad.config import RunConfig
 from dyad.router.checkpoints import checkpoint_dir
-from dyad.router.records import JsonLines, json_line
 from dyad.router.run import pool_sizes
 from dyad.wire import as_dict, pb
 
@@ -29,6 +28,7 @@ from dyad.wire import as_dict, pb
 class JobResult:
     info: pb.RunInfo
     metrics: list[dict]
+    evaluations: list[dict]  # the run's held-out evaluations, by step (`eval:`)
 
     @property
     def succeeded(self) -> bool:
@@ -71,6 +71,7 @@ def _follow(
     sizes = " + ".join(f"{size} {pool}" for pool, size in pool_sizes(config).items())
     shown.note(f"run {info.run_id}: starting its workers ({sizes})...")
     by_step: dict[int, dict] = {}  # a recovery trains steps again: the last record counts
+    evaluations: dict[int, dict] = {}
     try:
         for event in client.watch(info.run_id):
             kind = event.WhichOneof("event")
@@ -82,6 +83,9 @@ def _follow(
                     shown.note(f"step {record['step']} skipped: loss {record['loss']}, grad_norm {record['grad_norm']}")
                 if record["step"] == stop_after:
                     _stop_unless_finished(client, info.run_id)
+            elif kind == "evaluation":
+                evaluations[event.evaluation.step] = as_dict(event.evaluation)
+                shown.note(describe_evaluation(event.evaluation))
             elif kind == "notice":
                 notice = event.notice
                 if notice.kind != "checkpoint":
@@ -94,7 +98,14 @@ def _follow(
     finally:
         shown.close()
     metrics = [by_step[step] for step in sorted(by_step)]
-    return JobResult(info=client.get_run(info.run_id), metrics=metrics)
+    return JobResult(info=client.get_run(info.run_id), metrics=metrics,
+                     evaluations=[evaluations[step] for step in sorted(evaluations)])
+
+
+def describe_evaluation(metrics: pb.EvalMetrics) -> str:
+    accuracy = f", accuracy {metrics.accuracy:.3f} on {metrics.answered}" if metrics.answered else ""
+    return (f"step {metrics.step}: held-out loss {metrics.loss:.4f} over {metrics.samples} samples"
+            f"{accuracy} ({metrics.seconds:.1f}s)")
 
 
 class Progress:
@@ -164,8 +175,3 @@ def _stop_unless_finished(client: RouterClient, run_id: str) -> None:
         if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
             raise
 
-
-def append_record(out_dir: Path, record: dict) -> None:
-    """A record at the end of the run's metrics.jsonl, whole or not at all (OSError)."""
-    with JsonLines(Path(out_dir) / "metrics.jsonl") as f:
-        f.write(json_line(record))

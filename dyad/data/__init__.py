@@ -14,6 +14,7 @@ from dyad.data.samples import (
     MultimodalDataset,
     Sample,
     SampleShape,
+    answer_targets,
     build_prompt,
     build_sequence,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "Sample",
     "SampleShape",
     "TextTokenizer",
+    "answer_targets",
     "build_prompt",
     "build_sequence",
     "build_word_tokenizer",

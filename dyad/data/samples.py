@@ -165,6 +165,17 @@ def build_prompt(
     return ids, image_positions, full_ids[len(prompt_ids) :]
 
 
+def answer_targets(tokenizer: TextTokenizer, sample: Sample, tokens_per_image: int) -> range:
+    """The positions of `build_sequence`'s sequence whose targets are the answer's tokens (empty
+    where the sample has no answer). Every one of them is the model's argmax exactly when greedy
+    decoding from the prompt (`build_prompt`) produces the answer: until the first miss both
+    see the same tokens."""
+    if sample.answer is None:
+        return range(0)
+    prompt_ids, _, answer_ids = build_prompt(tokenizer, sample, tokens_per_image)
+    return range(len(prompt_ids) - 1, len(prompt_ids) - 1 + len(answer_ids))
+
+
 class MultimodalDataset(ABC):
     """Samples, their image table and a fixed train/held-out split (independent of the run seed).
     Subclasses fill the samples and split in __init__ and implement `images`."""

@@ -10,6 +10,8 @@ lanes train on together (their expert all-to-alls span lanes). Every image of up
 `boundary.prefetch_depth` rounds is encoded and sent before the gradient of the oldest is
 awaited, so the LLM finds its next input already there, and no lane can wait on rows that sit
 behind a gradient another lane cannot produce yet.
+
+An evaluation encodes and sends the held-out batches' images the same way, forward only.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dyad.encoder_service.step import encode_rows
 from dyad.exposed_wait import ExposedWait
 from dyad.kernels.boundary_pack import RowSegments, pack, unpack_add
 from dyad.service import PoolService, boundary_dtype, compute_context, transfer_segments
-from dyad.transport import Direction, MessageTag
+from dyad.transport import Direction, MessageTag, Phase
 from dyad.wire import pb
 
 
@@ -87,7 +89,29 @@ class EncoderWorker(PoolService):
             peak_memory_gb=self.peak_memory_gb(),
         )
 
-    def _encode_and_send(self, command: pb.StepCommand, work: pb.EncoderWork) -> InFlight:
+    @torch.no_grad()
+    def evaluate(self, command: pb.EvalCommand) -> pb.EvalResult:
+        """Encode and send the held-out batches' images, forward only: no gradient comes back.
+        Each batch's sends end before the next batch begins."""
+        self.model.eval()
+        dp_rank = self.groups.index("dp")
+        sent = 0
+        for batch in command.batches:
+            round_of = _rounds(batch)
+            mine = [w for w in batch.plan.encoder_work if w.encoder_dp_rank == dp_rank]
+            flights = [
+                self._encode_and_send(batch, work, Phase.EVAL)
+                for work in sorted(mine, key=lambda w: (round_of[w.microbatch], w.microbatch))
+            ]
+            for flight in flights:
+                for sending in flight.sent:
+                    sending.future.result()
+                    sent += sending.nbytes
+        return pb.EvalResult(step=command.step, boundary_bytes_sent=sent)
+
+    def _encode_and_send(self, command: pb.StepCommand, work: pb.EncoderWork, phase: Phase = Phase.TRAIN) -> InFlight:
+        """Encode `work`'s images and send their rows; in training, post the receives of their
+        gradients too."""
         with compute_context(self.config):
             rows_RD = encode_rows(self.model, self.dataset, work.image_ids, self.device)
         rows_RD = rows_RD.to(boundary_dtype(self.config))
@@ -105,9 +129,11 @@ class EncoderWorker(PoolService):
                 continue
             segments = transfer_segments(transfer, self.device)
             peer = self.peers[(pb.POOL_LLM, transfer.dst_rank)]
-            tag = MessageTag(self.message_space, command.step, transfer.microbatch, Direction.FORWARD, self.rank)
+            tag = MessageTag(self.message_space, command.step, transfer.microbatch, Direction.FORWARD, self.rank, phase)
             buffer_ND = pack(payload_RD, segments)
             flight.sent.append(_Sent(self.transport.send(peer, tag, buffer_ND), buffer_ND.nbytes))
+            if phase == Phase.EVAL:
+                continue
             back = MessageTag(
                 self.message_space, command.step, transfer.microbatch, Direction.BACKWARD, transfer.dst_rank
             )

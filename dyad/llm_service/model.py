@@ -138,6 +138,7 @@ class MoELM(nn.Module):
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.caption_loss = CaptionLoss()
+        self.predicted_targets = PredictedTargets()
         self.sequence = WholeSequence()
 
     def forward(
@@ -180,6 +181,10 @@ class MoELM(nn.Module):
         """Summed caption cross-entropy of the logits `forward` returned."""
         return self.caption_loss(logits_BSV, targets_BS)
 
+    def targets_predicted(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """[B, S] bool: where the target is the argmax of the logits `forward` returned."""
+        return self.predicted_targets(logits_BSV, targets_BS)
+
 
 class CaptionLoss(nn.Module):
     """`caption_loss_sum` of the whole vocabulary's logits. Tensor parallelism replaces it with the
@@ -187,6 +192,15 @@ class CaptionLoss(nn.Module):
 
     def forward(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
         return caption_loss_sum(logits_BSV, targets_BS)
+
+
+class PredictedTargets(nn.Module):
+    """Where each target is the argmax of the whole vocabulary's logits (the first of equal
+    maxima, as `torch.argmax`). Tensor parallelism replaces it with the vocabulary-parallel
+    argmax of its sharded logits (`VocabParallelPredictedTargets`)."""
+
+    def forward(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        return logits_BSV.argmax(dim=-1) == targets_BS
 
 
 def caption_loss_sum(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -5,9 +5,9 @@ Every step replaces modules of the single-device model with their parallel count
 that say what they do), never a method. Order (fixed):
 1. tensor parallelism (dyad/parallel/tensor.py, dyad/llm_service/tensor_parallel.py): attention's,
    the dense FFNs' and the output's linears become `ColumnParallelLinear` / `RowParallelLinear`,
-   the embedding `VocabParallelEmbedding`, the caption loss `VocabParallelCrossEntropy`; with
-   sequence parallelism the residual stream (`MoELM.sequence`) becomes `SequenceParallel`, split
-   along the sequence over tp;
+   the embedding `VocabParallelEmbedding`, the caption loss `VocabParallelCrossEntropy`, the
+   argmax `VocabParallelPredictedTargets`; with sequence parallelism the residual stream
+   (`MoELM.sequence`) becomes `SequenceParallel`, split along the sequence over tp;
 2. context parallelism (dyad/llm_service/context_parallel.py): each attention's `core` becomes
    `ContextParallelAttention`;
 3. expert parallelism (dyad/llm_service/expert_parallel.py): each MoE layer keeps its local
@@ -34,7 +34,12 @@ from torch import nn
 
 from dyad.llm_service.context_parallel import ContextParallelAttention
 from dyad.llm_service.expert_parallel import SplitTokens, expert_param_names, parallelize_moe
-from dyad.llm_service.tensor_parallel import SequenceParallel, VocabParallelCrossEntropy, VocabParallelEmbedding
+from dyad.llm_service.tensor_parallel import (
+    SequenceParallel,
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+    VocabParallelPredictedTargets,
+)
 from dyad.parallel.gradients import GradientPlan, is_sharded
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear
@@ -63,6 +68,7 @@ def _apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool) 
     model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, tp_group)
     model.output = ColumnParallelLinear(model.output, tp_group)
     model.caption_loss = VocabParallelCrossEntropy(model.output, model.cfg.vocab_size)
+    model.predicted_targets = VocabParallelPredictedTargets(model.output, model.cfg.vocab_size)
     tp = dist.get_world_size(tp_group)
     column = functools.partial(ColumnParallelLinear, group=tp_group, sequence_parallel=sequence_parallel)
     row = functools.partial(RowParallelLinear, group=tp_group, sequence_parallel=sequence_parallel)

@@ -1,5 +1,6 @@
 """The LLM's part of a microbatch, shared by the workers, the layout tests and the single-process
-reference (which runs it on the whole microbatch: `whole_microbatch`).
+reference (which runs it on the whole microbatch: `whole_microbatch`); and its part of an
+evaluation (`heldout_microbatch`).
 
 Normalisation: the caption loss is summed over the microbatch and divided by the caption-token
 count of the whole global batch; the aux loss is averaged over the global batch's
@@ -52,3 +53,37 @@ def microbatch_loss(
     lm = model.loss_sum(logits_BSV, local.targets_BSl) / global_target_tokens
     aux = aux / global_microbatches
     return MicrobatchLoss(total=lm + aux, lm=lm.detach(), aux=aux.detach())
+
+
+@dataclass
+class HeldOut:
+    lm: torch.Tensor  # the microbatch's caption loss, divided by the held-out caption tokens
+    checked_B: torch.Tensor  # per sample: its answer tokens held here
+    wrong_B: torch.Tensor  # of them, those whose target is not the logits' argmax
+
+
+@torch.no_grad()
+def heldout_microbatch(
+    model: nn.Module,
+    local: LocalMicrobatch,
+    image_rows_NlD: torch.Tensor | None,
+    answer_spans_B2: torch.Tensor,
+    *,
+    heldout_target_tokens: int,
+) -> HeldOut:
+    """The microbatch's held-out loss and answer checks, no gradient. `answer_spans_B2` holds
+    each sample's [start, stop) of sequence positions whose targets are its answer
+    (`dyad.data.answer_targets`); the shard checks those among its own columns."""
+    positions = None if image_rows_NlD is None else local.image_positions_Nl
+    logits_BSV, _ = model(
+        local.input_ids_BSl,
+        image_rows_NlD,
+        positions,
+        position_ids_S=local.positions_Sl,
+        valid_BS=local.valid_BSl,
+    )
+    lm = model.loss_sum(logits_BSV, local.targets_BSl) / heldout_target_tokens
+    positions_1S = local.positions_Sl.unsqueeze(0)
+    answer_BS = (positions_1S >= answer_spans_B2[:, :1]) & (positions_1S < answer_spans_B2[:, 1:])
+    missed_BS = answer_BS & ~model.targets_predicted(logits_BSV, local.targets_BSl)
+    return HeldOut(lm=lm, checked_B=answer_BS.sum(1), wrong_B=missed_BS.sum(1))

@@ -116,6 +116,29 @@ class VocabParallelCrossEntropy(nn.Module):
         )
 
 
+class VocabParallelPredictedTargets(nn.Module):
+    """Where each target is the argmax of logits whose vocabulary a `ColumnParallelLinear` output
+    layer splits over the group: the first of equal maxima over the whole vocabulary, as
+    `torch.argmax` of the gathered logits (replaces the model's `PredictedTargets`)."""
+
+    def __init__(self, output: ColumnParallelLinear, vocab_size: int):
+        super().__init__()
+        self.group, self.vocab_size = output.group, vocab_size
+        self.vocab_start = dist.get_rank(output.group) * output.weight.shape[0]
+
+    def forward(self, logits_BSVl: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        Vl = logits_BSVl.shape[-1]
+        real_Vl = torch.arange(self.vocab_start, self.vocab_start + Vl, device=logits_BSVl.device) < self.vocab_size
+        local_max_BS, local_index_BS = logits_BSVl.float().masked_fill(~real_Vl, -torch.inf).max(dim=-1)
+        max_BS = local_max_BS.clone()
+        dist.all_reduce(max_BS, op=dist.ReduceOp.MAX, group=self.group)
+        # The lowest vocabulary index holding the maximum: `max` gives each slice's first.
+        beyond = torch.iinfo(torch.long).max
+        index_BS = torch.where(local_max_BS == max_BS, local_index_BS + self.vocab_start, beyond)
+        dist.all_reduce(index_BS, op=dist.ReduceOp.MIN, group=self.group)
+        return index_BS == targets_BS
+
+
 class SequenceParallel:
     """The decoder layers' residual stream split along the sequence over the tensor-parallel
     group (replaces `MoELM.sequence`): norms and residual adds run on 1/tp of the tokens; the

@@ -4,7 +4,8 @@ peer and broadcasts the rows to its tp group), splice them, run forward and back
 each row's gradient back exactly once (tp rank 0 does).
 
 Every receive of the step is posted up front, so rows the encoder sends early land while this
-rank is still busy with an earlier microbatch.
+rank is still busy with an earlier microbatch. An evaluation runs the same microbatches forward
+only, batch by batch, and sends nothing back.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dyad.data import answer_targets
 from dyad.data.batch import collate
 from dyad.exposed_wait import ExposedWait
 from dyad.kernels.boundary_pack import RowSegments, pack, unpack_into
@@ -23,9 +25,9 @@ from dyad.llm_service.model import MoELM
 from dyad.llm_service.moe import update_expert_biases
 from dyad.llm_service.parallelize import parallelize_llm
 from dyad.llm_service.sharding import shard_microbatch
-from dyad.llm_service.step import microbatch_loss
+from dyad.llm_service.step import heldout_microbatch, microbatch_loss
 from dyad.service import PoolService, boundary_dtype, compute_context, transfer_segments
-from dyad.transport import Direction, MessageTag
+from dyad.transport import Direction, MessageTag, Phase
 from dyad.wire import pb
 
 
@@ -55,36 +57,16 @@ class LLMWorker(PoolService):
     def step(self, command: pb.StepCommand) -> pb.StepResult:
         self.lr = command.lr
         self.model.train()
-        arrivals = self._post_receives(command)
-        local_rows = {r.microbatch: r.rows for r in command.plan.local_rows if r.llm_rank == self.rank}
-        dp_rank, tp_rank = self.groups.index("dp"), self.groups.index("tp")
+        arrivals = self._post_receives(command, Phase.TRAIN)
+        tp_rank = self.groups.index("tp")
         # Summed in float64 on the device, as Python floats would be, and read (a host sync) once
         # the step's work is queued.
         lm_sum = aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         bytes_sent = bytes_received = 0
         waits = ExposedWait(self.device)
         sends: list[Future] = []
-        ours = [microbatch for microbatch in command.microbatches if microbatch.llm_dp_rank == dp_rank]
-        for position, microbatch in enumerate(ours):
-            samples = [self.dataset.sample(s) for s in microbatch.sample_ids]
-            batch = collate(self.dataset.tokenizer, samples, command.plan.tokens_per_image)
-            local = shard_microbatch(  # on the CPU: no index work waits for the GPU
-                batch,
-                pad_id=self.dataset.tokenizer.pad_id,
-                cp=self.layout.cp,
-                cp_rank=self.groups.index("cp"),
-                tp=self.layout.tp,
-            )
-            expected = local.image_rows_Nl.numel()
-            local = local.to(self.device)
-            if local_rows.get(microbatch.index, 0) != expected:
-                raise RuntimeError(
-                    f"step {command.step} microbatch {microbatch.index}: the plan delivers "
-                    f"{local_rows.get(microbatch.index, 0)} image rows here, this shard splices {expected}"
-                )
-            mine = arrivals.get(microbatch.index, [])
-            with waits.measuring():
-                rows_NlD = self._splice_rows(command, expected, mine) if batch.image_ids else None
+        ours = self._microbatches_of_this_lane(command)
+        for position, (_, local, rows_NlD, mine) in enumerate(self._inputs(command, ours, arrivals, waits)):
             bytes_received += sum(arrival.buffer_ND.nbytes for arrival in mine)
             with compute_context(self.config):
                 loss = microbatch_loss(
@@ -123,7 +105,75 @@ class LLMWorker(PoolService):
             peak_memory_gb=self.peak_memory_gb(),
         )
 
-    def _post_receives(self, command: pb.StepCommand) -> dict[int, list]:
+    @torch.no_grad()
+    def evaluate(self, command: pb.EvalCommand) -> pb.EvalResult:
+        """The held-out batches' caption loss and answer checks (tp rank 0 of each shard reports
+        them: its tp group holds the same), forward only: the image rows' gradients stay here."""
+        self.model.eval()
+        reports = self.groups.index("tp") == 0
+        lm_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        answers: dict[int, list[int]] = {}
+        received = 0
+        tokens_per_image = self.config.encoder.tokens_per_image
+        for batch in command.batches:
+            arrivals = self._post_receives(batch, Phase.EVAL)
+            ours = self._microbatches_of_this_lane(batch)
+            for microbatch, local, rows_NlD, mine in self._inputs(batch, ours, arrivals, ExposedWait(self.device)):
+                received += sum(arrival.buffer_ND.nbytes for arrival in mine)
+                spans = [
+                    answer_targets(self.dataset.tokenizer, self.dataset.sample(s), tokens_per_image)
+                    for s in microbatch.sample_ids
+                ]
+                spans_B2 = torch.tensor([[span.start, span.stop] for span in spans], device=self.device)
+                with compute_context(self.config):
+                    held_out = heldout_microbatch(
+                        self.model, local, rows_NlD, spans_B2, heldout_target_tokens=batch.global_target_tokens
+                    )
+                lm_sum = lm_sum + held_out.lm
+                checks = zip(microbatch.sample_ids, spans, held_out.checked_B.tolist(), held_out.wrong_B.tolist())
+                for sample_id, span, checked, wrong in checks:
+                    if span:
+                        answers[sample_id] = [checked, wrong]
+        return pb.EvalResult(
+            step=command.step,
+            lm_loss_sum=float(lm_sum) if reports else 0.0,
+            answers=[
+                pb.AnswerCheck(sample_id=s, checked=checked, wrong=wrong) for s, (checked, wrong) in answers.items()
+            ] if reports else [],
+            boundary_bytes_received=received,
+        )
+
+    def _microbatches_of_this_lane(self, command: pb.StepCommand) -> list[pb.Microbatch]:
+        dp_rank = self.groups.index("dp")
+        return [microbatch for microbatch in command.microbatches if microbatch.llm_dp_rank == dp_rank]
+
+    def _inputs(self, command: pb.StepCommand, ours: list[pb.Microbatch], arrivals, waits: ExposedWait):
+        """For each of `ours`: (the microbatch, this rank's shard of it on the device, its image
+        rows as they arrived (None: it has no images), their arrivals)."""
+        local_rows = {r.microbatch: r.rows for r in command.plan.local_rows if r.llm_rank == self.rank}
+        for microbatch in ours:
+            samples = [self.dataset.sample(s) for s in microbatch.sample_ids]
+            batch = collate(self.dataset.tokenizer, samples, command.plan.tokens_per_image)
+            local = shard_microbatch(  # on the CPU: no index work waits for the GPU
+                batch,
+                pad_id=self.dataset.tokenizer.pad_id,
+                cp=self.layout.cp,
+                cp_rank=self.groups.index("cp"),
+                tp=self.layout.tp,
+            )
+            expected = local.image_rows_Nl.numel()
+            local = local.to(self.device)
+            if local_rows.get(microbatch.index, 0) != expected:
+                raise RuntimeError(
+                    f"step {command.step} microbatch {microbatch.index}: the plan delivers "
+                    f"{local_rows.get(microbatch.index, 0)} image rows here, this shard splices {expected}"
+                )
+            mine = arrivals.get(microbatch.index, [])
+            with waits.measuring():
+                rows_NlD = self._splice_rows(command, expected, mine) if batch.image_ids else None
+            yield microbatch, local, rows_NlD, mine
+
+    def _post_receives(self, command: pb.StepCommand, phase: Phase) -> dict[int, list]:
         """Every transfer to this rank, receiving into its packed buffer, by microbatch."""
         arrivals: dict[int, list] = {}
         dtype = boundary_dtype(self.config)
@@ -132,7 +182,7 @@ class LLMWorker(PoolService):
                 continue
             peer = self.peers[(pb.POOL_ENCODER, transfer.src_rank)]
             tag = MessageTag(
-                self.message_space, command.step, transfer.microbatch, Direction.FORWARD, transfer.src_rank
+                self.message_space, command.step, transfer.microbatch, Direction.FORWARD, transfer.src_rank, phase
             )
             buffer_ND = torch.empty((transfer.rows, command.plan.hidden), dtype=dtype, device=self.device)
             arrival = Arrival(transfer, transfer_segments(transfer, self.device), buffer_ND,

@@ -1,6 +1,6 @@
 """The router's side of a run: bring up a generation of workers, then for every step send
 commands, collect results, combine the global gradient norm and publish metrics; between steps,
-commit checkpoints and resize pools; when a worker is lost, restore both pools from the last
+evaluate on the held-out split, commit checkpoints and resize pools; when a worker is lost, restore both pools from the last
 committed checkpoint in a new generation and go on (a bounded number of times).
 """
 
@@ -23,6 +23,7 @@ from dyad.pools import pool_names, pool_type
 from dyad.router import checkpoints, schedule
 from dyad.router.boundary import BoundaryPlan
 from dyad.router.checkpoints import Committed
+from dyad.router.evaluation import answer_lengths, evaluation_metrics
 from dyad.router.failures import OUT_OF_SPACE, blame, could_not_write
 from dyad.router.launcher import Launcher, WorkerSpec
 from dyad.router.records import JsonLines, json_line
@@ -172,6 +173,12 @@ class RunDriver:
                 {"step": self.step, "generation": self.run.generation, "samples": samples}
             ))
             self.step += 1
+            try:
+                if self._evaluation_due(self.step):
+                    self._evaluate()
+            except WorkerLost as lost:  # evaluated again once the run is back at this step
+                self._recover(lost)
+                continue
             interval = self.config.checkpoint.interval_steps
             if interval and self.step % interval == 0 and self.step < total:
                 self._commit_or_recover()
@@ -557,6 +564,40 @@ class RunDriver:
                 f"gradient norm {metrics.grad_norm})"
             )
 
+    # ------------------------------------------------------------------ evaluation
+
+    def _evaluation_due(self, step: int) -> bool:
+        """Whether the model is evaluated once `step` steps are trained: every
+        eval.interval_steps, and at the end (eval.final)."""
+        settings = self.config.eval
+        periodic = settings.interval_steps and step % settings.interval_steps == 0
+        return step > 0 and bool(periodic or (settings.final and step == self.config.train.steps))
+
+    def _evaluate(self) -> None:
+        """Every held-out batch forward through both pools' layouts (the workers take them one
+        by one; none waits on the router between them), recorded as the run's evaluation at
+        this step."""
+        started = time.perf_counter()
+        batches = self.planner.heldout_batches
+        tokens_per_image = self.config.encoder.tokens_per_image
+        command = pb.EvalCommand(
+            step=self.step, batches=[step_command(spec, plan, tokens_per_image) for spec, plan in batches]
+        )
+        self.run.send(pb.WorkerCommand(evaluate=command))
+        step = self.step
+        results = self._collect(
+            "evaluate", lambda result: result.step == step,
+            timeout_s=self.config.router.step_timeout_s * len(batches),
+        )
+        specs = [spec for spec, _ in batches]
+        metrics = evaluation_metrics(
+            step, specs, results.values(), answer_lengths(self.dataset, specs, tokens_per_image),
+            seconds=time.perf_counter() - started,
+        )
+        log.info("run %s: step %d held-out loss %.4f, accuracy %.3f (%.1fs)",
+                 self.run.run_id, step, metrics.loss, metrics.accuracy, metrics.seconds)
+        self._record(self.run.record_evaluation, metrics)
+
     def _send_step(self, step: int) -> SentStep:
         started = time.perf_counter()
         spec = self.planner.next(step)
@@ -567,8 +608,8 @@ class RunDriver:
     def _may_send_ahead(self, step: int) -> bool:
         """Whether `step` may go out before the step before it is applied everywhere: not when
         something waits for the boundary between them (a checkpoint, periodic, requested or the
-        final one; a resize). A request that comes after it went out waits one step more."""
-        if not self.config.router.send_ahead or step >= self.config.train.steps:
+        final one; a resize; an evaluation). A request that comes after it went out waits one step more."""
+        if not self.config.router.send_ahead or step >= self.config.train.steps or self._evaluation_due(step):
             return False
         interval = self.config.checkpoint.interval_steps
         if interval and step % interval == 0:
@@ -580,13 +621,15 @@ class RunDriver:
 
     # ------------------------------------------------------------------ waiting
 
-    def _collect(self, kind: str, matches) -> dict[tuple[str, int], object]:
-        """One `kind` result of this generation from every worker, or WorkerLost/RunAborted. A
-        result of a step sent ahead that comes meanwhile (a worker with no part in it finishes at
-        once) is kept for the next collection."""
+    def _collect(self, kind: str, matches, timeout_s: float | None = None) -> dict[tuple[str, int], object]:
+        """One `kind` result of this generation from every worker within `timeout_s` (default
+        router.step_timeout_s), or WorkerLost/RunAborted. A result of a step sent ahead that
+        comes meanwhile (a worker with no part in it finishes at once) is kept for the next
+        collection."""
         pending = set(self.run.registered())
         generation = self.run.generation
-        deadline = time.monotonic() + self.config.router.step_timeout_s
+        timeout_s = timeout_s or self.config.router.step_timeout_s
+        deadline = time.monotonic() + timeout_s
         results = {}
         early, self._early = self._early, []
 
@@ -617,10 +660,8 @@ class RunDriver:
             self._check_alive()
             if time.monotonic() > deadline:
                 late = ", ".join(f"{pool}/{rank}" for pool, rank in sorted(pending))
-                raise WorkerLost(
-                    f"no {kind} result from {late} within "
-                    f"router.step_timeout_s={self.config.router.step_timeout_s} (hung?)"
-                )
+                raise WorkerLost(f"no {kind} result from {late} within {timeout_s:g}s (router.step_timeout_s="
+                                 f"{self.config.router.step_timeout_s} per step or held-out batch; hung?)")
             try:
                 take(self.run.results.get(timeout=_POLL_S))
             except queue.Empty:

@@ -42,6 +42,9 @@ class RunMetrics(RunObserver):
             "Bytes sent across the encoder/LLM boundary (forward: embeddings, backward: grads)",
             "direction",
         )
+        self.eval_loss = gauge("dyad_eval_loss", "Held-out loss per caption token at the last evaluation")
+        self.eval_accuracy = gauge("dyad_eval_accuracy", "The task's held-out accuracy at the last evaluation")
+        self.eval_step = gauge("dyad_eval_step", "Steps trained at the last evaluation")
         self.steps = counter("dyad_steps_total", "Steps trained (again after a recovery too)")
         self.recoveries = counter("dyad_recoveries_total", "Recoveries from a lost worker")
         self.checkpoints = counter("dyad_checkpoints_total", "Checkpoints committed")
@@ -69,6 +72,11 @@ class RunMetrics(RunObserver):
         if metrics.skipped:
             self.skipped.labels(run_id).inc()
         self._membership(run)
+
+    def evaluation(self, run: Run, metrics: pb.EvalMetrics) -> None:
+        self.eval_loss.labels(run.run_id).set(metrics.loss)
+        self.eval_accuracy.labels(run.run_id).set(metrics.accuracy)
+        self.eval_step.labels(run.run_id).set(metrics.step)
 
     def notice(self, run: Run, notice: pb.RunNotice) -> None:
         if notice.kind == "recovery":

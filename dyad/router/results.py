@@ -26,7 +26,7 @@ def check_result(result: pb.WorkerResult, total_steps: int) -> None:
     """ValueError naming the field if `result` holds a value no worker reports."""
     which = result.WhichOneof("result")
     if which is None:
-        raise ValueError("result must be one of step, apply, save, setup or error")
+        raise ValueError("result must be one of step, apply, save, setup, evaluate or error")
     if result.generation < 0:
         raise ValueError(f"generation must be >= 0, got {result.generation}")
     if which == "error":
@@ -34,10 +34,12 @@ def check_result(result: pb.WorkerResult, total_steps: int) -> None:
             raise ValueError(f"error must be at most {_MAX_ERROR_CHARS} characters, got {len(result.error)}")
         return
     body = getattr(result, which)
-    if which in ("step", "apply", "save") and not 0 <= body.step <= total_steps:
+    if which in ("step", "apply", "save", "evaluate") and not 0 <= body.step <= total_steps:
         raise ValueError(f"{which}.step must be in [0, {total_steps}], got {body.step}")
     if which == "step":
         _check_step(body)
+    elif which == "evaluate":
+        _check_evaluation(body)
 
 
 def _check_step(step: pb.StepResult) -> None:
@@ -51,3 +53,18 @@ def _check_step(step: pb.StepResult) -> None:
         value = getattr(step, name)
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"step.{name} must be finite and >= 0, got {value}")
+
+
+def _check_evaluation(result: pb.EvalResult) -> None:
+    if not result.lm_loss_sum >= 0 and not math.isnan(result.lm_loss_sum):
+        raise ValueError(f"evaluate.lm_loss_sum must be >= 0 (or NaN), got {result.lm_loss_sum}")
+    for name in ("boundary_bytes_sent", "boundary_bytes_received"):
+        value = getattr(result, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"evaluate.{name} must be finite and >= 0, got {value}")
+    for check in result.answers:
+        if not 0 <= check.wrong <= check.checked:
+            raise ValueError(
+                f"evaluate.answers of sample {check.sample_id}: wrong must be in [0, checked={check.checked}], "
+                f"got {check.wrong}"
+            )

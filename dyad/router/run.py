@@ -79,6 +79,7 @@ class RunObserver:
     """Told what a run does (router.metrics exports it); this one ignores it all."""
 
     def step(self, run: Run, metrics: pb.StepMetrics) -> None: ...
+    def evaluation(self, run: Run, metrics: pb.EvalMetrics) -> None: ...
     def notice(self, run: Run, notice: pb.RunNotice) -> None: ...
     def state(self, run: Run, state: int) -> None: ...
     def resize(self, run: Run) -> None: ...
@@ -222,6 +223,13 @@ class Run:
         self.persist()
         self._tell("step", metrics)
 
+    def record_evaluation(self, metrics: pb.EvalMetrics) -> None:
+        with self._lock:
+            self._append(pb.RunEvent(evaluation=metrics))
+            self._lock.notify_all()
+        self.persist()
+        self._tell("evaluation", metrics)
+
     def notice(self, kind: str, step: int, message: str) -> pb.RunNotice:
         with self._lock:
             notice = pb.RunNotice(
@@ -262,7 +270,7 @@ class Run:
                 event = self._events[index]
             index += 1
             kind = event.WhichOneof("event")
-            if kind in ("step", "notice") and getattr(event, kind).step < from_step:
+            if kind in ("step", "notice", "evaluation") and getattr(event, kind).step < from_step:
                 continue
             yield event
             if kind == "finished":

@@ -1,9 +1,10 @@
 """Where a run's metrics go: each sink subscribes to the run (`Run.subscribe`) and is told every
-step and notice, from the one place that emits them (`Run.record_step`, `Run.notice`).
+step, evaluation and notice, from the one place that emits them (`Run.record_step`,
+`Run.record_evaluation`, `Run.notice`).
 
-- `RunRecords`: out_dir/metrics.jsonl, always (a line per step and per notice).
+- `RunRecords`: out_dir/metrics.jsonl, always (a line per step, per evaluation and per notice).
 - `LossPlot`: out_dir/loss.png when the run ends, always (from metrics.jsonl: the whole run, a
-  router restart included).
+  router restart included), the held-out loss beside the training losses.
 - `TensorBoardEvents`: out_dir/tensorboard/, by default (`metrics.tensorboard`).
 - `WandbRun`, `MlflowRun`: when configured (`metrics.wandb_project`, `metrics.mlflow_tracking_uri`)
   and their library is installed; offline modes work without a server.
@@ -34,6 +35,12 @@ def scalars(metrics: pb.StepMetrics) -> dict[str, float]:
     return {name: value for name, value in as_dict(metrics).items() if name not in _NOT_PLOTTED}
 
 
+def eval_scalars(metrics: pb.EvalMetrics) -> dict[str, float]:
+    """The evaluation's quantities by name (`eval_loss`, `eval_accuracy`, ...), as every sink
+    records them."""
+    return {f"eval_{name}": value for name, value in as_dict(metrics).items() if name != "step"}
+
+
 def _notice_record(notice: pb.RunNotice) -> dict:
     return {
         "event": notice.kind, "step": notice.step, "generation": notice.generation,
@@ -50,6 +57,9 @@ class RunRecords(RunObserver):
 
     def step(self, run: Run, metrics: pb.StepMetrics) -> None:
         self._file.write(json_line(as_dict(metrics) | {"generation": run.generation}))
+
+    def evaluation(self, run: Run, metrics: pb.EvalMetrics) -> None:
+        self._file.write(json_line({"step": metrics.step} | eval_scalars(metrics) | {"generation": run.generation}))
 
     def notice(self, run: Run, notice: pb.RunNotice) -> None:
         self._file.write(json_line(_notice_record(notice)))
@@ -74,18 +84,25 @@ class LossPlot(RunObserver):
 
     def close(self) -> None:
         try:
-            steps = {}
+            steps, evaluations = {}, {}
             for line in self._metrics.read_text().splitlines():
                 record = json.loads(line)
-                if "loss" in record and "event" not in record:
+                if "event" in record:
+                    continue
+                if "loss" in record:
                     steps[record["step"]] = record
+                elif "eval_loss" in record:
+                    evaluations[record["step"]] = record
             if steps:
-                _plot_losses([steps[step] for step in sorted(steps)], self._path)
+                _plot_losses(
+                    [steps[step] for step in sorted(steps)], [evaluations[step] for step in sorted(evaluations)],
+                    self._path,
+                )
         except Exception as error:  # noqa: BLE001 - a plot never changes how the run ended
             log.warning("could not plot the losses to %s: %s: %s", self._path, type(error).__name__, error)
 
 
-def _plot_losses(records: list[dict], path: Path) -> None:
+def _plot_losses(records: list[dict], evaluations: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,6 +112,9 @@ def _plot_losses(records: list[dict], path: Path) -> None:
     steps = [r["step"] for r in records]
     ax.plot(steps, [r["loss"] for r in records], label="loss")
     ax.plot(steps, [r["lm_loss"] for r in records], label="lm_loss", alpha=0.7)
+    if evaluations:  # after `step` steps: the weights after training step `step - 1`
+        ax.plot([r["step"] - 1 for r in evaluations], [r["eval_loss"] for r in evaluations],
+                "o-", label="held-out loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_yscale("log")
@@ -107,8 +127,8 @@ def _plot_losses(records: list[dict], path: Path) -> None:
 
 
 class TensorBoardEvents(RunObserver):
-    """TensorBoard event files: every step's quantities as scalars (`train/<name>`) and every
-    notice as text, written with tensorboard's own event writer (no TensorFlow, no torch)."""
+    """TensorBoard event files: every step's quantities as scalars (`train/<name>`), every
+    evaluation's (`eval/<name>`) and every notice as text, written with tensorboard's own event writer (no TensorFlow, no torch)."""
 
     def __init__(self, logdir: Path):
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -121,6 +141,15 @@ class TensorBoardEvents(RunObserver):
         values = [
             summary_pb2.Summary.Value(tag=f"train/{name}", simple_value=value)
             for name, value in scalars(metrics).items()
+        ]
+        self._add(metrics.step, summary_pb2.Summary(value=values))
+
+    def evaluation(self, run: Run, metrics: pb.EvalMetrics) -> None:
+        from tensorboard.compat.proto import summary_pb2
+
+        values = [
+            summary_pb2.Summary.Value(tag=f"eval/{name.removeprefix('eval_')}", simple_value=value)
+            for name, value in eval_scalars(metrics).items()
         ]
         self._add(metrics.step, summary_pb2.Summary(value=values))
 
@@ -160,6 +189,9 @@ class WandbRun(RunObserver):
     def step(self, run: Run, metrics: pb.StepMetrics) -> None:
         self._run.log({f"train/{name}": value for name, value in scalars(metrics).items()}, step=metrics.step)
 
+    def evaluation(self, run: Run, metrics: pb.EvalMetrics) -> None:
+        self._run.log(_eval_keys(metrics), step=metrics.step)
+
     def close(self) -> None:
         self._run.finish()
 
@@ -186,8 +218,20 @@ class MlflowRun(RunObserver):
             for name, value in scalars(metrics).items()
         ])
 
+    def evaluation(self, run: Run, metrics: pb.EvalMetrics) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._client.log_batch(self._run_id, metrics=[
+            Metric(key=key, value=value, timestamp=now, step=metrics.step) for key, value in _eval_keys(metrics).items()
+        ])
+
     def close(self) -> None:
         self._client.set_terminated(self._run_id)
+
+
+def _eval_keys(metrics: pb.EvalMetrics) -> dict[str, float]:
+    return {f"eval/{name.removeprefix('eval_')}": value for name, value in eval_scalars(metrics).items()}
 
 
 def _plain_config(run: Run) -> dict:

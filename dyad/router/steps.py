@@ -1,4 +1,5 @@
-"""What each step does: its samples, microbatches, learning rate, target count and boundary plan.
+"""What each step does: its samples, microbatches, learning rate, target count and boundary plan;
+and what an evaluation does: the held-out split in batches planned like steps.
 
 The single-process reference walks the same `StepPlanner`, so both see identical batches.
 """
@@ -6,7 +7,7 @@ The single-process reference walks the same `StepPlanner`, so both see identical
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from dyad.config import RunConfig
 from dyad.data import build_sequence
@@ -62,6 +63,40 @@ class StepPlanner:
             target_tokens=target_tokens,
             tokens=sum(shape.seq_len for shape in shapes),
         )
+
+    @cached_property
+    def heldout_batches(self) -> tuple[tuple[StepSpec, BoundaryPlan], ...]:
+        """The held-out split (its first `eval.max_samples`, 0: all) in order, in batches of
+        train.global_batch, each split into train.microbatches per LLM data-parallel lane like a
+        step's; a last batch too small for that takes fewer per lane, or joins the batch before
+        it where it has fewer samples than lanes. Every batch's `target_tokens` is the whole
+        split's, so the batches' caption losses add up to the split's. `step` numbers the batch."""
+        train, dp = self._config.train, self._config.parallel.llm.dp
+        ids = list(self._dataset.heldout_ids)[: self._config.eval.max_samples or None]
+        if len(ids) < dp:
+            raise ValueError(
+                f"the held-out split has {len(ids)} samples to evaluate, fewer than the LLM's {dp} "
+                "data-parallel lanes (parallel.llm.dp): raise data.heldout_fraction or eval.max_samples"
+            )
+        chunks = [ids[start : start + train.global_batch] for start in range(0, len(ids), train.global_batch)]
+        if len(chunks) > 1 and len(chunks[-1]) < dp:
+            chunks[-2:] = [chunks[-2] + chunks[-1]]
+        target_tokens = sum(self._dataset.shape(s, self._tokens_per_image).n_targets for s in ids)
+        if target_tokens == 0:
+            raise ValueError("the held-out split has no caption tokens to evaluate")
+        batches = []
+        for index, chunk in enumerate(chunks):
+            per_lane = min(train.microbatches, len(chunk) // dp)
+            spec = StepSpec(
+                step=index,
+                microbatches=tuple(tuple(mb) for mb in split_microbatches(chunk, per_lane * dp)),
+                llm_dp_ranks=tuple(i // per_lane for i in range(per_lane * dp)),
+                lr=0.0,
+                target_tokens=target_tokens,
+                tokens=sum(self._dataset.shape(s, self._tokens_per_image).seq_len for s in chunk),
+            )
+            batches.append((spec, self.boundary_plan(spec)))
+        return tuple(batches)
 
     def boundary_plan(self, spec: StepSpec) -> BoundaryPlan:
         microbatches = [

@@ -9,6 +9,7 @@ from dyad.transport.base import (
     Direction,
     MessageSizeError,
     MessageTag,
+    Phase,
     Transport,
     TransportError,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "LoopbackTransport",
     "MessageSizeError",
     "MessageTag",
+    "Phase",
     "Transport",
     "TransportError",
     "UcxTransport",

@@ -37,13 +37,18 @@ import torch
 
 # 64-bit tag layout, most significant first. Bit 63 is left to the transport (it marks the
 # size header that travels beside each payload), so `pack()` never sets it.
-_RUN_BITS, _STEP_BITS, _MICROBATCH_BITS, _DIRECTION_BITS, _PEER_BITS = 15, 24, 12, 1, 11
+_RUN_BITS, _PHASE_BITS, _STEP_BITS, _MICROBATCH_BITS, _DIRECTION_BITS, _PEER_BITS = 14, 1, 24, 12, 1, 11
 TRANSPORT_BIT = 1 << 63
 
 
 class Direction(IntEnum):
     FORWARD = 0  # encoder activations, encoder -> LLM
     BACKWARD = 1  # their gradients, LLM -> encoder
+
+
+class Phase(IntEnum):
+    TRAIN = 0  # a training step's messages: `step` is the step
+    EVAL = 1  # an evaluation's: `step` is the held-out batch
 
 
 @dataclass(frozen=True)
@@ -53,11 +58,13 @@ class MessageTag:
     microbatch: int
     direction: Direction
     peer: int  # index of the sending/receiving pair, e.g. the source rank
+    phase: Phase = Phase.TRAIN
 
     def pack(self) -> int:
-        """The 64-bit UCX tag: run hash | step | microbatch | direction | peer."""
+        """The 64-bit UCX tag: run hash | phase | step | microbatch | direction | peer."""
         tag = _run_hash(self.run)
         for name, bits in (
+            ("phase", _PHASE_BITS),
             ("step", _STEP_BITS),
             ("microbatch", _MICROBATCH_BITS),
             ("direction", _DIRECTION_BITS),

@@ -10,7 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dyad.llm_service.context_parallel import ContextParallelAttention, zigzag_positions
-from dyad.llm_service.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy_sum
+from dyad.llm_service.model import PredictedTargets
+from dyad.llm_service.tensor_parallel import (
+    VocabParallelEmbedding,
+    VocabParallelPredictedTargets,
+    vocab_parallel_cross_entropy_sum,
+)
 from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from dyad.sequence_shards import sequence_shard
 from tests.helpers.distributed import run_distributed
@@ -68,6 +73,17 @@ def _vocab_parallel_matches(rank, world_size):
     torch.testing.assert_close(p_embedding.weight.grad[:real], embedding.weight.grad[start : start + real], **TOL)
     torch.testing.assert_close(p_output.weight.grad[:real], output.weight.grad[start : start + real], **TOL)
     assert torch.count_nonzero(p_output.weight.grad[real:]) == 0  # padding rows learn nothing
+
+    # The argmax over the split vocabulary is torch.argmax's, the first of equal maxima
+    # included: logits of a few distinct values tie across slices; padding never wins.
+    tied = torch.randint(-2, 1, (3, 7, vocab)).float()
+    tied[1] = -5.0  # a row of all-equal logits: index 0, whatever the padding holds
+    padded = torch.cat([tied, torch.zeros(3, 7, per_rank * world_size - vocab)], dim=-1)
+    argmax_targets = tied.argmax(dim=-1)
+    argmax_targets[2, ::2] = (argmax_targets[2, ::2] + 1) % vocab  # some targets are not the argmax
+    predicted = VocabParallelPredictedTargets(p_output, vocab)(padded[..., start : start + per_rank], argmax_targets)
+    assert torch.equal(predicted, PredictedTargets()(tied, argmax_targets))
+    assert predicted.sum() == 3 * 7 - 4
 
 
 def _cp_attention_matches(rank, world_size, heads, kv_heads):

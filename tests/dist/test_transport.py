@@ -20,6 +20,7 @@ from dyad.transport import (
     LoopbackTransport,
     MessageSizeError,
     MessageTag,
+    Phase,
     TransportError,
     UcxTransport,
 )
@@ -82,14 +83,14 @@ def pair(kind):
 def test_pack_is_stable_and_fits_63_bits():
     tag = MessageTag("run-a", step=5, microbatch=7, direction=Direction.BACKWARD, peer=9)
     # Golden value: encoder and LLM builds must agree on the layout bit for bit.
-    assert tag.pack() == 0x7917_0000_0500_7809
-    top = MessageTag("r", 2**24 - 1, 2**12 - 1, Direction.BACKWARD, 2**11 - 1).pack()
+    assert tag.pack() == 0x722E_0000_0500_7809
+    top = MessageTag("r", 2**24 - 1, 2**12 - 1, Direction.BACKWARD, 2**11 - 1, Phase.EVAL).pack()
     assert top < 2**63  # bit 63 belongs to the transport
 
 
 @pytest.mark.parametrize(
     "field,value",
-    [("step", 1), ("microbatch", 1), ("direction", Direction.BACKWARD), ("peer", 1), ("run", "b")],
+    [("step", 1), ("microbatch", 1), ("direction", Direction.BACKWARD), ("peer", 1), ("run", "b"), ("phase", Phase.EVAL)],
 )
 def test_pack_separates_every_field(field, value):
     base = dict(run="run-a", step=0, microbatch=0, direction=Direction.FORWARD, peer=0)

@@ -57,13 +57,14 @@ class Followed:
     info: pb.RunInfo
     steps: dict[int, pb.StepMetrics]  # the last metrics of each step: the run's final lineage
     notices: list[pb.RunNotice]
+    evaluations: dict[int, pb.EvalMetrics]  # the last evaluation at each step
 
 
 def follow(
     client: RouterClient, run_id: str, on_step: Callable[[pb.StepMetrics], None] = lambda m: None,
     from_step: int = 0, on_notice: Callable[[pb.RunNotice], None] = lambda n: None,
 ) -> Followed:
-    steps, notices = {}, []
+    steps, notices, evaluations = {}, [], {}
     info = None
     for event in client.watch(run_id, from_step):
         kind = event.WhichOneof("event")
@@ -73,9 +74,11 @@ def follow(
         elif kind == "notice":
             notices.append(event.notice)
             on_notice(event.notice)
+        elif kind == "evaluation":
+            evaluations[event.evaluation.step] = event.evaluation
         else:
             info = event.finished
-    return Followed(info or client.get_run(run_id), steps, notices)
+    return Followed(info or client.get_run(run_id), steps, notices, evaluations)
 
 
 def run_followed(client: RouterClient, config, on_step=lambda m: None, on_notice=lambda n: None) -> Followed:

@@ -30,13 +30,19 @@ def test_dyad_train_default_learns_digits(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the local router exited with code" not in result.stderr, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps, final = [r for r in records if "loss" in r], records[-1]
+    steps = [r for r in records if "loss" in r]
     notices = [r for r in records if "event" in r]
+    evaluations = [r for r in records if "eval_loss" in r]
     assert len(steps) == 800
     assert [n["step"] for n in notices] == [200, 400, 600, 800]  # committed checkpoints
     assert all(REQUIRED <= set(r) for r in steps)
     assert steps[-1]["loss"] < steps[0]["loss"] / 10
-    assert final["caption_accuracy"] >= 0.9, final
+    # Every eval.interval_steps (100) in the default config, the last at the end of the run.
+    assert [r["step"] for r in evaluations] == list(range(100, 801, 100))
+    final = evaluations[-1]
+    assert final["eval_accuracy"] >= 0.9 and final["eval_answered"] == 359, final
+    assert final["eval_loss"] < evaluations[0]["eval_loss"]
+    assert re.search(r"held-out loss [\d.]+, caption_accuracy (0\.9\d\d|1\.000) on 359 held-out samples", result.stdout), result.stdout
     assert (out / "loss.png").stat().st_size > 0
     checkpoint = out / "checkpoints" / "step_00000800"
     assert json.loads((checkpoint / "manifest.json").read_text())["step"] == 800

@@ -1,5 +1,5 @@
 """The router's Prometheus endpoint shows what its runs did: scraped over HTTP after a run records
-a step, notices and a resize."""
+steps, an evaluation, notices and a resize."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def step(index: int) -> pb.StepMetrics:
     )
 
 
-def test_metrics_follow_steps_notices_and_resizes(metrics):
+def test_metrics_follow_steps_evaluations_notices_and_resizes(metrics):
     observer, url = metrics
     run = Run("run-a", config_lib.from_yaml("train: {steps: 10}"), observer=observer)
     run.new_generation(["encoder", "llm"], {})
@@ -58,6 +58,7 @@ def test_metrics_follow_steps_notices_and_resizes(metrics):
     diverged = step(1)
     diverged.skipped = True  # a skipped step, recorded as it happened
     run.record_step(diverged)
+    run.record_evaluation(pb.EvalMetrics(step=2, loss=0.875, accuracy=0.625, answered=8))
     run.notice("checkpoint", 2, "committed")
     run.notice("recovery", 2, "attempt 1/3: worker llm/0 exited")
     run.resize(config_lib.scaled(run.config, "encoder", 3))
@@ -79,6 +80,9 @@ def test_metrics_follow_steps_notices_and_resizes(metrics):
     assert value(samples, "dyad_boundary_bytes_total", direction="forward", **labels) == 3 * 4096
     assert value(samples, "dyad_boundary_bytes_total", direction="backward", **labels) == 3 * 1024
     assert value(samples, "dyad_checkpoints_total", **labels) == 1
+    assert value(samples, "dyad_eval_loss", **labels) == 0.875
+    assert value(samples, "dyad_eval_accuracy", **labels) == 0.625
+    assert value(samples, "dyad_eval_step", **labels) == 2
     assert value(samples, "dyad_recoveries_total", **labels) == 1
     assert value(samples, "dyad_generation", **labels) == 2
     assert value(samples, "dyad_pool_replicas", pool="encoder", **labels) == 3

@@ -28,9 +28,13 @@ from tests.helpers.resilience import job_config
 LOSSES = [2.5, 1.75, float("nan"), 1.25]
 
 
+EVALUATION = pb.EvalMetrics(step=4, loss=1.5, target_tokens=2154, samples=359, accuracy=0.75, answered=359, seconds=0.25)
+
+
 def _emit(run: Run) -> None:
     for step, loss in enumerate(LOSSES):
         run.record_step(pb.StepMetrics(step=step, loss=loss, lr=1e-3 * (step + 1), skipped=math.isnan(loss)))
+    run.record_evaluation(EVALUATION)
     run.notice("checkpoint", 4, "committed step_00000004")
 
 
@@ -51,7 +55,7 @@ def test_the_default_sinks_are_metrics_jsonl_and_tensorboard(tmp_path):
         sink.close()
 
 
-def test_every_step_and_notice_reaches_metrics_jsonl_and_tensorboard(tmp_path):
+def test_every_step_evaluation_and_notice_reaches_metrics_jsonl_and_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = _run(tmp_path)
@@ -63,7 +67,11 @@ def test_every_step_and_notice_reaches_metrics_jsonl_and_tensorboard(tmp_path):
         sink.close()
 
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r.get("loss", "event") for r in records] == [2.5, 1.75, None, 1.25, "event"]
+    assert [r.get("loss", "event") for r in records] == [2.5, 1.75, None, 1.25, "event", "event"]
+    assert records[4] == {
+        "step": 4, "eval_loss": 1.5, "eval_target_tokens": 2154, "eval_samples": 359, "eval_accuracy": 0.75,
+        "eval_answered": 359, "eval_seconds": 0.25, "generation": 0,
+    }
     assert records[-1] == {"event": "checkpoint", "step": 4, "generation": 0, "recoveries": 0,
                            "message": "committed step_00000004"}
 
@@ -73,6 +81,8 @@ def test_every_step_and_notice_reaches_metrics_jsonl_and_tensorboard(tmp_path):
     assert [e.step for e in loss] == [0, 1, 2, 3]
     assert [e.value for e in loss][:2] == [2.5, 1.75] and math.isnan(loss[2].value)
     assert [round(e.value, 6) for e in events.Scalars("train/lr")] == [0.001, 0.002, 0.003, 0.004]
+    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [(4, 1.5)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/accuracy")] == [(4, 0.75)]
     [text] = events.Tensors("notices/checkpoint")
     assert text.step == 4 and text.tensor_proto.string_val == [b"checkpoint: committed step_00000004"]
 
@@ -103,8 +113,9 @@ def test_weights_and_biases_offline_gets_every_step(tmp_path, monkeypatch):
         capture_output=True, text=True, check=True, timeout=120,
     ).stdout.splitlines()
     history = [json.loads(line)["history"]["item"] for line in records if '"type":"history"' in line]
-    assert [item["_step"] for item in history] == [0, 1, 2, 3]
-    assert [item["train/loss"] for item in history] == [2.5, 1.75, "NaN", 1.25]
+    assert [item["_step"] for item in history] == [0, 1, 2, 3, 4]
+    assert [item["train/loss"] for item in history[:4]] == [2.5, 1.75, "NaN", 1.25]
+    assert (history[4]["_step"], history[4]["eval/loss"], history[4]["eval/accuracy"]) == (4, 1.5, 0.75)
 
 
 def test_mlflow_gets_every_step_in_a_file_store(tmp_path, monkeypatch):
@@ -122,6 +133,8 @@ def test_mlflow_gets_every_step_in_a_file_store(tmp_path, monkeypatch):
     history = client.get_metric_history(found.info.run_id, "train/loss")
     assert [m.step for m in history] == [0, 1, 2, 3]
     assert [m.value for m in history][:2] == [2.5, 1.75] and history[3].value == 1.25
+    [accuracy] = client.get_metric_history(found.info.run_id, "eval/accuracy")
+    assert (accuracy.step, accuracy.value) == (4, 0.75)
 
 
 def test_the_loss_plot_is_drawn_from_the_runs_records_at_its_end(tmp_path, caplog):
