@@ -107,6 +107,9 @@ def test_dyad_train_into_a_log_file_writes_lines_not_a_bar(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stderr.splitlines()
     assert re.fullmatch(r"run \w+: starting its workers \(1 encoder \+ 1 llm\)\.\.\.", lines[0]), lines
-    assert [line.split(" (")[0] for line in lines[1:]] == [f"step {n}/20" for n in (1, 2, 4, 6, 8, 10, 12, 14,
-                                                                                    16, 18, 20)]
+    assert [line.split(" (")[0] for line in lines[1:-1]] == [f"step {n}/20" for n in (1, 2, 4, 6, 8, 10, 12, 14,
+                                                                                      16, 18, 20)]
+    # The run's evaluation at its end (eval.final), as a line of its own.
+    assert re.fullmatch(r"step 20: held-out loss [\d.]+ over 359 samples, accuracy [\d.]+ on 359 \([\d.]+s\)",
+                        lines[-1]), lines
     assert "\r" not in result.stderr
