@@ -85,6 +85,10 @@ class LLMConfig:
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int = 2
+    head_dim: int = 0  # 0: dim // n_heads (Qwen3-MoE sets its own, e.g. 128 with dim 2048 and 32 heads)
+    # RMSNorm of each head's queries and keys before the rotary embedding (Qwen3-MoE's q_norm and
+    # k_norm: one weight of head_dim shared by the heads).
+    qk_norm: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dense_ffn_dim: int = 128
@@ -101,20 +105,20 @@ class LLMConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"llm.{name} ({value}) must be >= 1")
+        if self.head_dim < 0:
+            raise ValueError(f"llm.head_dim ({self.head_dim}) must be >= 0 (0: llm.dim // llm.n_heads)")
         if self.rope_theta <= 0:
             raise ValueError(f"llm.rope_theta ({self.rope_theta}) must be > 0")
         if self.norm_eps <= 0:
             raise ValueError(f"llm.norm_eps ({self.norm_eps}) must be > 0")
-        if self.dim % self.n_heads:
-            raise ValueError(f"llm.n_heads ({self.n_heads}) must divide llm.dim ({self.dim})")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"llm.dim // llm.n_heads ({self.dim // self.n_heads}) must be even for rotary embeddings")
+        if self.head_dim == 0:
+            if self.dim % self.n_heads:
+                raise ValueError(f"llm.n_heads ({self.n_heads}) must divide llm.dim ({self.dim}) (or set llm.head_dim)")
+            self.head_dim = self.dim // self.n_heads
+        if self.head_dim % 2:
+            raise ValueError(f"llm.head_dim ({self.head_dim}) must be even for rotary embeddings")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"llm.n_kv_heads ({self.n_kv_heads}) must divide llm.n_heads ({self.n_heads})")
         for i in self.dense_layers:
             if not 0 <= i < self.n_layers:
                 raise ValueError(f"llm.dense_layers entry ({i}) must be in [0, llm.n_layers ({self.n_layers}))")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads

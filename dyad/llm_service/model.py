@@ -53,6 +53,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # Per-head RMSNorm of queries and keys (llm.qk_norm), shared by the heads.
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.core = CausalAttention()
 
     def forward(self, x_BSD, cos_SDh, sin_SDh, positions_S) -> torch.Tensor:
@@ -60,8 +63,8 @@ class Attention(nn.Module):
         # sequence and the projections gather the rest.
         q_BSX, k_BSX, v_BSX = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
         B, S, _ = q_BSX.shape
-        q_BSHDh = apply_rotary(q_BSX.view(B, S, self.n_heads, self.head_dim), cos_SDh, sin_SDh)
-        k_BSGDh = apply_rotary(k_BSX.view(B, S, self.n_kv_heads, self.head_dim), cos_SDh, sin_SDh)
+        q_BSHDh = apply_rotary(self.q_norm(q_BSX.view(B, S, self.n_heads, self.head_dim)), cos_SDh, sin_SDh)
+        k_BSGDh = apply_rotary(self.k_norm(k_BSX.view(B, S, self.n_kv_heads, self.head_dim)), cos_SDh, sin_SDh)
         v_BSGDh = v_BSX.view(B, S, self.n_kv_heads, self.head_dim)
         if q_BSHDh.numel() == 0:  # cuDNN attention returns None for an empty batch (torch 2.11)
             return self.wo(q_BSHDh.reshape(B, S, self.n_heads * self.head_dim))

@@ -54,7 +54,14 @@ def parallelize_llm(model: nn.Module, groups: ProcessGroups, *, sequence_paralle
     if layout.cp > 1:
         for block in model.layers:
             block.attention.core = ContextParallelAttention(groups.group("cp"))
-    token_distinct: set[int] = set()  # parameters each rank trains on its own tokens
+    # Parameters each rank trains on its own tokens (or, the per-head query/key norms under tp,
+    # its own heads): their gradients are summed over every rank.
+    token_distinct: set[int] = set()
+    if layout.tp > 1:
+        token_distinct |= {
+            id(p) for block in model.layers for norm in (block.attention.q_norm, block.attention.k_norm)
+            for p in norm.parameters()
+        }
     for block in model.layers:
         if block.is_moe:
             token_distinct |= _apply_expert_parallel(block.feed_forward, groups, sequence_parallel)
