@@ -50,6 +50,8 @@ OPTIONS = {
         "llm.moe.expert_bias=true", "llm.moe.n_groups=2", "llm.moe.topk_groups=2",
         "llm.moe.dispatcher=allgather",
     ],
+    # Qwen3-MoE's attention: per-head query/key norms, a head_dim apart from dim / n_heads.
+    "qk-norm": ["llm.qk_norm=true", "llm.head_dim=12"],
 }
 
 LAYOUTS = {
@@ -171,6 +173,12 @@ def test_llm_layout_matches_single_device(name):
 def test_router_options_under_a_layout_match_single_device(name):
     layout, _ = _layout(LAYOUTS[name])
     run_distributed(_layout_body, layout.world_size, LAYOUTS[name], OPTIONS["router-options"])
+
+
+@pytest.mark.parametrize("name", ["tp2-cp2-ep4", "tp2-sp-ep2"])
+def test_qk_norm_and_its_own_head_dim_under_a_layout_match_single_device(name):
+    layout, _ = _layout(LAYOUTS[name])
+    run_distributed(_layout_body, layout.world_size, LAYOUTS[name], OPTIONS["qk-norm"])
 
 
 # aot_eager: dynamo traces the parallelized blocks and AOT autograd builds their backward, with
