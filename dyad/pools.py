@@ -38,6 +38,8 @@ class PoolType:
       seed, whatever the layout.
     - `service`: `"module:Class"` of its `dyad.service.PoolService`, imported only where a worker
       of this pool runs (the model's code and torch load there, not in the router).
+    - `warnings(run)`: what a run of the resolved config should be told as it starts (a `warning`
+      notice each, in `dyad watch` and metrics.jsonl); none by default.
     """
 
     name: str
@@ -48,6 +50,7 @@ class PoolType:
     scale: Callable[[Any, int], Any]
     seed_offset: int
     service: str
+    warnings: Callable[[Any], list[str]] = lambda run: []
 
     @property
     def wire_id(self) -> int:

@@ -46,6 +46,7 @@ def build_model(
         model = kind.service_class().single_device_model(config)
     if initialize:  # each pool's weights come from its own stream of the run seed
         init_parameters(model, config.seed * 10 + kind.seed_offset)
+        kind.service_class().load_pretrained(model, config)
     return model
 
 
@@ -112,6 +113,11 @@ class PoolService(ABC):
     def single_device_model(config: RunConfig) -> nn.Module:
         """The pool's model for one device, built on the current default device; its weights
         are drawn afterwards (`build_model`)."""
+
+    @staticmethod
+    def load_pretrained(model: nn.Module, config: RunConfig) -> None:
+        """Overwrite the drawn initial weights with pretrained ones where the pool's config names
+        some (none here)."""
 
     @abstractmethod
     def parallelize(self, model: nn.Module, groups: ProcessGroups):

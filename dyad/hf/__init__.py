@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dyad.hf_checkpoint import HFCheckpoint
-from dyad.llm_service.hf import FAMILIES, llm_config, llm_state_dict
+from dyad.llm_service.hf import llm_state_dict
+from dyad.llm_service.hf_config import FAMILIES, llm_config
 from dyad.llm_service.model import MoELM
 
 __all__ = ["CausalLM", "CausalLMOutput", "load"]

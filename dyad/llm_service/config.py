@@ -80,6 +80,9 @@ class MoEConfig:
 
 @dataclass(kw_only=True)
 class LLMConfig:
+    # A Hugging Face model directory (Mixtral, Qwen3-MoE) whose architecture and weights the LLM
+    # starts from (dyad/llm_service/hf_config.py); "": dyad's own, from the fields below.
+    from_hf: str = ""
     vocab_size: int = 0  # set from the tokenizer by the composer
     dim: int = 64
     n_layers: int = 2

@@ -6,13 +6,25 @@ import dataclasses
 
 from dyad.layout import LLMLayout, validate_llm_layout
 from dyad.llm_service.config import LLMConfig
+from dyad.llm_service.hf_config import pretrained, vocabulary_growth
 from dyad.pools import PoolType
 
 
 def _resolve(run, vocab_size: int | None) -> LLMConfig:
-    """Its vocabulary is the tokenizer's; its layout must shard the model and split the batch;
-    the features that do not combine are refused here, naming both fields."""
-    llm = run.llm if vocab_size is None else dataclasses.replace(run.llm, vocab_size=vocab_size)
+    """Its vocabulary is the tokenizer's; its architecture the checkpoint's where it starts from
+    one (`llm.from_hf`, which needs the tokenizer named); its layout must shard the model and
+    split the batch; the features that do not combine are refused here, naming both fields."""
+    llm = run.llm
+    if llm.from_hf:
+        if not run.data.tokenizer:
+            raise ValueError(
+                "llm.from_hf needs data.tokenizer (the checkpoint's tokenizer.json): the word-level "
+                "tokenizer built over the captions does not match the checkpoint's embedding"
+            )
+        if vocab_size is not None:
+            llm = pretrained(llm, vocab_size)
+    elif vocab_size is not None:
+        llm = dataclasses.replace(llm, vocab_size=vocab_size)
     layout, train = run.parallel.llm, run.train
     validate_llm_layout(layout, llm)
     if run.parallel.sequence_parallel and layout.tp == 1:
@@ -73,6 +85,11 @@ def _scale(run, replicas: int):
     )
 
 
+def _warnings(run) -> list[str]:
+    growth = vocabulary_growth(run.llm)
+    return [growth] if growth else []
+
+
 POOL = PoolType(
     name="llm",
     wire="POOL_LLM",
@@ -82,4 +99,5 @@ POOL = PoolType(
     scale=_scale,
     seed_offset=2,
     service="dyad.llm_service.worker:LLMWorker",
+    warnings=_warnings,
 )

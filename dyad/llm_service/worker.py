@@ -10,6 +10,8 @@ only, batch by batch, and sends nothing back.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -20,7 +22,9 @@ from dyad.data import answer_targets
 from dyad.data.batch import collate
 from dyad.exposed_wait import ExposedWait
 from dyad.kernels.boundary_pack import RowSegments, pack, unpack_into
+from dyad.hf_checkpoint import HFCheckpoint
 from dyad.llm_service.fp8 import convert_to_fp8
+from dyad.llm_service.hf import llm_state_dict
 from dyad.llm_service.model import MoELM
 from dyad.llm_service.moe import update_expert_biases
 from dyad.llm_service.parallelize import parallelize_llm
@@ -29,6 +33,10 @@ from dyad.llm_service.step import heldout_microbatch, microbatch_loss
 from dyad.service import PoolService, boundary_dtype, compute_context, transfer_segments
 from dyad.transport import Direction, MessageTag, Phase
 from dyad.wire import pb
+
+
+log = logging.getLogger(__name__)
+_VOCABULARY_ROWS = ("tok_embeddings.weight", "output.weight")
 
 
 @dataclass
@@ -50,6 +58,21 @@ class LLMWorker(PoolService):
         if config.llm.fp8:
             convert_to_fp8(model)
         return model
+
+    @staticmethod
+    def load_pretrained(model: MoELM, config) -> None:
+        """The `llm.from_hf` checkpoint's weights; rows the tokenizer added past its embedding
+        keep their drawn values."""
+        if not config.llm.from_hf:
+            return
+        checkpoint = HFCheckpoint(config.llm.from_hf)
+        rows = checkpoint.config["vocab_size"]
+        state = llm_state_dict(checkpoint, dataclasses.replace(config.llm, vocab_size=rows))
+        with torch.no_grad():
+            for name, tensor in state.items():
+                param = model.get_parameter(name)
+                (param[:rows] if name in _VOCABULARY_ROWS else param).copy_(tensor)
+        log.info("loaded the weights of %s", config.llm.from_hf)
 
     def parallelize(self, model, groups):
         return parallelize_llm(model, groups, sequence_parallel=self.config.parallel.sequence_parallel)

@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from dyad import config as config_lib
 from dyad.clipping import clip_scale
-from dyad.pools import pool_names, pool_type
+from dyad.pools import pool_names, pool_type, pool_types
 from dyad.router import checkpoints, schedule
 from dyad.router.boundary import BoundaryPlan
 from dyad.router.checkpoints import Committed
@@ -147,6 +147,10 @@ class RunDriver:
     def _train_to_the_end(self) -> None:
         self._continue_from(self._first_checkpoint())
         self._warn_of_a_changed_schedule()
+        if self.step == 0:  # a start, not a resume
+            for pool in pool_types():
+                for warning in pool.warnings(self.config):
+                    self._notice("warning", warning)
         try:
             if self.resumed:
                 self._take_over_workers()

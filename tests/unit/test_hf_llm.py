@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 import dyad.hf
 from dyad.hf_checkpoint import HFCheckpoint
-from dyad.llm_service.hf import llm_config, llm_state_dict
+from dyad.llm_service.hf import llm_state_dict
+from dyad.llm_service.hf_config import llm_config
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test reference (pip install -e '.[test]')")
 

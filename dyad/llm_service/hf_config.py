@@ -1,0 +1,152 @@
+"""What a Hugging Face MoE decoder's `config.json` says, as dyad's LLM config (torch-free: the
+router and the CLI check a run's `llm.from_hf` without the model code).
+
+Families: Mixtral (`MixtralForCausalLM`) and Qwen3-MoE (`Qwen3MoeForCausalLM`: per-head q/k norm,
+its own head_dim, dense layers by `mlp_only_layers` / `decoder_sparse_step`). A config field
+that would change the math in a way `MoELM` does not model (a sliding window, attention biases,
+tied embeddings, a scaled rotary embedding, another activation) is a ValueError naming it: a
+model is loaded exactly or not at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from dyad.llm_service.config import LLMConfig, MoEConfig
+
+FAMILIES = ("mixtral", "qwen3_moe")
+
+
+def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
+    """dyad's LLM config for a Hugging Face `config.json` of one of `FAMILIES`."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise ValueError(f"config.json model_type {family!r} is not an LLM family dyad loads ({', '.join(FAMILIES)})")
+    _refuse(hf, family)
+    n_layers = hf["num_hidden_layers"]
+    if family == "mixtral":
+        experts, expert_dim, dense_layers = hf["num_local_experts"], hf["intermediate_size"], ()
+        dense_ffn_dim, norm_topk = hf["intermediate_size"], True
+    else:
+        # The hub's checkpoints say num_experts; transformers 5 writes num_local_experts.
+        experts, expert_dim = hf.get("num_experts", hf.get("num_local_experts")), hf["moe_intermediate_size"]
+        dense_ffn_dim, norm_topk = hf["intermediate_size"], hf.get("norm_topk_prob", True)
+        sparse_step, dense_only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+        dense_layers = tuple(
+            i for i in range(n_layers) if i in dense_only or experts == 0 or (i + 1) % sparse_step != 0
+        )
+    return LLMConfig(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=n_layers,
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim") or 0,
+        qk_norm=family == "qwen3_moe",
+        rope_theta=_rope_theta(hf),
+        norm_eps=hf["rms_norm_eps"],
+        dense_ffn_dim=dense_ffn_dim,
+        dense_layers=dense_layers,
+        max_seq_len=max_seq_len or hf["max_position_embeddings"],
+        moe=MoEConfig(
+            num_experts=experts,
+            top_k=hf["num_experts_per_tok"],
+            expert_dim=expert_dim,
+            norm_topk_prob=norm_topk,
+            score_func="softmax",
+            # dyad's balance loss is per layer, transformers' over all layers at once: a loaded
+            # model trains with dyad's, at the checkpoint's coefficient.
+            aux_loss_coef=hf.get("router_aux_loss_coef", 0.0),
+        ),
+    )
+
+
+def _rope_theta(hf: dict) -> float:
+    rope = hf.get("rope_parameters") or {}  # transformers 5; 4 kept rope_theta at the top
+    kind = rope.get("rope_type") or (hf.get("rope_scaling") or {}).get("rope_type") or "default"
+    if kind != "default":
+        raise ValueError(f"config.json rope_type {kind!r}: dyad loads the default rotary embedding only")
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _refuse(hf: dict, family: str) -> None:
+    """ValueError naming the first config.json field whose value `MoELM` does not model."""
+    checks: list[tuple[str, Callable[[object], bool]]] = [
+        ("hidden_act", lambda v: v in (None, "silu")),
+        ("attention_bias", lambda v: not v),
+        ("tie_word_embeddings", lambda v: not v),
+        ("sliding_window", lambda v: v is None or family == "qwen3_moe" and not hf.get("use_sliding_window")),
+        ("use_sliding_window", lambda v: not v),
+        ("shared_expert_intermediate_size", lambda v: not v),
+    ]
+    for field, supported in checks:
+        if field in hf and not supported(hf[field]):
+            raise ValueError(f"config.json {field}={hf[field]!r} is not supported for {family}")
+
+
+# What a checkpoint fixes: a run's llm section may repeat these, never contradict them.
+ARCHITECTURE = (
+    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "rope_theta", "norm_eps",
+    "dense_ffn_dim", "dense_layers",
+)
+MOE_ARCHITECTURE = ("num_experts", "top_k", "expert_dim", "shared_expert_dim", "norm_topk_prob", "score_func",
+                    "topk_before_softmax", "n_groups", "topk_groups")
+
+
+def read_hf_config(directory: str) -> dict:
+    """`directory`/config.json, or a ValueError naming llm.from_hf."""
+    path = Path(directory) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"llm.from_hf: {directory} has no config.json: not a Hugging Face model directory") from None
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"llm.from_hf: cannot read {path}: {error}") from None
+
+
+def pretrained(llm: LLMConfig, vocab_size: int) -> LLMConfig:
+    """`llm` with the architecture of its `from_hf` checkpoint; the other fields (dispatcher,
+    capacity, float8, ...) stay the run's, and a field the run set away from its default to
+    something else than the checkpoint's is a ValueError naming both. The vocabulary is the
+    checkpoint's, grown to the tokenizer's where the tokenizer has more ids (`vocabulary_growth`)."""
+    hf = read_hf_config(llm.from_hf)
+    try:
+        derived = llm_config(hf)
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"llm.from_hf: {llm.from_hf}/config.json lacks or misstates {error}") from None
+    default, default_moe = LLMConfig(), MoEConfig()
+    for name in ARCHITECTURE:
+        _agree(f"llm.{name}", getattr(llm, name), getattr(default, name), getattr(derived, name))
+    for name in MOE_ARCHITECTURE:
+        _agree(f"llm.moe.{name}", getattr(llm.moe, name), getattr(default_moe, name), getattr(derived.moe, name))
+    moe = dataclasses.replace(
+        llm.moe, **{name: getattr(derived.moe, name) for name in MOE_ARCHITECTURE},
+        aux_loss_coef=llm.moe.aux_loss_coef if llm.moe.aux_loss_coef != default_moe.aux_loss_coef
+        else derived.moe.aux_loss_coef,
+    )
+    return dataclasses.replace(
+        llm, **{name: getattr(derived, name) for name in ARCHITECTURE}, moe=moe,
+        vocab_size=max(vocab_size, derived.vocab_size),
+        max_seq_len=llm.max_seq_len if llm.max_seq_len != default.max_seq_len else derived.max_seq_len,
+    )
+
+
+def _agree(field: str, value, default, checkpoint) -> None:
+    if value != default and value != checkpoint:
+        raise ValueError(f"{field}={value!r} contradicts llm.from_hf's checkpoint ({checkpoint!r}): leave it unset")
+
+
+def vocabulary_growth(llm: LLMConfig) -> str | None:
+    """What a run says when its tokenizer has more ids than the checkpoint's embedding rows."""
+    if not llm.from_hf:
+        return None
+    rows = read_hf_config(llm.from_hf)["vocab_size"]
+    if llm.vocab_size <= rows:
+        return None
+    return (
+        f"the tokenizer has {llm.vocab_size - rows} more ids than {llm.from_hf}'s embedding ({rows} rows): "
+        f"the LLM's embedding and output grow to {llm.vocab_size} rows, the new ones initialised by the run's seed"
+    )

@@ -1,0 +1,123 @@
+"""A run whose LLM starts from a Hugging Face checkpoint (`llm.from_hf`): a tiny random Qwen3-MoE
+saved by transformers, with a tokenizer.json beside it, fine-tuned for 30 steps with a new
+encoder. Its first step's loss is transformers' loss on the same batch (the encoder's rows spliced
+into transformers' input embeddings); the loss then falls. A tokenizer with more ids than the
+embedding grows it and says so; a run config contradicting the checkpoint is refused naming the
+field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dyad import config as config_lib
+from dyad.data import make_dataset
+from dyad.data.batch import collate
+from dyad.data.tokenizer import build_word_tokenizer
+from dyad.encoder_service.step import encode_rows
+from dyad.router.steps import StepPlanner
+from dyad.service import build_model
+from dyad.wire import pb
+from tests.helpers.resilience import BASE, in_process_router, run_followed
+
+transformers = pytest.importorskip("transformers", reason="transformers is the test reference (pip install -e '.[test]')")
+
+RUN = """
+data: {name: digits, image_size: 16, channels: 1, tokenizer: TOKENIZER}
+encoder: {patch_size: 4, dim: 64, depth: 2, heads: 4}
+llm: {from_hf: CHECKPOINT}
+train: {lr: 0.002, warmup_steps: 3}
+eval: {final: false}
+"""
+
+
+def _checkpoint(path, extra_tokens: int = 0):
+    """A tiny Qwen3-MoE over the digits' word tokenizer (whose ids it shares), saved with its
+    tokenizer.json; `extra_tokens` fewer embedding rows than the tokenizer has ids."""
+    dataset = make_dataset(config_lib.load(None, []).data)
+    tokenizer = build_word_tokenizer(dataset.sample(i).text for i in range(len(dataset.train_ids)))
+    path.mkdir()
+    tokenizer.save(path / "tokenizer.json")
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=tokenizer.vocab_size - extra_tokens, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True, max_position_embeddings=256,
+        router_aux_loss_coef=0.0, tie_word_embeddings=False,
+    )).float().eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _config(tmp_path, checkpoint, *overrides):
+    path = tmp_path / "run.yaml"
+    path.write_text(RUN.replace("TOKENIZER", str(checkpoint / "tokenizer.json")).replace("CHECKPOINT", str(checkpoint)))
+    config = config_lib.load(path, [*BASE, "checkpoint.interval_steps=0", *overrides])
+    return dataclasses.replace(config, out_dir=str(tmp_path / "out"))
+
+
+@torch.no_grad()
+def _transformers_loss(reference, config, step: int = 0) -> float:
+    """Step `step`'s caption loss by transformers' model, the run's initial encoder's rows in its
+    input embeddings, normalised as dyad normalises (by the global batch's caption tokens)."""
+    dataset = make_dataset(config.data)
+    resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
+    planner = StepPlanner(resolved, dataset)
+    spec = [planner.next(s) for s in range(step + 1)][-1]
+    encoder = build_model(resolved, "encoder", device="cpu")
+    total = 0.0
+    for sample_ids in spec.microbatches:
+        batch = collate(dataset.tokenizer, [dataset.sample(s) for s in sample_ids], resolved.encoder.tokens_per_image)
+        embeds_BSD = reference.model.embed_tokens(batch.input_ids)
+        B, S, D = embeds_BSD.shape
+        embeds_BSD = embeds_BSD.reshape(B * S, D).index_put(
+            (batch.image_positions,), encode_rows(encoder, dataset, batch.image_ids, "cpu")
+        ).view(B, S, D)
+        attention_mask = (torch.arange(S) < batch.lengths[:, None]).long()
+        logits = reference(inputs_embeds=embeds_BSD, attention_mask=attention_mask).logits
+        total += float(F.cross_entropy(logits.reshape(B * S, -1), batch.targets.reshape(-1), reduction="sum"))
+    return total / spec.target_tokens
+
+
+def test_a_pretrained_llm_fine_tunes_from_where_transformers_starts(tmp_path):
+    reference = _checkpoint(tmp_path / "qwen3-moe")
+    config = _config(tmp_path, tmp_path / "qwen3-moe", "train.steps=30")
+    with in_process_router() as (client, _):
+        run = run_followed(client, config)
+    assert run.info.state == pb.RUN_STATE_SUCCEEDED, run.info.message
+    assert run.steps[0].lm_loss == pytest.approx(_transformers_loss(reference, config), rel=1e-5)
+    assert run.steps[29].lm_loss < run.steps[0].lm_loss / 2
+    assert not [n for n in run.notices if n.kind == "warning"]  # the tokenizer fits the embedding
+
+
+def test_a_tokenizer_with_more_ids_grows_the_embedding_and_says_so(tmp_path):
+    _checkpoint(tmp_path / "qwen3-moe", extra_tokens=2)
+    config = _config(tmp_path, tmp_path / "qwen3-moe", "train.steps=2")
+    dataset = make_dataset(config.data)
+    resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
+    assert resolved.llm.vocab_size == dataset.tokenizer.vocab_size
+    assert (resolved.llm.dim, resolved.llm.head_dim, resolved.llm.dense_layers) == (64, 16, (0,))
+    with in_process_router() as (client, _):
+        run = run_followed(client, config)
+    assert run.info.state == pb.RUN_STATE_SUCCEEDED, run.info.message
+    [warning] = [n for n in run.notices if n.kind == "warning"]
+    assert warning.message.startswith("the tokenizer has 2 more ids than ")
+    assert f"grow to {dataset.tokenizer.vocab_size} rows" in warning.message
+
+
+def test_a_run_config_contradicting_the_checkpoint_is_refused_naming_the_field(tmp_path):
+    _checkpoint(tmp_path / "qwen3-moe")
+    dataset_size = make_dataset(config_lib.load(None, []).data).tokenizer.vocab_size
+    for override, field in (("llm.dim=128", "llm.dim=128"), ("llm.moe.num_experts=8", "llm.moe.num_experts=8")):
+        config = _config(tmp_path, tmp_path / "qwen3-moe", override)
+        with pytest.raises(ValueError, match=f"{field} contradicts llm.from_hf's checkpoint"):
+            config_lib.resolve(config, vocab_size=dataset_size)
+    config = _config(tmp_path, tmp_path / "qwen3-moe", "data.tokenizer=null")
+    with pytest.raises(ValueError, match="llm.from_hf needs data.tokenizer"):
+        config_lib.resolve(config, vocab_size=dataset_size)
+    config = _config(tmp_path, tmp_path / "qwen3-moe", f"llm.from_hf={tmp_path / 'nowhere'}")
+    with pytest.raises(ValueError, match="llm.from_hf: .*nowhere has no config.json"):
+        config_lib.resolve(config, vocab_size=dataset_size)
