@@ -198,9 +198,9 @@ def cmd_train(args) -> int:
     return 0
 
 
-def cmd_eval(args) -> int:
-    """A committed checkpoint (or a run's newest) on the held-out split, on one device: its loss
-    and the task's accuracy. Any layout wrote it: the pools' parts are read whole."""
+def _committed_and_config(args):
+    """The committed checkpoint args.checkpoint names (or a run's newest), and the config of its
+    run (config.yaml in its run directory, or --config; --set; --device)."""
     from dyad import config as config_lib
     from dyad.router.checkpoints import resolve_resume
 
@@ -213,6 +213,13 @@ def cmd_eval(args) -> int:
         config = config_lib.load(path, overrides)
     except OSError as error:
         raise ValueError(f"--config {path}: {error.strerror}") from None
+    return committed, config
+
+
+def cmd_eval(args) -> int:
+    """A committed checkpoint (or a run's newest) on the held-out split, on one device: its loss
+    and the task's accuracy. Any layout wrote it: the pools' parts are read whole."""
+    committed, config = _committed_and_config(args)
     if not args.device:
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, device=_default_device()))
     from dyad.app.evaluate import caption_accuracy, heldout_loss, load_trained  # torch and the models
@@ -223,6 +230,19 @@ def cmd_eval(args) -> int:
     accuracy, samples = caption_accuracy(resolved, dataset, encoder, llm)
     print(f"{committed.path} (step {committed.step}): held-out loss {loss:.4f} over {tokens} caption tokens, "
           f"caption_accuracy {accuracy:.3f} on {samples} held-out samples")
+    return 0
+
+
+def cmd_export(args) -> int:
+    """A committed checkpoint's LLM as a Hugging Face model directory (dyad/app/export.py)."""
+    args.device = None
+    committed, config = _committed_and_config(args)
+    from dyad.app.export import export_llm  # torch and safetensors
+
+    resolved, _ = _resolved(config)
+    written = export_llm(resolved, committed.path, Path(args.to_hf))
+    print(f"{committed.path} (step {committed.step}): the LLM written to {args.to_hf} "
+          f"({len(written)} safetensors file{'s' if len(written) > 1 else ''})")
     return 0
 
 
@@ -392,6 +412,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
     evaluate.set_defaults(func=cmd_eval)
+    export = commands.add_parser("export", help="a checkpoint's LLM as a Hugging Face model directory")
+    export.add_argument("checkpoint", help="a committed checkpoint directory, or a run's (its newest)")
+    export.add_argument("--to-hf", required=True, metavar="OUT", help="the directory to write (new or empty)")
+    export.add_argument("--config", help="the run's config (default: config.yaml in its run directory)")
+    export.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (repeatable)"
+    )
+    export.set_defaults(func=cmd_export)
     router = commands.add_parser("router", help="serve the router")
     add_router_arguments(router, default_port=50051)
     router.set_defaults(func=cmd_router)

@@ -1,5 +1,5 @@
-"""Hugging Face MoE decoders' weights under `MoELM`'s names (`llm_state_dict`); their config is
-`dyad.llm_service.hf_config`'s."""
+"""Hugging Face MoE decoders' weights under `MoELM`'s names (`llm_state_dict`), and back
+(`hf_tensors`: what `dyad export --to-hf` writes); their config is `dyad.llm_service.hf_config`'s."""
 
 from __future__ import annotations
 
@@ -57,3 +57,34 @@ def _moe_names(family: str, layer: str) -> tuple[str, tuple[str, str, str]]:
     if family == "mixtral":
         return f"{layer}.block_sparse_moe", ("w1", "w3", "w2")
     return f"{layer}.mlp", ("gate_proj", "up_proj", "down_proj")
+
+
+def hf_tensors(state: dict[str, torch.Tensor], cfg: LLMConfig, family: str) -> dict[str, torch.Tensor]:
+    """`MoELM(cfg)`'s full state dict under `family`'s checkpoint names: the inverse of
+    `llm_state_dict`, each tensor contiguous (what safetensors writes)."""
+    tensors = {
+        "model.embed_tokens.weight": state["tok_embeddings.weight"],
+        "model.norm.weight": state["norm.weight"],
+        "lm_head.weight": state["output.weight"],
+    }
+    for i in range(cfg.n_layers):
+        hf, ours = f"model.layers.{i}", f"layers.{i}"
+        tensors[f"{hf}.input_layernorm.weight"] = state[f"{ours}.attn_norm.weight"]
+        tensors[f"{hf}.post_attention_layernorm.weight"] = state[f"{ours}.ffn_norm.weight"]
+        for mine, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+            tensors[f"{hf}.self_attn.{theirs}.weight"] = state[f"{ours}.attention.{mine}.weight"]
+        if cfg.qk_norm:
+            tensors[f"{hf}.self_attn.q_norm.weight"] = state[f"{ours}.attention.q_norm.weight"]
+            tensors[f"{hf}.self_attn.k_norm.weight"] = state[f"{ours}.attention.k_norm.weight"]
+        if i in cfg.dense_layers:
+            for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                tensors[f"{hf}.mlp.{theirs}.weight"] = state[f"{ours}.feed_forward.{mine}.weight"]
+            continue
+        moe, (gate, up, down) = _moe_names(family, hf)
+        tensors[f"{moe}.gate.weight"] = state[f"{ours}.feed_forward.router.weight"]
+        w13_ED2F, w2_EFD = state[f"{ours}.feed_forward.w13_ED2F"], state[f"{ours}.feed_forward.w2_EFD"]
+        for e in range(cfg.moe.num_experts):
+            tensors[f"{moe}.experts.{e}.{gate}.weight"] = w13_ED2F[e, :, 0::2].T
+            tensors[f"{moe}.experts.{e}.{up}.weight"] = w13_ED2F[e, :, 1::2].T
+            tensors[f"{moe}.experts.{e}.{down}.weight"] = w2_EFD[e].T
+    return {name: tensor.contiguous() for name, tensor in tensors.items()}

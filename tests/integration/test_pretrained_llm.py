@@ -3,7 +3,7 @@ saved by transformers, with a tokenizer.json beside it, fine-tuned for 30 steps 
 encoder. Its first step's loss is transformers' loss on the same batch (the encoder's rows spliced
 into transformers' input embeddings); the loss then falls. A tokenizer with more ids than the
 embedding grows it and says so; a run config contradicting the checkpoint is refused naming the
-field."""
+field; a fine-tuned LLM exports to a directory transformers loads (`dyad export --to-hf`)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,19 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
+import dyad.hf
 from dyad import config as config_lib
+from dyad.app.cli import main
+from dyad.checkpoint import load_pool_state
 from dyad.data import make_dataset
 from dyad.data.batch import collate
 from dyad.data.tokenizer import build_word_tokenizer
 from dyad.encoder_service.step import encode_rows
+from dyad.hf_checkpoint import HFCheckpoint
+from dyad.llm_service.hf import llm_state_dict
+from dyad.router.checkpoints import checkpoint_dir
 from dyad.router.steps import StepPlanner
 from dyad.service import build_model
 from dyad.wire import pb
@@ -121,3 +128,37 @@ def test_a_run_config_contradicting_the_checkpoint_is_refused_naming_the_field(t
     config = _config(tmp_path, tmp_path / "qwen3-moe", f"llm.from_hf={tmp_path / 'nowhere'}")
     with pytest.raises(ValueError, match="llm.from_hf: .*nowhere has no config.json"):
         config_lib.resolve(config, vocab_size=dataset_size)
+
+
+def test_a_fine_tuned_llm_exports_to_a_directory_transformers_loads(tmp_path, capsys):
+    """Trained under tp2·ep2, written back in the checkpoint's own format: every tensor is the
+    checkpoint's, bit for bit, and transformers' model of the directory computes dyad's logits."""
+    _checkpoint(tmp_path / "qwen3-moe")
+    config = _config(tmp_path, tmp_path / "qwen3-moe", "train.steps=2", "parallel.llm.tp=2", "parallel.llm.ep=2")
+    with in_process_router() as (client, _):
+        run = run_followed(client, config)
+    assert run.info.state == pb.RUN_STATE_SUCCEEDED, run.info.message
+    out = tmp_path / "exported"
+    with pytest.raises(SystemExit) as exited:
+        main(["export", config.out_dir, "--to-hf", str(out)])
+    assert exited.value.code == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.strip().endswith(f"the LLM written to {out} (1 safetensors file)")
+
+    trained = load_pool_state(checkpoint_dir(config.out_dir, 2), "llm")
+    cfg = config_lib.load(tmp_path / "out" / "config.yaml", []).llm
+    for name, tensor in llm_state_dict(HFCheckpoint(out), cfg).items():
+        assert torch.equal(tensor, trained[name]), name
+    before = load_file(tmp_path / "qwen3-moe" / "model.safetensors")["model.layers.1.mlp.experts.0.down_proj.weight"]
+    assert before.T.shape == trained["layers.1.feed_forward.w2_EFD"][0].shape
+    assert not torch.equal(trained["layers.1.feed_forward.w2_EFD"][0], before.T)  # trained: these are new weights
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded).__name__ == "Qwen3MoeForCausalLM"
+    input_ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = reloaded(input_ids=input_ids).logits
+        got = dyad.hf.load(out)(input_ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(SystemExit) as exited:  # never over what is there
+        main(["export", config.out_dir, "--to-hf", str(out)])
+    assert exited.value.code == 2 and "exists and is not empty" in capsys.readouterr().err
