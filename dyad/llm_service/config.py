@@ -16,6 +16,8 @@ class MoEConfig:
     top_k: int = 2
     expert_dim: int = 128
     shared_expert_dim: int = 0  # 0: no shared expert
+    # The shared expert's output scaled by sigmoid(a learned linear of the token) (Qwen2-MoE).
+    shared_expert_gate: bool = False
     aux_loss_coef: float = 0.01
     norm_topk_prob: bool = True
     score_func: str = "softmax"
@@ -39,6 +41,8 @@ class MoEConfig:
             raise ValueError(f"llm.moe.expert_dim ({self.expert_dim}) must be >= 1")
         if self.shared_expert_dim < 0:
             raise ValueError(f"llm.moe.shared_expert_dim ({self.shared_expert_dim}) must be >= 0 (0 disables it)")
+        if self.shared_expert_gate and self.shared_expert_dim == 0:
+            raise ValueError("llm.moe.shared_expert_gate needs a shared expert (llm.moe.shared_expert_dim > 0)")
         for name in ("aux_loss_coef", "z_loss_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"llm.moe.{name} ({getattr(self, name)}) must be >= 0")
@@ -92,6 +96,7 @@ class LLMConfig:
     # RMSNorm of each head's queries and keys before the rotary embedding (Qwen3-MoE's q_norm and
     # k_norm: one weight of head_dim shared by the heads).
     qk_norm: bool = False
+    attention_bias: bool = False  # biases on the query, key and value projections (Qwen2-MoE)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dense_ffn_dim: int = 128

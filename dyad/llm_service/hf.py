@@ -31,6 +31,11 @@ def llm_state_dict(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, torch.
         ):
             state[f"{ours}.attention.{mine}.weight"] = get(f"{hf}.self_attn.{theirs}.weight", rows, D)
         state[f"{ours}.attention.wo.weight"] = get(f"{hf}.self_attn.o_proj.weight", D, cfg.n_heads * Dh)
+        if cfg.attention_bias:
+            for mine, theirs, rows in (
+                ("wq", "q_proj", cfg.n_heads * Dh), ("wk", "k_proj", cfg.n_kv_heads * Dh), ("wv", "v_proj", cfg.n_kv_heads * Dh),
+            ):
+                state[f"{ours}.attention.{mine}.bias"] = get(f"{hf}.self_attn.{theirs}.bias", rows)
         if cfg.qk_norm:
             state[f"{ours}.attention.q_norm.weight"] = get(f"{hf}.self_attn.q_norm.weight", Dh)
             state[f"{ours}.attention.k_norm.weight"] = get(f"{hf}.self_attn.k_norm.weight", Dh)
@@ -49,6 +54,12 @@ def llm_state_dict(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, torch.
             w2.append(get(f"{expert}.{down}.weight", D, F).T)
         state[f"{ours}.feed_forward.w13_ED2F"] = torch.stack(w13).reshape(cfg.moe.num_experts, D, 2 * F)
         state[f"{ours}.feed_forward.w2_EFD"] = torch.stack(w2)
+        if cfg.moe.shared_expert_dim:
+            H = cfg.moe.shared_expert_dim
+            for mine, theirs, shape in (("w1", "gate_proj", (H, D)), ("w3", "up_proj", (H, D)), ("w2", "down_proj", (D, H))):
+                state[f"{ours}.feed_forward.shared_expert.{mine}.weight"] = get(f"{moe}.shared_expert.{theirs}.weight", *shape)
+        if cfg.moe.shared_expert_gate:
+            state[f"{ours}.feed_forward.shared_expert_gate.weight"] = get(f"{moe}.shared_expert_gate.weight", 1, D)
     return state
 
 
@@ -73,6 +84,8 @@ def hf_tensors(state: dict[str, torch.Tensor], cfg: LLMConfig, family: str) -> d
         tensors[f"{hf}.post_attention_layernorm.weight"] = state[f"{ours}.ffn_norm.weight"]
         for mine, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
             tensors[f"{hf}.self_attn.{theirs}.weight"] = state[f"{ours}.attention.{mine}.weight"]
+            if cfg.attention_bias and mine != "wo":
+                tensors[f"{hf}.self_attn.{theirs}.bias"] = state[f"{ours}.attention.{mine}.bias"]
         if cfg.qk_norm:
             tensors[f"{hf}.self_attn.q_norm.weight"] = state[f"{ours}.attention.q_norm.weight"]
             tensors[f"{hf}.self_attn.k_norm.weight"] = state[f"{ours}.attention.k_norm.weight"]
@@ -87,4 +100,9 @@ def hf_tensors(state: dict[str, torch.Tensor], cfg: LLMConfig, family: str) -> d
             tensors[f"{moe}.experts.{e}.{gate}.weight"] = w13_ED2F[e, :, 0::2].T
             tensors[f"{moe}.experts.{e}.{up}.weight"] = w13_ED2F[e, :, 1::2].T
             tensors[f"{moe}.experts.{e}.{down}.weight"] = w2_EFD[e].T
+        if cfg.moe.shared_expert_dim:
+            for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                tensors[f"{moe}.shared_expert.{theirs}.weight"] = state[f"{ours}.feed_forward.shared_expert.{mine}.weight"]
+        if cfg.moe.shared_expert_gate:
+            tensors[f"{moe}.shared_expert_gate.weight"] = state[f"{ours}.feed_forward.shared_expert_gate.weight"]
     return {name: tensor.contiguous() for name, tensor in tensors.items()}

@@ -1,8 +1,10 @@
 """What a Hugging Face MoE decoder's `config.json` says, as dyad's LLM config (torch-free: the
 router and the CLI check a run's `llm.from_hf` without the model code).
 
-Families: Mixtral (`MixtralForCausalLM`) and Qwen3-MoE (`Qwen3MoeForCausalLM`: per-head q/k norm,
-its own head_dim, dense layers by `mlp_only_layers` / `decoder_sparse_step`). A config field
+Families: Mixtral (`MixtralForCausalLM`), Qwen3-MoE (`Qwen3MoeForCausalLM`: per-head q/k norm,
+its own head_dim, dense layers by `mlp_only_layers` / `decoder_sparse_step`) and Qwen2-MoE
+(`Qwen2MoeForCausalLM`: q/k/v biases, a shared expert behind a sigmoid gate, dense layers as
+Qwen3-MoE's). A config field
 that would change the math in a way `MoELM` does not model (a sliding window, attention biases,
 tied embeddings, a scaled rotary embedding, another activation) is a ValueError naming it: a
 model is loaded exactly or not at all.
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from dyad.llm_service.config import LLMConfig, MoEConfig
 
-FAMILIES = ("mixtral", "qwen3_moe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
@@ -27,6 +29,7 @@ def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
         raise ValueError(f"config.json model_type {family!r} is not an LLM family dyad loads ({', '.join(FAMILIES)})")
     _refuse(hf, family)
     n_layers = hf["num_hidden_layers"]
+    shared = hf.get("shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0
     if family == "mixtral":
         experts, expert_dim, dense_layers = hf["num_local_experts"], hf["intermediate_size"], ()
         dense_ffn_dim, norm_topk = hf["intermediate_size"], True
@@ -46,6 +49,7 @@ def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
         n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim") or 0,
         qk_norm=family == "qwen3_moe",
+        attention_bias=family == "qwen2_moe" and hf.get("qkv_bias", True),
         rope_theta=_rope_theta(hf),
         norm_eps=hf["rms_norm_eps"],
         dense_ffn_dim=dense_ffn_dim,
@@ -55,6 +59,8 @@ def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
             num_experts=experts,
             top_k=hf["num_experts_per_tok"],
             expert_dim=expert_dim,
+            shared_expert_dim=shared,
+            shared_expert_gate=shared > 0,
             norm_topk_prob=norm_topk,
             score_func="softmax",
             # dyad's balance loss is per layer, transformers' over all layers at once: a loaded
@@ -78,9 +84,9 @@ def _refuse(hf: dict, family: str) -> None:
         ("hidden_act", lambda v: v in (None, "silu")),
         ("attention_bias", lambda v: not v),
         ("tie_word_embeddings", lambda v: not v),
-        ("sliding_window", lambda v: v is None or family == "qwen3_moe" and not hf.get("use_sliding_window")),
+        # Qwen's configs carry a window that only use_sliding_window turns on.
+        ("sliding_window", lambda v: not v or ("use_sliding_window" in hf and not hf["use_sliding_window"])),
         ("use_sliding_window", lambda v: not v),
-        ("shared_expert_intermediate_size", lambda v: not v),
     ]
     for field, supported in checks:
         if field in hf and not supported(hf[field]):
@@ -89,11 +95,11 @@ def _refuse(hf: dict, family: str) -> None:
 
 # What a checkpoint fixes: a run's llm section may repeat these, never contradict them.
 ARCHITECTURE = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "rope_theta", "norm_eps",
+    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "attention_bias", "rope_theta", "norm_eps",
     "dense_ffn_dim", "dense_layers",
 )
-MOE_ARCHITECTURE = ("num_experts", "top_k", "expert_dim", "shared_expert_dim", "norm_topk_prob", "score_func",
-                    "topk_before_softmax", "n_groups", "topk_groups")
+MOE_ARCHITECTURE = ("num_experts", "top_k", "expert_dim", "shared_expert_dim", "shared_expert_gate", "norm_topk_prob",
+                    "score_func", "topk_before_softmax", "n_groups", "topk_groups")
 
 
 def read_hf_config(directory: str) -> dict:

@@ -254,6 +254,7 @@ class MoELayer(nn.Module):
         for w in self.expert_weights():
             nn.init.normal_(w, std=0.02)
         self.shared_expert = SwiGLU(dim, cfg.shared_expert_dim) if cfg.shared_expert_dim > 0 else None
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if cfg.shared_expert_gate else None
         # Aux-loss-free balancing: a selection-only bias (checkpointed) and this global batch's
         # counts of real tokens per expert (not checkpointed: zero after every update).
         self.register_buffer("expert_bias_E", torch.zeros(E) if cfg.expert_bias else None)
@@ -361,7 +362,10 @@ class MoELayer(nn.Module):
         scores_TE, gates_TK, expert_idx_TK = self.route(x_TD, valid_T)
         y_TD = self.routed_experts(x_TD, gates_TK, expert_idx_TK)
         if self.shared_expert is not None:
-            y_TD = y_TD + self.shared_expert(x_TD)
+            shared_TD = self.shared_expert(x_TD)
+            if self.shared_expert_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+            y_TD = y_TD + shared_TD
         counts_E = assignment_counts(expert_idx_TK, valid_T, self.cfg.num_experts)
         self.last_expert_counts_E = counts_E
         if self.expert_counts_E is not None and self.training and torch.is_grad_enabled() and not recomputing():

@@ -52,6 +52,8 @@ OPTIONS = {
     ],
     # Qwen3-MoE's attention: per-head query/key norms, a head_dim apart from dim / n_heads.
     "qk-norm": ["llm.qk_norm=true", "llm.head_dim=12"],
+    # Qwen2-MoE's: q/k/v biases, the shared expert behind a sigmoid gate.
+    "qwen2-moe": ["llm.attention_bias=true", "llm.moe.shared_expert_gate=true"],
 }
 
 LAYOUTS = {
@@ -179,6 +181,12 @@ def test_router_options_under_a_layout_match_single_device(name):
 def test_qk_norm_and_its_own_head_dim_under_a_layout_match_single_device(name):
     layout, _ = _layout(LAYOUTS[name])
     run_distributed(_layout_body, layout.world_size, LAYOUTS[name], OPTIONS["qk-norm"])
+
+
+@pytest.mark.parametrize("name", ["tp2-cp2-ep4", "tp2-dp2-etp2-ep2"])
+def test_attention_biases_and_a_gated_shared_expert_under_a_layout_match_single_device(name):
+    layout, _ = _layout(LAYOUTS[name])
+    run_distributed(_layout_body, layout.world_size, LAYOUTS[name], OPTIONS["qwen2-moe"])
 
 
 # aot_eager: dynamo traces the parallelized blocks and AOT autograd builds their backward, with

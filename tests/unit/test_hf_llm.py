@@ -38,16 +38,26 @@ def _qwen3_moe():
     return transformers.Qwen3MoeForCausalLM(config)
 
 
-FAMILIES = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
+def _qwen2_moe():
+    config = transformers.Qwen2MoeConfig(
+        **COMMON, intermediate_size=56, moe_intermediate_size=24, shared_expert_intermediate_size=20,
+        num_experts=6, decoder_sparse_step=1, mlp_only_layers=[2], norm_topk_prob=False, router_aux_loss_coef=0.0,
+    )
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+FAMILIES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
 
 
 def _saved(build, path):
     torch.manual_seed(0)
     model = build().float().eval()
-    with torch.no_grad():  # norms start at one: make them matter
+    with torch.no_grad():  # norms start at one and biases at zero: make them matter
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(std=0.5)
     model.save_pretrained(path)
     return model
 
