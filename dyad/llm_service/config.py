@@ -5,6 +5,7 @@ CLI read and check configs without loading the model code."""
 from dataclasses import dataclass, field
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+QK_NORMS = ("none", "head", "projection")
 AUX_LOSSES = ("micro_batch", "seq", "none")
 DROP_POLICIES = ("probs", "position")
 DISPATCHER_NAMES = ("alltoall", "allgather")  # token dispatchers under expert parallelism
@@ -93,10 +94,12 @@ class LLMConfig:
     n_heads: int = 4
     n_kv_heads: int = 2
     head_dim: int = 0  # 0: dim // n_heads (Qwen3-MoE sets its own, e.g. 128 with dim 2048 and 32 heads)
-    # RMSNorm of each head's queries and keys before the rotary embedding (Qwen3-MoE's q_norm and
-    # k_norm: one weight of head_dim shared by the heads).
-    qk_norm: bool = False
+    # RMSNorm of the queries and keys before the rotary embedding: "head", each head's (Qwen3-MoE:
+    # one weight of head_dim shared by the heads); "projection", over the whole projection (OLMoE).
+    qk_norm: str = "none"
     attention_bias: bool = False  # biases on the query, key and value projections (Qwen2-MoE)
+    # A token id whose embedding row never learns (transformers' padding_idx: OLMoE's pad); -1: none.
+    pad_token_id: int = -1
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dense_ffn_dim: int = 128
@@ -113,6 +116,10 @@ class LLMConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"llm.{name} ({value}) must be >= 1")
+        if self.pad_token_id < -1 or self.vocab_size and self.pad_token_id >= self.vocab_size:
+            raise ValueError(f"llm.pad_token_id ({self.pad_token_id}) must be -1 (none) or an id below llm.vocab_size")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"llm.qk_norm ({self.qk_norm!r}) must be one of {', '.join(QK_NORMS)}")
         if self.head_dim < 0:
             raise ValueError(f"llm.head_dim ({self.head_dim}) must be >= 0 (0: llm.dim // llm.n_heads)")
         if self.rope_theta <= 0:

@@ -36,9 +36,10 @@ def llm_state_dict(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, torch.
                 ("wq", "q_proj", cfg.n_heads * Dh), ("wk", "k_proj", cfg.n_kv_heads * Dh), ("wv", "v_proj", cfg.n_kv_heads * Dh),
             ):
                 state[f"{ours}.attention.{mine}.bias"] = get(f"{hf}.self_attn.{theirs}.bias", rows)
-        if cfg.qk_norm:
-            state[f"{ours}.attention.q_norm.weight"] = get(f"{hf}.self_attn.q_norm.weight", Dh)
-            state[f"{ours}.attention.k_norm.weight"] = get(f"{hf}.self_attn.k_norm.weight", Dh)
+        if cfg.qk_norm != "none":  # each head's, or the whole projection's
+            per_head = cfg.qk_norm == "head"
+            for norm, heads in (("q_norm", cfg.n_heads), ("k_norm", cfg.n_kv_heads)):
+                state[f"{ours}.attention.{norm}.weight"] = get(f"{hf}.self_attn.{norm}.weight", Dh if per_head else heads * Dh)
         if i in cfg.dense_layers:
             H = cfg.dense_ffn_dim
             for mine, theirs, shape in (("w1", "gate_proj", (H, D)), ("w3", "up_proj", (H, D)), ("w2", "down_proj", (D, H))):
@@ -86,7 +87,7 @@ def hf_tensors(state: dict[str, torch.Tensor], cfg: LLMConfig, family: str) -> d
             tensors[f"{hf}.self_attn.{theirs}.weight"] = state[f"{ours}.attention.{mine}.weight"]
             if cfg.attention_bias and mine != "wo":
                 tensors[f"{hf}.self_attn.{theirs}.bias"] = state[f"{ours}.attention.{mine}.bias"]
-        if cfg.qk_norm:
+        if cfg.qk_norm != "none":
             tensors[f"{hf}.self_attn.q_norm.weight"] = state[f"{ours}.attention.q_norm.weight"]
             tensors[f"{hf}.self_attn.k_norm.weight"] = state[f"{ours}.attention.k_norm.weight"]
         if i in cfg.dense_layers:

@@ -4,7 +4,7 @@ router and the CLI check a run's `llm.from_hf` without the model code).
 Families: Mixtral (`MixtralForCausalLM`), Qwen3-MoE (`Qwen3MoeForCausalLM`: per-head q/k norm,
 its own head_dim, dense layers by `mlp_only_layers` / `decoder_sparse_step`) and Qwen2-MoE
 (`Qwen2MoeForCausalLM`: q/k/v biases, a shared expert behind a sigmoid gate, dense layers as
-Qwen3-MoE's). A config field
+Qwen3-MoE's) and OLMoE (`OlmoeForCausalLM`: q/k norms over the whole projection). A config field
 that would change the math in a way `MoELM` does not model (a sliding window, attention biases,
 tied embeddings, a scaled rotary embedding, another activation) is a ValueError naming it: a
 model is loaded exactly or not at all.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dyad.llm_service.config import LLMConfig, MoEConfig
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
 
 
 def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
@@ -33,6 +33,9 @@ def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
     if family == "mixtral":
         experts, expert_dim, dense_layers = hf["num_local_experts"], hf["intermediate_size"], ()
         dense_ffn_dim, norm_topk = hf["intermediate_size"], True
+    elif family == "olmoe":
+        experts, expert_dim, dense_layers = hf.get("num_experts", hf.get("num_local_experts")), hf["intermediate_size"], ()
+        dense_ffn_dim, norm_topk = hf["intermediate_size"], hf.get("norm_topk_prob", False)
     else:
         # The hub's checkpoints say num_experts; transformers 5 writes num_local_experts.
         experts, expert_dim = hf.get("num_experts", hf.get("num_local_experts")), hf["moe_intermediate_size"]
@@ -48,8 +51,9 @@ def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
         n_heads=hf["num_attention_heads"],
         n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim") or 0,
-        qk_norm=family == "qwen3_moe",
+        qk_norm={"qwen3_moe": "head", "olmoe": "projection"}.get(family, "none"),
         attention_bias=family == "qwen2_moe" and hf.get("qkv_bias", True),
+        pad_token_id=-1 if hf.get("pad_token_id") is None else hf["pad_token_id"],
         rope_theta=_rope_theta(hf),
         norm_eps=hf["rms_norm_eps"],
         dense_ffn_dim=dense_ffn_dim,
@@ -87,6 +91,7 @@ def _refuse(hf: dict, family: str) -> None:
         # Qwen's configs carry a window that only use_sliding_window turns on.
         ("sliding_window", lambda v: not v or ("use_sliding_window" in hf and not hf["use_sliding_window"])),
         ("use_sliding_window", lambda v: not v),
+        ("clip_qkv", lambda v: v is None),
     ]
     for field, supported in checks:
         if field in hf and not supported(hf[field]):
@@ -95,7 +100,8 @@ def _refuse(hf: dict, family: str) -> None:
 
 # What a checkpoint fixes: a run's llm section may repeat these, never contradict them.
 ARCHITECTURE = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "attention_bias", "rope_theta", "norm_eps",
+    "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "attention_bias", "pad_token_id", "rope_theta",
+    "norm_eps",
     "dense_ffn_dim", "dense_layers",
 )
 MOE_ARCHITECTURE = ("num_experts", "top_k", "expert_dim", "shared_expert_dim", "shared_expert_gate", "norm_topk_prob",

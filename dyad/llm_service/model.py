@@ -53,9 +53,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        # Per-head RMSNorm of queries and keys (llm.qk_norm), shared by the heads.
-        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.q_norm, self.k_norm = (_qk_norm(cfg, heads) for heads in (cfg.n_heads, cfg.n_kv_heads))
         self.core = CausalAttention()
 
     def forward(self, x_BSD, cos_SDh, sin_SDh, positions_S) -> torch.Tensor:
@@ -70,6 +68,23 @@ class Attention(nn.Module):
             return self.wo(q_BSHDh.reshape(B, S, self.n_heads * self.head_dim))
         out_BHSDh = self.core(q_BSHDh.transpose(1, 2), k_BSGDh.transpose(1, 2), v_BSGDh.transpose(1, 2), positions_S)
         return self.wo(out_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+
+
+class ProjectionNorm(nn.RMSNorm):
+    """An RMSNorm over all heads of a projection, [B, S, H, Dh] in and out (OLMoE's q/k norms).
+    Tensor parallelism, which splits the heads, replaces it with `ProjectionParallelRMSNorm`."""
+
+    def forward(self, x_BSHDh: torch.Tensor) -> torch.Tensor:
+        return super().forward(x_BSHDh.flatten(-2)).view_as(x_BSHDh)
+
+
+def _qk_norm(cfg: LLMConfig, heads: int) -> nn.Module:
+    """llm.qk_norm's norm of a projection of `heads` heads, [B, S, H, Dh] in and out."""
+    if cfg.qk_norm == "head":  # one weight, shared by the heads
+        return nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+    if cfg.qk_norm == "projection":
+        return ProjectionNorm(heads * cfg.head_dim, eps=cfg.norm_eps)
+    return nn.Identity()
 
 
 class DecoderBlock(nn.Module):
@@ -136,7 +151,7 @@ class MoELM(nn.Module):
                 f"llm.vocab_size ({cfg.vocab_size}) must be > 0 to build the model; set it from the tokenizer"
             )
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, padding_idx=cfg.pad_token_id if cfg.pad_token_id >= 0 else None)
         self.layers = nn.ModuleList(DecoderBlock(cfg, is_moe=i not in cfg.dense_layers) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)

@@ -6,7 +6,8 @@ that say what they do), never a method. Order (fixed):
 1. tensor parallelism (dyad/parallel/tensor.py, dyad/llm_service/tensor_parallel.py): attention's,
    the dense FFNs' and the output's linears become `ColumnParallelLinear` / `RowParallelLinear`,
    the embedding `VocabParallelEmbedding`, the caption loss `VocabParallelCrossEntropy`, the
-   argmax `VocabParallelPredictedTargets`; with sequence parallelism the residual stream
+   argmax `VocabParallelPredictedTargets`, a query/key norm over the whole projection
+   `ProjectionParallelRMSNorm`; with sequence parallelism the residual stream
    (`MoELM.sequence`) becomes `SequenceParallel`, split along the sequence over tp;
 2. context parallelism (dyad/llm_service/context_parallel.py): each attention's `core` becomes
    `ContextParallelAttention`;
@@ -34,7 +35,9 @@ from torch import nn
 
 from dyad.llm_service.context_parallel import ContextParallelAttention
 from dyad.llm_service.expert_parallel import SplitTokens, expert_param_names, parallelize_moe
+from dyad.llm_service.model import ProjectionNorm
 from dyad.llm_service.tensor_parallel import (
+    ProjectionParallelRMSNorm,
     SequenceParallel,
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
@@ -55,12 +58,12 @@ def parallelize_llm(model: nn.Module, groups: ProcessGroups, *, sequence_paralle
         for block in model.layers:
             block.attention.core = ContextParallelAttention(groups.group("cp"))
     # Parameters each rank trains on its own tokens (or, the per-head query/key norms under tp,
-    # its own heads): their gradients are summed over every rank.
+    # on its own heads): their gradients are summed over every rank.
     token_distinct: set[int] = set()
     if layout.tp > 1:
         token_distinct |= {
             id(p) for block in model.layers for norm in (block.attention.q_norm, block.attention.k_norm)
-            for p in norm.parameters()
+            if isinstance(norm, nn.RMSNorm) for p in norm.parameters()
         }
     for block in model.layers:
         if block.is_moe:
@@ -85,6 +88,9 @@ def _apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool) 
         attention = block.attention
         attention.wq, attention.wk, attention.wv = column(attention.wq), column(attention.wk), column(attention.wv)
         attention.wo = row(attention.wo)
+        if isinstance(attention.q_norm, ProjectionNorm):  # over the heads, which tp splits
+            attention.q_norm = ProjectionParallelRMSNorm(attention.q_norm, tp_group)
+            attention.k_norm = ProjectionParallelRMSNorm(attention.k_norm, tp_group)
         attention.n_heads //= tp
         attention.n_kv_heads //= tp
         if not block.is_moe:

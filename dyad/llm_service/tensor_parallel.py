@@ -15,6 +15,7 @@ from torch import nn
 
 from dyad.parallel.collectives import (
     all_gather_cat,
+    all_reduce_sum_grad,
     gather_from_group,
     own_chunk,
     reduce_from_group,
@@ -26,7 +27,8 @@ from dyad.parallel.tensor import ColumnParallelLinear, shard_rows
 
 class VocabParallelEmbedding(nn.Module, ShardedParameters):
     """Embedding rows split over the group (padded to equal slices); lookups outside this rank's
-    slice give zeros and the partial results are summed."""
+    slice give zeros and the partial results are summed. The embedding's `padding_idx` row, on
+    the rank that holds it, learns nothing, as in the whole table."""
 
     def __init__(self, embedding: nn.Embedding, group):
         super().__init__()
@@ -34,6 +36,8 @@ class VocabParallelEmbedding(nn.Module, ShardedParameters):
         self.full_rows = embedding.num_embeddings
         self.weight = nn.Parameter(self.local_part("weight", embedding.weight.detach()))
         self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
+        local_pad = -1 if embedding.padding_idx is None else embedding.padding_idx - self.vocab_start
+        self.local_padding_idx = local_pad if 0 <= local_pad < self.weight.shape[0] else None
 
     def cuts(self, owner: nn.Module, name: str) -> bool:
         return owner is self
@@ -48,7 +52,7 @@ class VocabParallelEmbedding(nn.Module, ShardedParameters):
     def forward(self, ids):
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=self.local_padding_idx)
         h = h.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_group(h, self.group)
 
@@ -137,6 +141,32 @@ class VocabParallelPredictedTargets(nn.Module):
         index_BS = torch.where(local_max_BS == max_BS, local_index_BS + self.vocab_start, beyond)
         dist.all_reduce(index_BS, op=dist.ReduceOp.MIN, group=self.group)
         return index_BS == targets_BS
+
+
+class ProjectionParallelRMSNorm(nn.Module, ShardedParameters):
+    """An RMSNorm over a projection whose heads a column-parallel linear splits over the group
+    (replaces `ProjectionNorm`): the mean square over every rank's features, this rank's slice of
+    the weight."""
+
+    def __init__(self, norm: nn.RMSNorm, group):
+        super().__init__()
+        self.group, self.eps, self.features = group, norm.eps, norm.weight.shape[0]
+        self.weight = nn.Parameter(self.local_part("weight", norm.weight.detach()))
+
+    def cuts(self, owner: nn.Module, name: str) -> bool:
+        return owner is self
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return shard_rows(full, dist.get_world_size(self.group), dist.get_rank(self.group))
+
+    def gather_full(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        return all_gather_cat(value, self.group, 0)[: self.features]
+
+    def forward(self, x_BSHDh: torch.Tensor) -> torch.Tensor:
+        x_BSF = x_BSHDh.flatten(-2).float()
+        sq_sum_BS1 = all_reduce_sum_grad(x_BSF.square().sum(-1, keepdim=True), self.group)
+        y_BSF = x_BSF * torch.rsqrt(sq_sum_BS1 / self.features + self.eps) * self.weight.float()
+        return y_BSF.to(x_BSHDh.dtype).view_as(x_BSHDh)
 
 
 class SequenceParallel:

@@ -51,7 +51,10 @@ OPTIONS = {
         "llm.moe.dispatcher=allgather",
     ],
     # Qwen3-MoE's attention: per-head query/key norms, a head_dim apart from dim / n_heads.
-    "qk-norm": ["llm.qk_norm=true", "llm.head_dim=12"],
+    "qk-norm": ["llm.qk_norm=head", "llm.head_dim=12"],
+    # OLMoE's: query/key norms over the whole projection, which tp splits by heads; a padding
+    # token whose embedding row learns nothing (the digits' <pad> is id 0).
+    "projection-qk-norm": ["llm.qk_norm=projection", "llm.pad_token_id=0"],
     # Qwen2-MoE's: q/k/v biases, the shared expert behind a sigmoid gate.
     "qwen2-moe": ["llm.attention_bias=true", "llm.moe.shared_expert_gate=true"],
 }
@@ -181,6 +184,12 @@ def test_router_options_under_a_layout_match_single_device(name):
 def test_qk_norm_and_its_own_head_dim_under_a_layout_match_single_device(name):
     layout, _ = _layout(LAYOUTS[name])
     run_distributed(_layout_body, layout.world_size, LAYOUTS[name], OPTIONS["qk-norm"])
+
+
+@pytest.mark.parametrize("name", ["tp2-cp2-ep4", "tp2-sp-ep2"])
+def test_qk_norm_over_the_whole_projection_and_a_padding_row_under_a_layout_match_single_device(name):
+    layout, _ = _layout(LAYOUTS[name])
+    run_distributed(_layout_body, layout.world_size, LAYOUTS[name], OPTIONS["projection-qk-norm"])
 
 
 @pytest.mark.parametrize("name", ["tp2-cp2-ep4", "tp2-dp2-etp2-ep2"])

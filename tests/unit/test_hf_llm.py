@@ -1,6 +1,6 @@
-"""Hugging Face MoE decoders loaded into dyad's single-device model (`dyad.hf.load`): tiny random
-models built and saved with transformers, the same inputs through both, logits, loss and every
-parameter's gradient equal in float32. A tensor missing from the checkpoint, or of the wrong
+"""Hugging Face MoE decoders (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE) loaded into dyad's
+single-device model (`dyad.hf.load`): tiny random models built and saved with transformers, the
+same inputs through both, logits, loss and every parameter's gradient equal in float32. A tensor missing from the checkpoint, or of the wrong
 shape, or a config field dyad does not model, is an error naming it."""
 
 from __future__ import annotations
@@ -46,7 +46,15 @@ def _qwen2_moe():
     return transformers.Qwen2MoeForCausalLM(config)
 
 
-FAMILIES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
+def _olmoe():
+    config = transformers.OlmoeConfig(
+        **COMMON, intermediate_size=24, num_experts=6, norm_topk_prob=False, router_aux_loss_coef=0.0,
+        pad_token_id=0, eos_token_id=1,
+    )
+    return transformers.OlmoeForCausalLM(config)
+
+
+FAMILIES = {"mixtral": _mixtral, "olmoe": _olmoe, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
 
 
 def _saved(build, path):
@@ -103,7 +111,7 @@ def test_qwen3_moe_layers_and_head_dim_come_from_its_config(tmp_path):
     _saved(_qwen3_moe, tmp_path)
     cfg = llm_config(json.loads((tmp_path / "config.json").read_text()))
     assert (cfg.head_dim, cfg.dim // cfg.n_heads) == (12, 8)  # decoupled from dim / heads
-    assert cfg.qk_norm and cfg.dense_layers == (1,) and cfg.dense_ffn_dim == 56 and cfg.moe.expert_dim == 24
+    assert cfg.qk_norm == "head" and cfg.dense_layers == (1,) and cfg.dense_ffn_dim == 56 and cfg.moe.expert_dim == 24
 
 
 def test_a_missing_or_misshapen_tensor_is_named(tmp_path):
