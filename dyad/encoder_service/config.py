@@ -4,6 +4,8 @@ check configs without loading the model code."""
 
 from dataclasses import dataclass
 
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")  # exact GELU; SigLIP's tanh form; CLIP's x*sigmoid(1.702x)
+
 
 @dataclass(kw_only=True)
 class EncoderConfig:
@@ -14,12 +16,22 @@ class EncoderConfig:
     depth: int = 2
     heads: int = 4
     mlp_ratio: float = 4.0
+    mlp_hidden: int = 0  # the MLP's hidden width; 0: dim * mlp_ratio (pretrained towers set it)
     out_dim: int = 64  # the LLM hidden size; the composer sets it
     norm_eps: float = 1e-6
     spatial_merge: int = 1  # m: each m x m square of patches becomes one LLM token
+    # The parts pretrained towers differ by (SigLIP, CLIP; dyad/encoder_service/hf_config.py):
+    activation: str = "gelu"  # the MLP's: one of ACTIVATIONS
+    qkv_bias: bool = False  # biases on the query, key and value projections
+    patch_bias: bool = True  # a bias on the patch embedding (CLIP has none)
+    cls_token: bool = False  # a learned class token before the patches (CLIP); never sent to the LLM
+    pre_norm: bool = False  # a LayerNorm of the embeddings before the first block (CLIP's)
+    final_norm: bool = True  # a LayerNorm after the last block (LLaVA takes features before it)
 
     def __post_init__(self):
         positive = ("image_size", "patch_size", "channels", "dim", "depth", "heads", "out_dim", "spatial_merge")
+        if self.mlp_hidden < 0:
+            raise ValueError(f"encoder.mlp_hidden ({self.mlp_hidden}) must be >= 0 (0: encoder.dim * encoder.mlp_ratio)")
         for name in positive:
             value = getattr(self, name)
             if value < 1:
@@ -28,6 +40,8 @@ class EncoderConfig:
             raise ValueError(f"encoder.mlp_ratio ({self.mlp_ratio}) must give an MLP dim >= 1 (dim * mlp_ratio)")
         if self.norm_eps <= 0:
             raise ValueError(f"encoder.norm_eps ({self.norm_eps}) must be > 0")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"encoder.activation ({self.activation!r}) must be one of {', '.join(ACTIVATIONS)}")
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"encoder.patch_size ({self.patch_size}) must divide encoder.image_size ({self.image_size})"
@@ -50,6 +64,11 @@ class EncoderConfig:
         return self.patch_grid**2
 
     @property
+    def positions(self) -> int:
+        """Rows of the position embedding: the patches, and the class token's first."""
+        return self.patches_per_image + int(self.cls_token)
+
+    @property
     def tokens_per_image(self) -> int:
         """Rows per image the LLM receives."""
         return (self.patch_grid // self.spatial_merge) ** 2
@@ -61,4 +80,4 @@ class EncoderConfig:
 
     @property
     def mlp_dim(self) -> int:
-        return int(self.dim * self.mlp_ratio)
+        return self.mlp_hidden or int(self.dim * self.mlp_ratio)

@@ -17,18 +17,29 @@ from torch import nn
 from dyad.encoder_service.config import EncoderConfig
 
 
+def activation(name: str):
+    """encoder.activation's function."""
+    if name == "gelu_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "quick_gelu":
+        return lambda x: x * torch.sigmoid(1.702 * x)
+    return F.gelu
+
+
 class EncoderBlock(nn.Module):
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         self.heads, self.head_dim = cfg.heads, cfg.dim // cfg.heads  # heads: this rank's, under tp
         self.attn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        # No qkv bias: a key bias cannot change attention (softmax is shift-invariant per query),
-        # so its gradient is pure rounding noise, which Adam would turn into lr-sized steps.
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
+        # No qkv bias by default: a key bias cannot change attention (softmax is shift-invariant
+        # per query), so its gradient is pure rounding noise, which Adam would turn into lr-sized
+        # steps. Pretrained towers have them (encoder.qkv_bias).
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
         self.mlp_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.fc1 = nn.Linear(cfg.dim, cfg.mlp_dim)
         self.fc2 = nn.Linear(cfg.mlp_dim, cfg.dim)
+        self.act = activation(cfg.activation)
 
     def attention(self, x_NPD: torch.Tensor) -> torch.Tensor:
         N, P, _ = x_NPD.shape
@@ -42,7 +53,7 @@ class EncoderBlock(nn.Module):
 
     def forward(self, x_NPD: torch.Tensor) -> torch.Tensor:
         x_NPD = x_NPD + self.attention(self.attn_norm(x_NPD))
-        return x_NPD + self.fc2(F.gelu(self.fc1(self.mlp_norm(x_NPD))))
+        return x_NPD + self.fc2(self.act(self.fc1(self.mlp_norm(x_NPD))))
 
 
 class VisionEncoder(nn.Module):
@@ -50,10 +61,12 @@ class VisionEncoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         patch_numel = cfg.channels * cfg.patch_size**2
-        self.patch_embed = nn.Linear(patch_numel, cfg.dim)
-        self.pos_embed_PD = nn.Parameter(torch.zeros(cfg.patches_per_image, cfg.dim))
+        self.patch_embed = nn.Linear(patch_numel, cfg.dim, bias=cfg.patch_bias)
+        self.cls_token_D = nn.Parameter(torch.zeros(cfg.dim)) if cfg.cls_token else None
+        self.pos_embed_PD = nn.Parameter(torch.zeros(cfg.positions, cfg.dim))  # the class token's first
+        self.pre_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps) if cfg.pre_norm else nn.Identity()
         self.blocks = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.depth))
-        self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps) if cfg.final_norm else nn.Identity()
         self.proj_in = nn.Linear(cfg.merged_dim, cfg.out_dim)
         self.proj_out = nn.Linear(cfg.out_dim, cfg.out_dim)
 
@@ -78,11 +91,24 @@ class VisionEncoder(nn.Module):
         squares = x_NPD.reshape(N, g // m, m, g // m, m, D)  # [N, square row, row in square, square col, col, D]
         return squares.permute(0, 1, 3, 2, 4, 5).reshape(N, (g // m) ** 2, m * m * D)
 
-    def forward(self, images_NCHW: torch.Tensor) -> torch.Tensor:
-        """[N, C, H, W] -> [N, tokens_per_image, out_dim]; N may be 0."""
+    def features(self, images_NCHW: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] -> [N, P, D]: the patches' features, the class token dropped."""
+        x_NPD = self.hidden_states(images_NCHW)
+        return x_NPD[:, 1:] if self.cls_token_D is not None else x_NPD
+
+    def hidden_states(self, images_NCHW: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] -> [N, positions, D]: every token after the last block (and the final
+        norm, if any), the class token first (if any)."""
         patches_NPX = self.patchify(images_NCHW).to(self.patch_embed.weight.dtype)
-        x_NPD = self.patch_embed(patches_NPX) + self.pos_embed_PD
+        x_NPD = self.patch_embed(patches_NPX)
+        if self.cls_token_D is not None:
+            x_NPD = torch.cat([self.cls_token_D.expand(x_NPD.shape[0], 1, -1), x_NPD], dim=1)
+        x_NPD = self.pre_norm(x_NPD + self.pos_embed_PD)
         for block in self.blocks:
             x_NPD = block(x_NPD)
-        x_NTX = self.merge_patches(self.norm(x_NPD))
+        return self.norm(x_NPD)
+
+    def forward(self, images_NCHW: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] -> [N, tokens_per_image, out_dim]; N may be 0."""
+        x_NTX = self.merge_patches(self.features(images_NCHW))
         return self.proj_out(F.gelu(self.proj_in(x_NTX)))

@@ -6,7 +6,11 @@ mirrors, so that a user (and dyad's tests) can compare the two directly:
     out = model(input_ids, attention_mask=attention_mask, labels=input_ids)
     out.logits, out.loss
 
-LLM families: see `dyad.llm_service.hf.FAMILIES`.
+    tower = dyad.hf.load("path/to/siglip-so400m-patch14-384")
+    tower(pixel_values).last_hidden_state
+
+LLM families: `dyad.llm_service.hf_config.FAMILIES`; vision towers:
+`dyad.encoder_service.hf_config.FAMILIES`.
 """
 
 from __future__ import annotations
@@ -18,12 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dyad.encoder_service.hf import encoder_state_dict
+from dyad.encoder_service.hf_config import FAMILIES as VISION_FAMILIES
+from dyad.encoder_service.hf_config import encoder_config
+from dyad.encoder_service.model import VisionEncoder
 from dyad.hf_checkpoint import HFCheckpoint
 from dyad.llm_service.hf import llm_state_dict
 from dyad.llm_service.hf_config import FAMILIES, llm_config
 from dyad.llm_service.model import MoELM
 
-__all__ = ["CausalLM", "CausalLMOutput", "load"]
+__all__ = ["CausalLM", "CausalLMOutput", "VisionTower", "VisionTowerOutput", "load"]
 
 
 @dataclass
@@ -57,13 +65,43 @@ class CausalLM(nn.Module):
         return CausalLMOutput(logits=logits_BSV, loss=loss)
 
 
-def load(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
-    """dyad's single-device model of the Hugging Face model directory `path`, its weights read
-    from the directory's safetensors files (names and shapes checked)."""
+@dataclass
+class VisionTowerOutput:
+    last_hidden_state: torch.Tensor  # [N, tokens, D]
+
+
+class VisionTower(nn.Module):
+    """A `VisionEncoder` (`.model`, without its projector's use) behind a transformers vision
+    model's forward: `pixel_values` [N, C, H, W] -> `.last_hidden_state`."""
+
+    def __init__(self, model: VisionEncoder):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor) -> VisionTowerOutput:
+        return VisionTowerOutput(last_hidden_state=self.model.hidden_states(pixel_values))
+
+
+def load(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+) -> CausalLM | VisionTower:
+    """dyad's single-device model of the Hugging Face model directory `path` (an MoE LLM or a
+    vision tower), its weights read from the directory's safetensors files (names and shapes
+    checked)."""
     checkpoint = HFCheckpoint(path)
     family = checkpoint.config.get("model_type")
+    if family in VISION_FAMILIES:
+        cfg = encoder_config(checkpoint.config)
+        with torch.device("meta"):
+            tower = VisionEncoder(cfg)
+        state = encoder_state_dict(checkpoint, cfg)
+        # The projector is dyad's (LLaVA's is the whole model's): a tower alone has none.
+        state |= {name: torch.zeros(p.shape) for name, p in tower.named_parameters() if name.startswith("proj_")}
+        tower.load_state_dict(state, assign=True, strict=True)
+        return VisionTower(tower.to(device=device, dtype=dtype))
     if family not in FAMILIES:
-        raise ValueError(f"{path}: model_type {family!r} is not one dyad loads (LLMs: {', '.join(FAMILIES)})")
+        known = ", ".join([*FAMILIES, *sorted(VISION_FAMILIES)])
+        raise ValueError(f"{path}: model_type {family!r} is not one dyad loads ({known})")
     cfg = llm_config(checkpoint.config)
     with torch.device("meta"):
         model = MoELM(cfg)

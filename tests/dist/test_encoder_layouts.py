@@ -23,9 +23,18 @@ from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import assert_close, assert_tensors_close
 
 
-def _encoder_body(rank, world_size, dp, tp, merge):
+# The parts of pretrained towers: CLIP's (a class token, a norm before the blocks, quick GELU, no
+# patch bias) and SigLIP's (tanh GELU, no final norm as LLaVA reads its features), with q/k/v biases.
+TOWER_PARTS = {
+    "clip": ["encoder.cls_token=true", "encoder.pre_norm=true", "encoder.activation=quick_gelu",
+             "encoder.patch_bias=false", "encoder.qkv_bias=true", "encoder.mlp_hidden=40"],
+    "siglip": ["encoder.activation=gelu_tanh", "encoder.final_norm=false", "encoder.qkv_bias=true"],
+}
+
+
+def _encoder_body(rank, world_size, dp, tp, merge, parts=()):
     layout = EncoderLayout(dp=dp, tp=tp)
-    overrides = ["encoder.heads=4", "train.grad_clip=0.1", f"encoder.spatial_merge={merge}"]
+    overrides = ["encoder.heads=4", "train.grad_clip=0.1", f"encoder.spatial_merge={merge}", *parts]
     config = config_lib.resolve(config_lib.load(None, overrides), vocab_size=32)
     tokens = config.encoder.tokens_per_image
     validate_encoder_layout(layout, config.encoder)
@@ -61,3 +70,8 @@ def _encoder_body(rank, world_size, dp, tp, merge):
 @pytest.mark.parametrize("dp, tp, merge", [(2, 1, 1), (1, 2, 2), (2, 2, 1)])
 def test_encoder_layout_matches_single_device(dp, tp, merge):
     run_distributed(_encoder_body, dp * tp, dp, tp, merge)
+
+
+@pytest.mark.parametrize("tower", TOWER_PARTS)
+def test_pretrained_towers_parts_under_dp_and_tp_match_single_device(tower):
+    run_distributed(_encoder_body, 4, 2, 2, 1, TOWER_PARTS[tower])

@@ -1,0 +1,57 @@
+"""Hugging Face vision towers' weights under `VisionEncoder`'s names (`encoder_state_dict`); their
+config is `dyad.encoder_service.hf_config`'s. A tower's tensors are found under whatever prefix
+its checkpoint gives them (a tower alone, a SigLIP or CLIP model's `vision_model.`, a LLaVA's
+vision tower)."""
+
+from __future__ import annotations
+
+import torch
+
+from dyad.encoder_service.config import EncoderConfig
+from dyad.hf_checkpoint import HFCheckpoint
+
+_PATCH = "embeddings.patch_embedding.weight"
+
+
+def tower_prefix(checkpoint: HFCheckpoint) -> str:
+    """The prefix of the checkpoint's vision tower tensors (a ValueError unless exactly one)."""
+    prefixes = sorted(name.removesuffix(_PATCH) for name in checkpoint.names if name.endswith(_PATCH))
+    if len(prefixes) != 1:
+        raise ValueError(f"{checkpoint.path}: expected one vision tower ('...{_PATCH}'), found {len(prefixes)}")
+    return prefixes[0]
+
+
+def encoder_state_dict(checkpoint: HFCheckpoint, cfg: EncoderConfig, prefix: str | None = None) -> dict[str, torch.Tensor]:
+    """The tower's part of `VisionEncoder(cfg)`'s state dict (not the projector), every tensor's
+    name and shape checked; blocks past `cfg.depth` (a feature layer before the last) are not read."""
+    prefix = tower_prefix(checkpoint) if prefix is None else prefix
+    D, C, p, M = cfg.dim, cfg.channels, cfg.patch_size, cfg.mlp_dim
+
+    def get(name: str, *shape: int) -> torch.Tensor:
+        return checkpoint.tensor(prefix + name, shape)
+
+    state = {
+        "patch_embed.weight": get(_PATCH, D, C, p, p).reshape(D, C * p * p),  # (C, ph, pw), as patchify flattens
+        "pos_embed_PD": get("embeddings.position_embedding.weight", cfg.positions, D),
+    }
+    if cfg.patch_bias:
+        state["patch_embed.bias"] = get("embeddings.patch_embedding.bias", D)
+    if cfg.cls_token:
+        state["cls_token_D"] = get("embeddings.class_embedding", D)
+    if cfg.pre_norm:
+        state["pre_norm.weight"], state["pre_norm.bias"] = get("pre_layrnorm.weight", D), get("pre_layrnorm.bias", D)
+    if cfg.final_norm:
+        state["norm.weight"], state["norm.bias"] = get("post_layernorm.weight", D), get("post_layernorm.bias", D)
+    for i in range(cfg.depth):
+        hf, ours = f"encoder.layers.{i}", f"blocks.{i}"
+        for mine, theirs in (("attn_norm", "layer_norm1"), ("mlp_norm", "layer_norm2")):
+            state[f"{ours}.{mine}.weight"] = get(f"{hf}.{theirs}.weight", D)
+            state[f"{ours}.{mine}.bias"] = get(f"{hf}.{theirs}.bias", D)
+        # q, k, v blocks in that order: the fused projection's layout
+        state[f"{ours}.qkv.weight"] = torch.cat([get(f"{hf}.self_attn.{x}_proj.weight", D, D) for x in "qkv"])
+        state[f"{ours}.qkv.bias"] = torch.cat([get(f"{hf}.self_attn.{x}_proj.bias", D) for x in "qkv"])
+        state[f"{ours}.proj.weight"] = get(f"{hf}.self_attn.out_proj.weight", D, D)
+        state[f"{ours}.proj.bias"] = get(f"{hf}.self_attn.out_proj.bias", D)
+        state[f"{ours}.fc1.weight"], state[f"{ours}.fc1.bias"] = get(f"{hf}.mlp.fc1.weight", M, D), get(f"{hf}.mlp.fc1.bias", M)
+        state[f"{ours}.fc2.weight"], state[f"{ours}.fc2.bias"] = get(f"{hf}.mlp.fc2.weight", D, M), get(f"{hf}.mlp.fc2.bias", D)
+    return state

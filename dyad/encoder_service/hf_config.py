@@ -1,0 +1,55 @@
+"""What a Hugging Face vision tower's config says, as dyad's encoder config (torch-free).
+
+Families: SigLIP (`siglip_vision_model`, or the vision half of a `siglip` model: a patch
+embedding with a bias, tanh GELU) and CLIP (`clip_vision_model` / `clip`: a class token, a
+LayerNorm before the first block, quick GELU, no patch bias), both with biases on q, k and v. A
+tower feeds the LLM as LLaVA's does: the features of `feature_layer` (-1: the last block's
+output, -2: the one before), before the final norm, without the class token; loaded alone
+(`dyad.hf.load`) it is transformers' `last_hidden_state`.
+"""
+
+from __future__ import annotations
+
+from dyad.encoder_service.config import EncoderConfig
+
+FAMILIES = {"siglip_vision_model": "siglip", "clip_vision_model": "clip", "siglip": "siglip", "clip": "clip"}
+_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "quick_gelu": "quick_gelu", "gelu": "gelu"}
+
+
+def vision_config(hf: dict) -> dict:
+    """The vision tower's part of a config.json: itself, or its `vision_config`."""
+    return hf["vision_config"] if hf.get("model_type") in ("siglip", "clip", "llava") else hf
+
+
+def encoder_config(hf: dict, *, feature_layer: int | None = None, out_dim: int = 1) -> EncoderConfig:
+    """dyad's encoder for the tower of `hf` (a config.json); `feature_layer` None: the whole
+    tower as transformers' `last_hidden_state` has it (SigLIP's after its final norm; CLIP's
+before, its class token first)."""
+    vision = vision_config(hf)
+    family = FAMILIES.get(vision.get("model_type"))
+    if family is None:
+        raise ValueError(f"config.json vision model_type {vision.get('model_type')!r} is not one dyad loads "
+                         f"({', '.join(sorted(FAMILIES))})")
+    act = vision.get("hidden_act", "gelu_pytorch_tanh" if family == "siglip" else "quick_gelu")
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"config.json vision hidden_act {act!r} is not supported")
+    layers = vision["num_hidden_layers"]
+    if feature_layer is not None and not -layers <= feature_layer <= -1:
+        raise ValueError(f"encoder.feature_layer ({feature_layer}) must be in [-{layers}, -1] for a tower of {layers} blocks")
+    return EncoderConfig(
+        image_size=vision["image_size"],
+        patch_size=vision["patch_size"],
+        channels=vision.get("num_channels", 3),
+        dim=vision["hidden_size"],
+        depth=layers if feature_layer is None else layers + 1 + feature_layer,
+        heads=vision["num_attention_heads"],
+        mlp_hidden=vision["intermediate_size"],
+        out_dim=out_dim,
+        norm_eps=vision.get("layer_norm_eps", 1e-6 if family == "siglip" else 1e-5),
+        activation=_ACTIVATIONS[act],
+        qkv_bias=True,
+        patch_bias=family == "siglip",
+        cls_token=family == "clip",
+        pre_norm=family == "clip",
+        final_norm=feature_layer is None and family == "siglip",
+    )
