@@ -496,7 +496,7 @@ def resolve(config: RunConfig, *, vocab_size: int | None = None) -> RunConfig:
 
 # Fields that name files or directories: relative ones are relative to where the config was
 # written (the client's working directory), not to where the router happens to run.
-PATH_FIELDS = ("out_dir", "data.path", "data.tokenizer", "checkpoint.resume_from", "llm.from_hf")
+PATH_FIELDS = ("out_dir", "data.path", "data.tokenizer", "checkpoint.resume_from", "llm.from_hf", "encoder.from_hf")
 
 
 def with_absolute_paths(config: RunConfig, base: str | Path) -> RunConfig:

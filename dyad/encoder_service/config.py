@@ -9,6 +9,11 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")  # exact GELU; SigLIP's tanh f
 
 @dataclass(kw_only=True)
 class EncoderConfig:
+    # A Hugging Face vision tower (SigLIP, CLIP; alone, or a SigLIP/CLIP/LLaVA model's) whose
+    # architecture and weights the encoder starts from (dyad/encoder_service/hf_config.py), the
+    # projector drawn from the run's seed; "": dyad's own, from the fields below.
+    from_hf: str = ""
+    feature_layer: int = -2  # with from_hf: the block whose output the LLM gets (LLaVA's: -2, the one before the last)
     image_size: int = 16
     patch_size: int = 4
     channels: int = 1

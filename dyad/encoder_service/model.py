@@ -26,6 +26,23 @@ def activation(name: str):
     return F.gelu
 
 
+def hold_key_bias(qkv: nn.Module) -> None:
+    """Zero the gradient of the key part of a fused [q | k | v] projection's bias (this rank's
+    blocks, under tp): its true gradient is zero (each query's scores all shift by the same
+    q . b_k), and its rounding noise would otherwise be an lr-sized AdamW step. Again after
+    tensor parallelism replaces the projection."""
+    if qkv.bias is None:
+        return
+    third = qkv.bias.shape[0] // 3
+
+    def without_key(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad[third : 2 * third] = 0
+        return grad
+
+    qkv.bias.register_hook(without_key)
+
+
 class EncoderBlock(nn.Module):
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
@@ -33,8 +50,10 @@ class EncoderBlock(nn.Module):
         self.attn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         # No qkv bias by default: a key bias cannot change attention (softmax is shift-invariant
         # per query), so its gradient is pure rounding noise, which Adam would turn into lr-sized
-        # steps. Pretrained towers have them (encoder.qkv_bias).
+        # steps. Pretrained towers have them (encoder.qkv_bias): their key part is kept as loaded
+        # and learns nothing (`hold_key_bias`).
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=cfg.qkv_bias)
+        hold_key_bias(self.qkv)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
         self.mlp_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.fc1 = nn.Linear(cfg.dim, cfg.mlp_dim)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
+from dyad.encoder_service.model import hold_key_bias
 from dyad.parallel.gradients import GradientPlan, is_sharded
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear
@@ -32,6 +33,7 @@ def _apply_tensor_parallel(model: nn.Module, tp_group) -> None:
     tp = dist.get_world_size(tp_group)
     for block in model.blocks:
         block.qkv = ColumnParallelLinear(block.qkv, tp_group, parts=3)
+        hold_key_bias(block.qkv)
         block.proj = RowParallelLinear(block.proj, tp_group)
         block.fc1 = ColumnParallelLinear(block.fc1, tp_group)
         block.fc2 = RowParallelLinear(block.fc2, tp_group)

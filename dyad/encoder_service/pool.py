@@ -5,15 +5,20 @@ from __future__ import annotations
 import dataclasses
 
 from dyad.encoder_service.config import EncoderConfig
+from dyad.encoder_service.hf_config import pretrained
 from dyad.layout import EncoderLayout, validate_encoder_layout
 from dyad.pools import PoolType
 
 
 def _resolve(run, vocab_size: int | None) -> EncoderConfig:
-    """Its rows are the LLM's input width, its images the dataset's; an image's rows must fit in
+    """Its rows are the LLM's input width, its images the dataset's (a pretrained tower's
+    architecture its own: `encoder.from_hf`); an image's rows must fit in
     one LLM sequence (refused here, before any worker allocates an image that large)."""
+    encoder = run.encoder
+    if encoder.from_hf:  # its architecture is the tower's
+        encoder = pretrained(encoder, image_size=run.data.image_size, channels=run.data.channels)
     encoder = dataclasses.replace(
-        run.encoder, out_dim=run.llm.dim, image_size=run.data.image_size, channels=run.data.channels
+        encoder, out_dim=run.llm.dim, image_size=run.data.image_size, channels=run.data.channels
     )
     if encoder.tokens_per_image > run.llm.max_seq_len:
         raise ValueError(

@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dyad.encoder_service.hf import encoder_state_dict
 from dyad.encoder_service.model import VisionEncoder
 from dyad.encoder_service.parallelize import parallelize_encoder
 from dyad.encoder_service.step import encode_rows
 from dyad.exposed_wait import ExposedWait
+from dyad.hf_checkpoint import HFCheckpoint
 from dyad.kernels.boundary_pack import RowSegments, pack, unpack_add
 from dyad.service import PoolService, boundary_dtype, compute_context, transfer_segments
 from dyad.transport import Direction, MessageTag, Phase
@@ -47,6 +49,17 @@ class EncoderWorker(PoolService):
     @staticmethod
     def single_device_model(config) -> VisionEncoder:
         return VisionEncoder(config.encoder)
+
+    @staticmethod
+    def load_pretrained(model: VisionEncoder, config) -> None:
+        """The `encoder.from_hf` tower's weights (up to its feature layer); the projector keeps
+        its drawn values."""
+        if not config.encoder.from_hf:
+            return
+        state = encoder_state_dict(HFCheckpoint(config.encoder.from_hf), config.encoder)
+        with torch.no_grad():
+            for name, tensor in state.items():
+                model.get_parameter(name).copy_(tensor)
 
     def parallelize(self, model, groups):
         return parallelize_encoder(model, groups)

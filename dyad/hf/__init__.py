@@ -92,12 +92,11 @@ def load(
     family = checkpoint.config.get("model_type")
     if family in VISION_FAMILIES:
         cfg = encoder_config(checkpoint.config)
-        with torch.device("meta"):
-            tower = VisionEncoder(cfg)
+        tower = VisionEncoder(cfg)  # copied into, not assigned: its parameters keep their hooks
         state = encoder_state_dict(checkpoint, cfg)
         # The projector is dyad's (LLaVA's is the whole model's): a tower alone has none.
         state |= {name: torch.zeros(p.shape) for name, p in tower.named_parameters() if name.startswith("proj_")}
-        tower.load_state_dict(state, assign=True, strict=True)
+        tower.load_state_dict(state, strict=True)
         return VisionTower(tower.to(device=device, dtype=dtype))
     if family not in FAMILIES:
         known = ", ".join([*FAMILIES, *sorted(VISION_FAMILIES)])

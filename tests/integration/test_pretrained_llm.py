@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 import dyad.hf
 from dyad import config as config_lib
 from dyad.app.cli import main
+from dyad.app.jobs import run_job
+from dyad.app.verify import compare_with_reference
 from dyad.checkpoint import load_pool_state
 from dyad.data import make_dataset
 from dyad.data.batch import collate
@@ -162,3 +164,69 @@ def test_a_fine_tuned_llm_exports_to_a_directory_transformers_loads(tmp_path, ca
     with pytest.raises(SystemExit) as exited:  # never over what is there
         main(["export", config.out_dir, "--to-hf", str(out)])
     assert exited.value.code == 2 and "exists and is not empty" in capsys.readouterr().err
+
+
+LLAVA_RUN = """
+data: {name: digits, image_size: 16, channels: 3, tokenizer: TOKENIZER}
+encoder: {from_hf: TOWER, feature_layer: -2}
+llm: {from_hf: CHECKPOINT}
+train: {lr: 0.002, warmup_steps: 3}
+eval: {final: false}
+"""
+
+
+def _tower(path):
+    torch.manual_seed(1)
+    tower = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, image_size=16,
+        patch_size=4, num_channels=3, vision_use_head=False,
+    )).float().eval()
+    tower.save_pretrained(path)
+    return tower
+
+
+@torch.no_grad()
+def _llava_loss(tower, llm, config) -> float:
+    """Step 0's caption loss of the LLaVA-style whole in transformers' modules: the tower's
+    hidden states of the feature layer, the run's initial projector (dyad's: seeded), spliced into
+    the LLM's input embeddings."""
+    dataset = make_dataset(config.data)
+    resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
+    spec = StepPlanner(resolved, dataset).next(0)
+    projector = build_model(resolved, "encoder", device="cpu")
+    total = 0.0
+    for sample_ids in spec.microbatches:
+        batch = collate(dataset.tokenizer, [dataset.sample(s) for s in sample_ids], resolved.encoder.tokens_per_image)
+        pixels = dataset.images(list(batch.image_ids), device="cpu")
+        features = tower(pixel_values=pixels, output_hidden_states=True).hidden_states[resolved.encoder.feature_layer]
+        rows = projector.proj_out(F.gelu(projector.proj_in(features))).flatten(0, 1)
+        embeds_BSD = llm.model.embed_tokens(batch.input_ids)
+        B, S, D = embeds_BSD.shape
+        embeds_BSD = embeds_BSD.reshape(B * S, D).index_put((batch.image_positions,), rows).view(B, S, D)
+        attention_mask = (torch.arange(S) < batch.lengths[:, None]).long()
+        logits = llm(inputs_embeds=embeds_BSD, attention_mask=attention_mask).logits
+        total += float(F.cross_entropy(logits.reshape(B * S, -1), batch.targets.reshape(-1), reduction="sum"))
+    return total / spec.target_tokens
+
+
+def test_a_llava_style_whole_from_a_tower_and_an_llm_trains_across_the_pools_as_on_one_device(tmp_path):
+    """A SigLIP tower (to its penultimate block) and a Qwen3-MoE, joined by a new projector:
+    step 0 is transformers' loss of the same whole, and encoder dp2 -> LLM tp2·ep2 reproduces the
+    single-process reference (`dyad verify`'s comparison) step by step."""
+    tower, llm = _tower(tmp_path / "siglip"), _checkpoint(tmp_path / "qwen3-moe")
+    path = tmp_path / "run.yaml"
+    path.write_text(LLAVA_RUN.replace("TOKENIZER", str(tmp_path / "qwen3-moe" / "tokenizer.json"))
+                    .replace("TOWER", str(tmp_path / "siglip")).replace("CHECKPOINT", str(tmp_path / "qwen3-moe")))
+    config = config_lib.load(path, [
+        *BASE, "checkpoint.interval_steps=0", "train.steps=4", "parallel.encoder.dp=2", "parallel.llm.tp=2",
+        "parallel.llm.ep=2",
+    ])
+    config = dataclasses.replace(config, out_dir=str(tmp_path / "out"))
+    job = run_job(config, progress=False)
+    assert job.succeeded, job.info.message
+    assert job.metrics[0]["lm_loss"] == pytest.approx(_llava_loss(tower, llm, config), rel=1e-5)
+    dataset = make_dataset(config.data)
+    comparison = compare_with_reference(config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size),
+                                        dataset, job)
+    assert comparison.worst_loss_error <= 1e-5, comparison.losses
+    assert comparison.worst_param_error <= 1e-5, (comparison.worst_param, comparison.worst_param_error)

@@ -69,6 +69,11 @@ def test_last_hidden_state_and_gradients_match_transformers(family, dtype, rtol,
     for name, expected_grad in grads.items():
         error = relative_error(named[name].grad, expected_grad.to(dtype), "max")
         assert error <= rtol, f"{name}: relative error {error:.2e} (max norm)"
+    # The key bias's true gradient is zero: transformers' is rounding noise, dyad holds it at zero.
+    D = ours.model.cfg.dim
+    for i in range(ours.model.cfg.depth):
+        bias_grad = named[f"blocks.{i}.qkv.bias"].grad
+        assert torch.count_nonzero(bias_grad[D : 2 * D]) == 0 and torch.count_nonzero(bias_grad[:D]) > 0
 
 
 @pytest.mark.parametrize("family", TOWERS)
