@@ -62,6 +62,10 @@ class TrainConfig:
     # bf16 copies of both pools' matrices, cast from their float32 master weights once per
     # optimizer step instead of at every use (dyad/working_weights.py). The same gradients.
     working_weights: bool = False
+    # Parts that keep their weights, as training is staged (each pool type names its parts:
+    # "encoder", the whole encoder pool, which then runs without autograd and gets no gradient
+    # back over the boundary; "vision_tower", the encoder but its projector; "llm").
+    freeze: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "microbatches"):
@@ -99,6 +103,9 @@ class TrainConfig:
         if unknown or len(set(self.recompute)) != len(self.recompute):
             pools = " and ".join(repr(name) for name in pool_names())
             raise ValueError(f"train.recompute must list distinct pools out of {pools}, got {list(self.recompute)}")
+        _check_freeze_parts(self.freeze)
+        if self.freeze and self.working_weights:
+            raise ValueError("train.freeze cannot be combined with train.working_weights (its copies of held matrices would train)")
         if self.compile:
             from dyad.compile import compile_backends  # imports torch._dynamo: only when asked for
 
@@ -108,6 +115,19 @@ class TrainConfig:
                     f"train.compile_backend ({self.compile_backend!r}) is not a torch.compile backend; "
                     f"known: {', '.join(known)}"
                 )
+
+
+def _check_freeze_parts(freeze: tuple[str, ...]) -> None:
+    parts = {part: pool for pool in pool_types() for part in pool.freezable}
+    unknown = [part for part in freeze if part not in parts]
+    if unknown or len(set(freeze)) != len(freeze):
+        raise ValueError(f"train.freeze must list distinct parts out of {', '.join(map(repr, parts))}, got {list(freeze)}")
+    for pool in pool_types():
+        mine = [part for part in freeze if parts[part] is pool]
+        if len(mine) > 1:
+            raise ValueError(f"train.freeze names {' and '.join(map(repr, mine))}, parts of one pool: name one")
+    if pool_types() and all(pool.name in freeze for pool in pool_types()):
+        raise ValueError(f"train.freeze {list(freeze)} leaves nothing to train")
 
 
 @dataclass(kw_only=True)

@@ -40,6 +40,8 @@ class PoolType:
       of this pool runs (the model's code and torch load there, not in the router).
     - `warnings(run)`: what a run of the resolved config should be told as it starts (a `warning`
       notice each, in `dyad watch` and metrics.jsonl); none by default.
+    - `freezable`: the parts `train.freeze` may name (its service's `freeze` holds them); the
+      pool's own name freezes all of it.
     """
 
     name: str
@@ -51,6 +53,7 @@ class PoolType:
     seed_offset: int
     service: str
     warnings: Callable[[Any], list[str]] = lambda run: []
+    freezable: tuple[str, ...] = ()
 
     @property
     def wire_id(self) -> int:

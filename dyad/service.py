@@ -91,6 +91,8 @@ class PoolService(ABC):
         self.model = build_model(config, self.pool, self.device, initialize=initialize)
         self.awaits_restore = not initialize
         self.gradient_plan = self.parallelize(self.model, self.groups)
+        self.freeze(self.model, config)  # after parallelize: tensor parallelism makes new parameters
+        self.gradient_plan = self.gradient_plan.trained()
         self.working_weights = WorkingWeights(self.model) if config.train.working_weights else None
         self.reduction = GradientReduction(
             self.gradient_plan, self.groups, overlap=config.train.overlap_grad_reduce
@@ -118,6 +120,11 @@ class PoolService(ABC):
     def load_pretrained(model: nn.Module, config: RunConfig) -> None:
         """Overwrite the drawn initial weights with pretrained ones where the pool's config names
         some (none here)."""
+
+    @staticmethod
+    def freeze(model: nn.Module, config: RunConfig) -> None:
+        """Hold the parts of `model` that train.freeze names (`requires_grad` off: no gradient,
+        no update); none here."""
 
     @abstractmethod
     def parallelize(self, model: nn.Module, groups: ProcessGroups):
@@ -169,7 +176,7 @@ class PoolService(ABC):
         armed by `self.reduction.arm()`, has not sent yet); the pool's squared gradient norm
         as this rank reports it (rank 0 reports the pool's, the others 0)."""
         self.reduction.finish()
-        sq_norm = pool_grad_sq_norm(self.gradient_plan, self.groups)
+        sq_norm = pool_grad_sq_norm(self.gradient_plan, self.groups, self.device)
         return sq_norm if self.rank == 0 else 0.0
 
     def evaluate(self, command: pb.EvalCommand) -> pb.EvalResult:

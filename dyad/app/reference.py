@@ -13,6 +13,7 @@ from dyad.encoder_service.step import encode_rows
 from dyad.llm_service.moe import update_expert_biases
 from dyad.llm_service.step import microbatch_loss, whole_microbatch
 from dyad.optim import apply_update, build_optimizer, grad_sq_norm
+from dyad.pools import pool_type
 from dyad.router.steps import StepPlanner
 from dyad.service import build_model, compute_context
 
@@ -23,6 +24,8 @@ class ReferenceTrainer:
         self.dataset = dataset
         self.encoder = build_model(config, "encoder")
         self.llm = build_model(config, "llm")
+        for pool, model in (("encoder", self.encoder), ("llm", self.llm)):
+            pool_type(pool).service_class().freeze(model, config)  # train.freeze, as the workers hold it
         self.optimizers = [build_optimizer(m, config.train) for m in (self.encoder, self.llm)]
         self.planner = StepPlanner(config, dataset)
 
@@ -47,10 +50,12 @@ class ReferenceTrainer:
                     global_target_tokens=spec.target_tokens,
                     global_microbatches=len(spec.microbatches),
                 )
-            loss.total.backward()
+            if loss.total.requires_grad:  # not where nothing before it trains
+                loss.total.backward()
             lm += float(loss.lm)
             aux += float(loss.aux)
-        update_expert_biases(self.llm)
+        if "llm" not in self.config.train.freeze:
+            update_expert_biases(self.llm)
         total_sq = grad_sq_norm(self.encoder.parameters()) + grad_sq_norm(self.llm.parameters())
         scale = clip_scale(total_sq, self.config.train.grad_clip)
         for optimizer in self.optimizers:

@@ -47,4 +47,5 @@ POOL = PoolType(
     scale=_scale,
     seed_offset=1,
     service="dyad.encoder_service.worker:EncoderWorker",
+    freezable=("encoder", "vision_tower"),
 )

@@ -11,7 +11,8 @@ lanes train on together (their expert all-to-alls span lanes). Every image of up
 awaited, so the LLM finds its next input already there, and no lane can wait on rows that sit
 behind a gradient another lane cannot produce yet.
 
-An evaluation encodes and sends the held-out batches' images the same way, forward only.
+An evaluation encodes and sends the held-out batches' images the same way, forward only; so does
+a step of a frozen encoder (`train.freeze: [encoder]`), which gets no gradient back.
 """
 
 from __future__ import annotations
@@ -61,6 +62,19 @@ class EncoderWorker(PoolService):
             for name, tensor in state.items():
                 model.get_parameter(name).copy_(tensor)
 
+    @staticmethod
+    def freeze(model: VisionEncoder, config) -> None:
+        """train.freeze "encoder": every parameter; "vision_tower": all but the projector's."""
+        held = config.train.freeze
+        for name, param in model.named_parameters():
+            if "encoder" in held or ("vision_tower" in held and not name.startswith(("proj_in.", "proj_out."))):
+                param.requires_grad_(False)
+
+    @property
+    def frozen(self) -> bool:
+        """The whole pool is held: it encodes without autograd, and no gradient comes back."""
+        return "encoder" in self.config.train.freeze
+
     def parallelize(self, model, groups):
         return parallelize_encoder(model, groups)
 
@@ -71,6 +85,9 @@ class EncoderWorker(PoolService):
     def step(self, command: pb.StepCommand) -> pb.StepResult:
         self.lr = command.lr
         self.model.train()
+        if self.frozen:
+            sent = self._encode_and_send_all(command, Phase.TRAIN)
+            return pb.StepResult(step=command.step, boundary_bytes_sent=sent, peak_memory_gb=self.peak_memory_gb())
         dp_rank = self.groups.index("dp")
         round_of = _rounds(command)
         mine = [w for w in command.plan.encoder_work if w.encoder_dp_rank == dp_rank]
@@ -102,29 +119,36 @@ class EncoderWorker(PoolService):
             peak_memory_gb=self.peak_memory_gb(),
         )
 
-    @torch.no_grad()
     def evaluate(self, command: pb.EvalCommand) -> pb.EvalResult:
         """Encode and send the held-out batches' images, forward only: no gradient comes back.
         Each batch's sends end before the next batch begins."""
         self.model.eval()
-        dp_rank = self.groups.index("dp")
-        sent = 0
-        for batch in command.batches:
-            round_of = _rounds(batch)
-            mine = [w for w in batch.plan.encoder_work if w.encoder_dp_rank == dp_rank]
-            flights = [
-                self._encode_and_send(batch, work, Phase.EVAL)
-                for work in sorted(mine, key=lambda w: (round_of[w.microbatch], w.microbatch))
-            ]
-            for flight in flights:
-                for sending in flight.sent:
-                    sending.future.result()
-                    sent += sending.nbytes
+        sent = sum(self._encode_and_send_all(batch, Phase.EVAL) for batch in command.batches)
         return pb.EvalResult(step=command.step, boundary_bytes_sent=sent)
 
-    def _encode_and_send(self, command: pb.StepCommand, work: pb.EncoderWork, phase: Phase = Phase.TRAIN) -> InFlight:
-        """Encode `work`'s images and send their rows; in training, post the receives of their
-        gradients too."""
+    @torch.no_grad()
+    def _encode_and_send_all(self, command: pb.StepCommand, phase: Phase) -> int:
+        """Every image of this group's work in `command`, encoded and sent without autograd (an
+        evaluation's, or a frozen encoder's step); the bytes sent, once every send has ended."""
+        round_of = _rounds(command)
+        dp_rank = self.groups.index("dp")
+        mine = [w for w in command.plan.encoder_work if w.encoder_dp_rank == dp_rank]
+        flights = [
+            self._encode_and_send(command, work, phase, gradients=False)
+            for work in sorted(mine, key=lambda w: (round_of[w.microbatch], w.microbatch))
+        ]
+        sent = 0
+        for flight in flights:
+            for sending in flight.sent:
+                sending.future.result()
+                sent += sending.nbytes
+        return sent
+
+    def _encode_and_send(
+        self, command: pb.StepCommand, work: pb.EncoderWork, phase: Phase = Phase.TRAIN, gradients: bool = True,
+    ) -> InFlight:
+        """Encode `work`'s images and send their rows; with `gradients`, post the receives of
+        their gradients too."""
         with compute_context(self.config):
             rows_RD = encode_rows(self.model, self.dataset, work.image_ids, self.device)
         rows_RD = rows_RD.to(boundary_dtype(self.config))
@@ -145,7 +169,7 @@ class EncoderWorker(PoolService):
             tag = MessageTag(self.message_space, command.step, transfer.microbatch, Direction.FORWARD, self.rank, phase)
             buffer_ND = pack(payload_RD, segments)
             flight.sent.append(_Sent(self.transport.send(peer, tag, buffer_ND), buffer_ND.nbytes))
-            if phase == Phase.EVAL:
+            if not gradients:
                 continue
             back = MessageTag(
                 self.message_space, command.step, transfer.microbatch, Direction.BACKWARD, transfer.dst_rank

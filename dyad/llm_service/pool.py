@@ -100,4 +100,5 @@ POOL = PoolType(
     seed_offset=2,
     service="dyad.llm_service.worker:LLMWorker",
     warnings=_warnings,
+    freezable=("llm",),
 )

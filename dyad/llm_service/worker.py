@@ -74,6 +74,12 @@ class LLMWorker(PoolService):
                 (param[:rows] if name in _VOCABULARY_ROWS else param).copy_(tensor)
         log.info("loaded the weights of %s", config.llm.from_hf)
 
+    @staticmethod
+    def freeze(model: MoELM, config) -> None:
+        """train.freeze "llm": every parameter (and its MoE layers' expert biases stay put)."""
+        if "llm" in config.train.freeze:
+            model.requires_grad_(False)
+
     def parallelize(self, model, groups):
         return parallelize_llm(model, groups, sequence_parallel=self.config.parallel.sequence_parallel)
 
@@ -101,18 +107,20 @@ class LLMWorker(PoolService):
                 )
             if position == len(ours) - 1:
                 self.reduction.arm()  # the step's last backward: reduce buckets as it ends them
-            loss.total.backward()
+            if loss.total.requires_grad:  # not where nothing before it trains (a frozen LLM, no images)
+                loss.total.backward()
             if tp_rank == 0:  # tp ranks hold the same loss
                 lm_sum = lm_sum + loss.lm
             aux_sum = aux_sum + loss.aux  # each rank holds its share
-            if rows_NlD is not None:
+            if rows_NlD is not None and rows_NlD.requires_grad:  # not to a frozen encoder
                 returned = self._send_gradients(command.step, mine, rows_NlD.grad)
                 sends += [future for future, _ in returned]
                 bytes_sent += sum(nbytes for _, nbytes in returned)
         # Before the biases' all-reduce over "world": the gradient reduction may still have
         # buckets of that group to send, and every rank must send them in the same order.
         grad_sq_norm = self.finish_backward()
-        update_expert_biases(self.model, group=self.groups.group("world"))
+        if "llm" not in self.config.train.freeze:
+            update_expert_biases(self.model, group=self.groups.group("world"))
         for sent in sends:
             sent.result()
         waited = waits.each_seconds()
@@ -215,14 +223,14 @@ class LLMWorker(PoolService):
 
     def _splice_rows(self, command: pb.StepCommand, rows: int, arrivals) -> torch.Tensor:
         """This shard's image rows, unpacked from every peer's buffer on tp rank 0 and broadcast
-        to its tp group, as a leaf that collects their gradient."""
+        to its tp group, as a leaf that collects their gradient (unless the encoder is frozen)."""
         rows_NlD = torch.empty((rows, command.plan.hidden), dtype=boundary_dtype(self.config), device=self.device)
         for arrival in arrivals:
             arrival.received.result()
             unpack_into(arrival.buffer_ND, rows_NlD, arrival.segments)
         if self.layout.tp > 1:
             dist.broadcast(rows_NlD, src=self.groups.ranks("tp")[0], group=self.groups.group("tp"))
-        return rows_NlD.requires_grad_(True)
+        return rows_NlD.requires_grad_("encoder" not in self.config.train.freeze)
 
     def _send_gradients(self, step, arrivals, grad_NlD: torch.Tensor) -> list[tuple[Future, int]]:
         sends = []

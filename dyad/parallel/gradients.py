@@ -43,6 +43,13 @@ class GradientPlan:
     reduce_over: dict[str, list[nn.Parameter]] = field(default_factory=dict)
     counted: list[nn.Parameter] = field(default_factory=list)
 
+    def trained(self) -> GradientPlan:
+        """The plan of the parameters that train (`requires_grad`; `train.freeze` holds the others)."""
+        return GradientPlan(
+            reduce_over={group: [p for p in params if p.requires_grad] for group, params in self.reduce_over.items()},
+            counted=[p for p in self.counted if p.requires_grad],
+        )
+
 
 # Gradients summed per collective. The reduction's extra memory is one bucket, where one flat
 # copy of a group's gradients and a clone of it back cost twice the gradients (a 3 B-parameter
@@ -97,9 +104,10 @@ def copy_back(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
         offset += grad.numel()
 
 
-def pool_grad_sq_norm(plan: GradientPlan, groups: ProcessGroups) -> float:
-    """Squared norm of the whole pool's gradient (float64), the same on every rank."""
-    device = next(p.device for params in plan.reduce_over.values() for p in params)
+def pool_grad_sq_norm(plan: GradientPlan, groups: ProcessGroups, device: torch.device | None = None) -> float:
+    """Squared norm of the whole pool's gradient (float64), the same on every rank; `device`: where
+    to sum it when the plan has no parameter (a frozen pool's), default its parameters'."""
+    device = next((p.device for params in plan.reduce_over.values() for p in params), device)
     total = sq_norm([p.grad for p in plan.counted if p.grad is not None], device)  # a rank may count nothing
     dist.all_reduce(total, group=groups.group("world"))
     return float(total)
