@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch-free at import: the services' configs (the router's) read config.json here
+    import torch
 
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -66,3 +68,26 @@ class HFCheckpoint:
         if found != tuple(shape):
             raise ValueError(f"{self.path}: tensor {name!r} has shape {list(found)}, the model needs {list(shape)}")
         return self._handle(name).get_tensor(name)
+
+
+def read_config(directory: str, field: str) -> dict:
+    """`directory`/config.json, or a ValueError naming the run's `field` that points there."""
+    path = Path(directory) / CONFIG
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{field}: {directory} has no {CONFIG}: not a Hugging Face model directory") from None
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{field}: cannot read {path}: {error}") from None
+
+
+def adopted(ours: Any, theirs: Any, names: tuple[str, ...], *, section: str, source: str) -> dict[str, Any]:
+    """The checkpoint's values of `names` (fields of the config dataclass `theirs`) for the run's
+    `ours`: a ValueError where the run set one away from its default to something else
+    (`section`.name, contradicting `source`)."""
+    default = type(ours)()
+    for name in names:
+        value, checkpoint = getattr(ours, name), getattr(theirs, name)
+        if value != getattr(default, name) and value != checkpoint:
+            raise ValueError(f"{section}.{name}={value!r} contradicts {source} ({checkpoint!r}): leave it unset")
+    return {name: getattr(theirs, name) for name in names}

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 
 from dyad.checkpoint import load_pool_state
 from dyad.config import RunConfig
+from dyad.hf_checkpoint import read_config
 from dyad.llm_service.hf import hf_tensors
-from dyad.llm_service.hf_config import read_hf_config
 
 SHARD_BYTES = 5 * 2**30
 # Beside the weights in a model directory, what describes its tokenizer and generation.
@@ -34,7 +34,7 @@ def export_llm(config: RunConfig, checkpoint: Path, out: Path) -> list[Path]:
         )
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--to-hf: {out} exists and is not empty")
-    source = read_hf_config(config.llm.from_hf)
+    source = read_config(config.llm.from_hf, "llm.from_hf")
     tensors = hf_tensors(load_pool_state(checkpoint, "llm"), config.llm, source["model_type"])
     out.mkdir(parents=True, exist_ok=True)
     written = _save_sharded(tensors, out)

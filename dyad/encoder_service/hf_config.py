@@ -11,10 +11,9 @@ output, -2: the one before), before the final norm, without the class token; loa
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 from dyad.encoder_service.config import EncoderConfig
+from dyad.hf_checkpoint import adopted, read_config
 
 FAMILIES = {"siglip_vision_model": "siglip", "clip_vision_model": "clip", "siglip": "siglip", "clip": "clip"}
 _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "quick_gelu": "quick_gelu", "gelu": "gelu"}
@@ -64,30 +63,17 @@ ARCHITECTURE = ("patch_size", "dim", "depth", "heads", "mlp_hidden", "norm_eps",
                 "patch_bias", "cls_token", "pre_norm", "final_norm")
 
 
-def read_tower_config(directory: str) -> dict:
-    path = Path(directory) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"encoder.from_hf: {directory} has no config.json: not a Hugging Face model directory") from None
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"encoder.from_hf: cannot read {path}: {error}") from None
-
-
 def pretrained(encoder: EncoderConfig, *, image_size: int, channels: int) -> EncoderConfig:
     """`encoder` with the architecture of its `from_hf` tower at `encoder.feature_layer`; the
     data's images must be the tower's size and channels; a field the run set away from its
     default to something else than the tower's is a ValueError naming both."""
     try:
-        derived = encoder_config(read_tower_config(encoder.from_hf), feature_layer=encoder.feature_layer)
+        derived = encoder_config(read_config(encoder.from_hf, "encoder.from_hf"), feature_layer=encoder.feature_layer)
     except (KeyError, TypeError) as error:
         raise ValueError(f"encoder.from_hf: {encoder.from_hf}/config.json lacks or misstates {error}") from None
     for field, ours in (("image_size", image_size), ("channels", channels)):
         if ours != getattr(derived, field):
             raise ValueError(f"data.{field} ({ours}) must be the tower's ({getattr(derived, field)}, encoder.from_hf)")
-    default = EncoderConfig()
-    for name in ARCHITECTURE:
-        value, theirs = getattr(encoder, name), getattr(derived, name)
-        if value != getattr(default, name) and value != theirs:
-            raise ValueError(f"encoder.{name}={value!r} contradicts encoder.from_hf's tower ({theirs!r}): leave it unset")
-    return dataclasses.replace(encoder, **{name: getattr(derived, name) for name in ARCHITECTURE})
+    return dataclasses.replace(
+        encoder, **adopted(encoder, derived, ARCHITECTURE, section="encoder", source="encoder.from_hf's tower")
+    )

@@ -13,10 +13,9 @@ model is loaded exactly or not at all.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
-from pathlib import Path
 
+from dyad.hf_checkpoint import adopted, read_config
 from dyad.llm_service.config import LLMConfig, MoEConfig
 
 FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
@@ -108,54 +107,34 @@ MOE_ARCHITECTURE = ("num_experts", "top_k", "expert_dim", "shared_expert_dim", "
                     "score_func", "topk_before_softmax", "n_groups", "topk_groups")
 
 
-def read_hf_config(directory: str) -> dict:
-    """`directory`/config.json, or a ValueError naming llm.from_hf."""
-    path = Path(directory) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"llm.from_hf: {directory} has no config.json: not a Hugging Face model directory") from None
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"llm.from_hf: cannot read {path}: {error}") from None
-
-
 def pretrained(llm: LLMConfig, vocab_size: int) -> LLMConfig:
     """`llm` with the architecture of its `from_hf` checkpoint; the other fields (dispatcher,
     capacity, float8, ...) stay the run's, and a field the run set away from its default to
     something else than the checkpoint's is a ValueError naming both. The vocabulary is the
     checkpoint's, grown to the tokenizer's where the tokenizer has more ids (`vocabulary_growth`)."""
-    hf = read_hf_config(llm.from_hf)
+    hf = read_config(llm.from_hf, "llm.from_hf")
     try:
         derived = llm_config(hf)
     except (KeyError, TypeError) as error:
         raise ValueError(f"llm.from_hf: {llm.from_hf}/config.json lacks or misstates {error}") from None
-    default, default_moe = LLMConfig(), MoEConfig()
-    for name in ARCHITECTURE:
-        _agree(f"llm.{name}", getattr(llm, name), getattr(default, name), getattr(derived, name))
-    for name in MOE_ARCHITECTURE:
-        _agree(f"llm.moe.{name}", getattr(llm.moe, name), getattr(default_moe, name), getattr(derived.moe, name))
+    source, default, default_moe = "llm.from_hf's checkpoint", LLMConfig(), MoEConfig()
     moe = dataclasses.replace(
-        llm.moe, **{name: getattr(derived.moe, name) for name in MOE_ARCHITECTURE},
+        llm.moe, **adopted(llm.moe, derived.moe, MOE_ARCHITECTURE, section="llm.moe", source=source),
         aux_loss_coef=llm.moe.aux_loss_coef if llm.moe.aux_loss_coef != default_moe.aux_loss_coef
         else derived.moe.aux_loss_coef,
     )
     return dataclasses.replace(
-        llm, **{name: getattr(derived, name) for name in ARCHITECTURE}, moe=moe,
+        llm, **adopted(llm, derived, ARCHITECTURE, section="llm", source=source), moe=moe,
         vocab_size=max(vocab_size, derived.vocab_size),
         max_seq_len=llm.max_seq_len if llm.max_seq_len != default.max_seq_len else derived.max_seq_len,
     )
-
-
-def _agree(field: str, value, default, checkpoint) -> None:
-    if value != default and value != checkpoint:
-        raise ValueError(f"{field}={value!r} contradicts llm.from_hf's checkpoint ({checkpoint!r}): leave it unset")
 
 
 def vocabulary_growth(llm: LLMConfig) -> str | None:
     """What a run says when its tokenizer has more ids than the checkpoint's embedding rows."""
     if not llm.from_hf:
         return None
-    rows = read_hf_config(llm.from_hf)["vocab_size"]
+    rows = read_config(llm.from_hf, "llm.from_hf")["vocab_size"]
     if llm.vocab_size <= rows:
         return None
     return (

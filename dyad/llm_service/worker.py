@@ -21,8 +21,8 @@ import torch.distributed as dist
 from dyad.data import answer_targets
 from dyad.data.batch import collate
 from dyad.exposed_wait import ExposedWait
-from dyad.kernels.boundary_pack import RowSegments, pack, unpack_into
 from dyad.hf_checkpoint import HFCheckpoint
+from dyad.kernels.boundary_pack import RowSegments, pack, unpack_into
 from dyad.llm_service.fp8 import convert_to_fp8
 from dyad.llm_service.hf import llm_state_dict
 from dyad.llm_service.model import MoELM
@@ -33,7 +33,6 @@ from dyad.llm_service.step import heldout_microbatch, microbatch_loss
 from dyad.service import PoolService, boundary_dtype, compute_context, transfer_segments
 from dyad.transport import Direction, MessageTag, Phase
 from dyad.wire import pb
-
 
 log = logging.getLogger(__name__)
 _VOCABULARY_ROWS = ("tok_embeddings.weight", "output.weight")
