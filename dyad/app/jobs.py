@@ -9,7 +9,7 @@ import math
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -28,7 +28,7 @@ from dyad.wire import as_dict, pb
 class JobResult:
     info: pb.RunInfo
     metrics: list[dict]
-    evaluations: list[dict]  # the run's held-out evaluations, by step (`eval:`)
+    evaluations: list[dict] = field(default_factory=list)  # the run's held-out evaluations, by step (`eval:`)
 
     @property
     def succeeded(self) -> bool:

@@ -16,13 +16,14 @@ import pytest
 from dyad.data import make_dataset
 from dyad.pools import pool_type
 from dyad.router.driver import GenerationStart, RunDriver
+from dyad.router.evaluation import answer_lengths
 from dyad.router.run import Run
 from dyad.wire import pb
 from tests.helpers.resilience import job_config, records_of
 
 
 def _driver(tmp_path, *overrides, during_collect=lambda run, kind, step: None):
-    config = job_config(tmp_path, *overrides)
+    config = job_config(tmp_path, "eval.final=false", *overrides)  # evaluations where a test asks
     run = Run("r", config)
     driver = RunDriver(run, launcher=None, router_address="", dataset=make_dataset(config.data))
     events: list[str] = []
@@ -34,9 +35,15 @@ def _driver(tmp_path, *overrides, during_collect=lambda run, kind, step: None):
             for pool in ("encoder", "llm"):
                 (tmp_path / "checkpoints" / f"step_{command.save.step:08d}" / pool).mkdir(parents=True)
 
-    def collect(kind, matches):
+    def collect(kind, matches, timeout_s=None):
         events.append(f"{kind} {driver.step} collected")
         during_collect(run, kind, driver.step)
+        if kind == "evaluate":  # every answer checked once, all right
+            specs = [spec for spec, _ in driver.planner.heldout_batches]
+            answers = answer_lengths(driver.dataset, specs, config.encoder.tokens_per_image)
+            checks = [pb.AnswerCheck(sample_id=s, checked=n) for s, n in answers.items()]
+            return {("encoder", 0): pb.EvalResult(step=driver.step),
+                    ("llm", 0): pb.EvalResult(step=driver.step, lm_loss_sum=1.0, answers=checks)}
         if kind != "step":
             return {}
         return {
@@ -77,6 +84,21 @@ def test_each_step_goes_out_with_the_last_update_except_before_a_checkpoint(tmp_
         "save 4 sent", "save 4 collected",
         "step 4 sent", *_step(4, ahead_of_the_next=False),  # the last step: the final checkpoint comes next
         "save 5 sent", "save 5 collected",
+    ]
+
+
+def test_no_step_goes_out_ahead_of_an_evaluation(tmp_path):
+    """The held-out batches go out once the steps before them are applied everywhere, and the
+    step after them only once the evaluation is in."""
+    driver, _, events = _driver(tmp_path, "train.steps=4", "checkpoint.interval_steps=0", "eval.interval_steps=2",
+                                "eval.final=true", "eval.max_samples=8")
+    _train(driver, tmp_path)
+    assert events == [
+        "step 0 sent", *_step(0, ahead_of_the_next=True), *_step(1, ahead_of_the_next=False),
+        "evaluate 2 sent", "evaluate 2 collected",
+        "step 2 sent", *_step(2, ahead_of_the_next=True), *_step(3, ahead_of_the_next=False),
+        "evaluate 4 sent", "evaluate 4 collected",
+        "save 4 sent", "save 4 collected",
     ]
 
 
@@ -154,7 +176,7 @@ def test_a_result_of_the_step_sent_ahead_that_comes_before_its_collection_is_kep
         config=SimpleNamespace(router=SimpleNamespace(step_timeout_s=10.0, worker_timeout_s=60.0)),
     )
     driver = object.__new__(RunDriver)  # only the collecting is under test
-    driver.run, driver.launcher = run, SimpleNamespace(dead=lambda: [])
+    driver.run, driver.launcher = run, SimpleNamespace(dead=list)
     driver.step, driver._early = 0, []
     assert set(driver._collect("apply", lambda result: result.step == 0)) == {("encoder", 0), ("llm", 0)}
     driver.step = 1

@@ -67,7 +67,7 @@ def test_a_skipped_apply_leaves_weights_and_optimizer_state_bitwise_unchanged():
 
 def _driver(tmp_path, *overrides, loss_at=lambda step: 2.0):
     """A driver whose workers report `loss_at(step)` for each step; what it sends is kept."""
-    config = job_config(tmp_path, *overrides)
+    config = job_config(tmp_path, "eval.final=false", *overrides)
     run = Run("r", config)
     driver = RunDriver(run, launcher=None, router_address="", dataset=make_dataset(config.data))
     applies = []
@@ -79,7 +79,7 @@ def _driver(tmp_path, *overrides, loss_at=lambda step: 2.0):
             for pool in ("encoder", "llm"):
                 (tmp_path / "checkpoints" / f"step_{command.save.step:08d}" / pool).mkdir(parents=True)
 
-    def collect(kind, matches):
+    def collect(kind, matches, timeout_s=None):
         if kind != "step":
             return {}
         return {
