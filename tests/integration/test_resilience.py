@@ -17,6 +17,7 @@ import pytest
 from dyad import config as config_lib
 from dyad.app.cli import _describe_step, main
 from dyad.app.client import RouterClient
+from dyad.app.jobs import describe_evaluation
 from dyad.router.checkpoints import MANIFEST, checkpoint_dir
 from dyad.router.launcher import free_ports
 from dyad.wire import pb
@@ -57,7 +58,8 @@ def uninterrupted(tmp_path_factory, baseline_router):
 def test_watch_from_a_step_replays_only_that_step_on(uninterrupted, baseline_router, capsys,
                                                       monkeypatch):
     """`dyad watch RUN_ID --from-step 5` on the finished run: the same step events as the live
-    watch from step 5 on, the checkpoints committed at steps 6 and 8, nothing earlier."""
+    watch from step 5 on, the checkpoints committed at steps 6 and 8, the evaluation at the end,
+    nothing earlier."""
     _, baseline = uninterrupted
     for name in ("DYAD_TLS_CA", "DYAD_TLS_CERT", "DYAD_TLS_KEY"):
         monkeypatch.delenv(name, raising=False)
@@ -67,11 +69,13 @@ def test_watch_from_a_step_replays_only_that_step_on(uninterrupted, baseline_rou
         main(["watch", run_id, "--from-step", "5", "--router", baseline_router.address])
     lines = capsys.readouterr().out.splitlines()
     assert exited.value.code == 0, lines
-    steps = [line for line in lines if line.startswith("step ")]
+    steps = [line for line in lines if line.startswith("step ") and "held-out" not in line]
     assert steps == [_describe_step(baseline.steps[step]) for step in (5, 6, 7)], lines
     notices = [line.split(":")[0] for line in lines if line.startswith("checkpoint ")]
     assert notices == ["checkpoint at step 6", "checkpoint at step 8"], lines
-    assert len(steps) + len(notices) == lines.index(f"run {run_id}: SUCCEEDED, step 8/8")
+    evaluations = [line for line in lines if "held-out" in line]
+    assert evaluations == [describe_evaluation(baseline.evaluations[8])], lines  # eval.final
+    assert len(steps) + len(notices) + len(evaluations) == lines.index(f"run {run_id}: SUCCEEDED, step 8/8")
 
 
 def _assert_same_training(out_dir, run, uninterrupted) -> None:
