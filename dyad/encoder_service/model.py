@@ -1,4 +1,6 @@
-"""Vision encoder: a small pre-norm ViT plus an MLP projector into the LLM's hidden size.
+"""Vision encoder: a pre-norm ViT plus an MLP projector into the LLM's hidden size. dyad's own
+small one by default; with the parts the config switches on, a pretrained SigLIP or CLIP tower
+(dyad/encoder_service/hf_config.py).
 
 Legend: N images, C channels, H height, W width, P patches per image, T tokens per image sent
 to the LLM (P / spatial_merge**2), X flattened patch (C * patch_size**2), D encoder dim,
