@@ -42,17 +42,18 @@ def microbatch_loss(
 ) -> MicrobatchLoss:
     """`image_rows_NlD` are the rows `local.image_rows_Nl` selects (None: the microbatch has no
     image rows at all)."""
-    positions = None if image_rows_NlD is None else local.image_positions_Nl
-    logits_BSV, aux = model(
-        local.input_ids_BSl,
-        image_rows_NlD,
-        positions,
-        position_ids_S=local.positions_Sl,
-        valid_BS=local.valid_BSl,
-    )
+    logits_BSV, aux = _forward(model, local, image_rows_NlD)
     lm = model.loss_sum(logits_BSV, local.targets_BSl) / global_target_tokens
     aux = aux / global_microbatches
     return MicrobatchLoss(total=lm + aux, lm=lm.detach(), aux=aux.detach())
+
+
+def _forward(model: nn.Module, local: LocalMicrobatch, image_rows_NlD: torch.Tensor | None):
+    """(logits_BSV, aux) of the shard `local`, its image rows spliced where it has any."""
+    positions = None if image_rows_NlD is None else local.image_positions_Nl
+    return model(
+        local.input_ids_BSl, image_rows_NlD, positions, position_ids_S=local.positions_Sl, valid_BS=local.valid_BSl,
+    )
 
 
 @dataclass
@@ -74,14 +75,7 @@ def heldout_microbatch(
     """The microbatch's held-out loss and answer checks, no gradient. `answer_spans_B2` holds
     each sample's [start, stop) of sequence positions whose targets are its answer
     (`dyad.data.answer_targets`); the shard checks those among its own columns."""
-    positions = None if image_rows_NlD is None else local.image_positions_Nl
-    logits_BSV, _ = model(
-        local.input_ids_BSl,
-        image_rows_NlD,
-        positions,
-        position_ids_S=local.positions_Sl,
-        valid_BS=local.valid_BSl,
-    )
+    logits_BSV, _ = _forward(model, local, image_rows_NlD)
     lm = model.loss_sum(logits_BSV, local.targets_BSl) / heldout_target_tokens
     positions_1S = local.positions_Sl.unsqueeze(0)
     answer_BS = (positions_1S >= answer_spans_B2[:, :1]) & (positions_1S < answer_spans_B2[:, 1:])
