@@ -180,22 +180,19 @@ def test_router_options_under_a_layout_match_single_device(name):
     run_distributed(_layout_body, layout.world_size, LAYOUTS[name], OPTIONS["router-options"])
 
 
-@pytest.mark.parametrize("name", ["tp2-cp2-ep4", "tp2-sp-ep2"])
-def test_qk_norm_and_its_own_head_dim_under_a_layout_match_single_device(name):
+# The parts of pretrained families (dyad/llm_service/hf_config.py), each under the layouts that cut
+# them: Qwen3-MoE's per-head q/k norm, OLMoE's projection-wide one, Qwen2-MoE's biases and gate.
+FAMILY_PARTS = [
+    ("qk-norm", "tp2-cp2-ep4"), ("qk-norm", "tp2-sp-ep2"),
+    ("projection-qk-norm", "tp2-cp2-ep4"), ("projection-qk-norm", "tp2-sp-ep2"),
+    ("qwen2-moe", "tp2-cp2-ep4"), ("qwen2-moe", "tp2-dp2-etp2-ep2"),
+]
+
+
+@pytest.mark.parametrize("options, name", FAMILY_PARTS)
+def test_pretrained_families_parts_under_a_layout_match_single_device(options, name):
     layout, _ = _layout(LAYOUTS[name])
-    run_distributed(_layout_body, layout.world_size, LAYOUTS[name], OPTIONS["qk-norm"])
-
-
-@pytest.mark.parametrize("name", ["tp2-cp2-ep4", "tp2-sp-ep2"])
-def test_qk_norm_over_the_whole_projection_and_a_padding_row_under_a_layout_match_single_device(name):
-    layout, _ = _layout(LAYOUTS[name])
-    run_distributed(_layout_body, layout.world_size, LAYOUTS[name], OPTIONS["projection-qk-norm"])
-
-
-@pytest.mark.parametrize("name", ["tp2-cp2-ep4", "tp2-dp2-etp2-ep2"])
-def test_attention_biases_and_a_gated_shared_expert_under_a_layout_match_single_device(name):
-    layout, _ = _layout(LAYOUTS[name])
-    run_distributed(_layout_body, layout.world_size, LAYOUTS[name], OPTIONS["qwen2-moe"])
+    run_distributed(_layout_body, layout.world_size, LAYOUTS[name], OPTIONS[options])
 
 
 # aot_eager: dynamo traces the parallelized blocks and AOT autograd builds their backward, with
