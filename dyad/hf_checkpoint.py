@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch-free at import: the services' configs (the router's) read config.json here
-    import torch
+    from dyad.slices import Stored
 
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -62,12 +62,14 @@ class HFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
-    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The whole tensor `name`, which must have `shape`."""
+    def stored(self, name: str, shape: tuple[int, ...]) -> Stored:
+        """The tensor `name`, which must have `shape`, to read whole or in pieces (nothing read yet)."""
+        from dyad.slices import Stored
+
         found = self.shape(name)
         if found != tuple(shape):
             raise ValueError(f"{self.path}: tensor {name!r} has shape {list(found)}, the model needs {list(shape)}")
-        return self._handle(name).get_tensor(name)
+        return Stored(self._handle(name), name, found)
 
 
 def read_config(directory: str, field: str) -> dict:

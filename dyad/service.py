@@ -34,19 +34,23 @@ from dyad.working_weights import WorkingWeights, trained_parameters
 log = logging.getLogger(__name__)
 
 def build_model(
-    config: RunConfig, pool: str, device: str | torch.device | None = None, *, initialize: bool = True
+    config: RunConfig, pool: str, device: str | torch.device | None = None, *, initialize: bool = True,
+    pretrained: bool = True,
 ) -> nn.Module:
     """The pool's single-device model with its layout-independent initial weights, built on
-    `device` (default the run's): no full copy of it passes through host memory. Without
-    `initialize` its parameters keep the values the modules were built with: for a model a
-    checkpoint is restored into, which overwrites every one (drawing the initial weights of a
-    model of billions of parameters takes seconds of CPU)."""
+    `device` (default the run's): no full copy of it passes through host memory; then the
+    pretrained weights its config names, unless `pretrained` is off (a pool's rank reads its own
+    pieces of them once `parallelize` has cut the model). Without `initialize` its parameters
+    keep the values the modules were built with: for a model a checkpoint is restored into,
+    which overwrites every one (drawing the initial weights of a model of billions of parameters
+    takes seconds of CPU)."""
     kind = pool_type(pool)
     with torch.device(device or config.train.device):
         model = kind.service_class().single_device_model(config)
     if initialize:  # each pool's weights come from its own stream of the run seed
         init_parameters(model, config.seed * 10 + kind.seed_offset)
-        kind.service_class().load_pretrained(model, config)
+        if pretrained:
+            kind.service_class().load_pretrained(model, config)
     return model
 
 
@@ -88,9 +92,11 @@ class PoolService(ABC):
         self.dataset = make_dataset(config.data)
         self.layout = getattr(config.parallel, self.pool)
         self.groups = ProcessGroups.build(self.layout)
-        self.model = build_model(config, self.pool, self.device, initialize=initialize)
+        self.model = build_model(config, self.pool, self.device, initialize=initialize, pretrained=False)
         self.awaits_restore = not initialize
         self.gradient_plan = self.parallelize(self.model, self.groups)
+        if initialize:
+            self.load_pretrained(self.model, config)  # this rank's pieces only
         self.freeze(self.model, config)  # after parallelize: tensor parallelism makes new parameters
         self.gradient_plan = self.gradient_plan.trained()
         self.working_weights = WorkingWeights(self.model) if config.train.working_weights else None
@@ -119,7 +125,8 @@ class PoolService(ABC):
     @staticmethod
     def load_pretrained(model: nn.Module, config: RunConfig) -> None:
         """Overwrite the drawn initial weights with pretrained ones where the pool's config names
-        some (none here)."""
+        some (none here): the single-device model's, or a parallelized one's pieces of them, each
+        rank reading only its own (`dyad.slices.load_pieces`)."""
 
     @staticmethod
     def freeze(model: nn.Module, config: RunConfig) -> None:

@@ -1,5 +1,5 @@
-"""Hugging Face vision towers' weights under `VisionEncoder`'s names (`encoder_state_dict`); their
-config is `dyad.encoder_service.hf_config`'s. A tower's tensors are found under whatever prefix
+"""Hugging Face vision towers' weights under `VisionEncoder`'s names (`encoder_sources`: read a
+rank's piece at a time; `encoder_state_dict`: whole); their config is `dyad.encoder_service.hf_config`'s. A tower's tensors are found under whatever prefix
 its checkpoint gives them (a tower alone, a SigLIP or CLIP model's `vision_model.`, a LLaVA's
 vision tower)."""
 
@@ -9,6 +9,7 @@ import torch
 
 from dyad.encoder_service.config import EncoderConfig
 from dyad.hf_checkpoint import HFCheckpoint
+from dyad.slices import Concatenated, Merged, Source
 
 _PATCH = "embeddings.patch_embedding.weight"
 
@@ -24,14 +25,21 @@ def tower_prefix(checkpoint: HFCheckpoint) -> str:
 def encoder_state_dict(checkpoint: HFCheckpoint, cfg: EncoderConfig, prefix: str | None = None) -> dict[str, torch.Tensor]:
     """The tower's part of `VisionEncoder(cfg)`'s state dict (not the projector), every tensor's
     name and shape checked; blocks past `cfg.depth` (a feature layer before the last) are not read."""
+    return {name: source.full() for name, source in encoder_sources(checkpoint, cfg, prefix).items()}
+
+
+def encoder_sources(checkpoint: HFCheckpoint, cfg: EncoderConfig, prefix: str | None = None) -> dict[str, Source]:
+    """Where each tensor of the tower's part of `VisionEncoder(cfg)`'s state dict lies in
+    `checkpoint` (nothing read yet), as `encoder_state_dict` reads them."""
     prefix = tower_prefix(checkpoint) if prefix is None else prefix
     D, C, p, M = cfg.dim, cfg.channels, cfg.patch_size, cfg.mlp_dim
 
-    def get(name: str, *shape: int) -> torch.Tensor:
-        return checkpoint.tensor(prefix + name, shape)
+    def get(name: str, *shape: int) -> Source:
+        return checkpoint.stored(prefix + name, shape)
 
     state = {
-        "patch_embed.weight": get(_PATCH, D, C, p, p).reshape(D, C * p * p),  # (C, ph, pw), as patchify flattens
+        # [D, C, ph, pw] flattened to [D, C * ph * pw], as patchify flattens a patch
+        "patch_embed.weight": Merged(Merged(get(_PATCH, D, C, p, p), 2), 1),
         "pos_embed_PD": get("embeddings.position_embedding.weight", cfg.positions, D),
     }
     if cfg.patch_bias:
@@ -48,8 +56,8 @@ def encoder_state_dict(checkpoint: HFCheckpoint, cfg: EncoderConfig, prefix: str
             state[f"{ours}.{mine}.weight"] = get(f"{hf}.{theirs}.weight", D)
             state[f"{ours}.{mine}.bias"] = get(f"{hf}.{theirs}.bias", D)
         # q, k, v blocks in that order: the fused projection's layout
-        state[f"{ours}.qkv.weight"] = torch.cat([get(f"{hf}.self_attn.{x}_proj.weight", D, D) for x in "qkv"])
-        state[f"{ours}.qkv.bias"] = torch.cat([get(f"{hf}.self_attn.{x}_proj.bias", D) for x in "qkv"])
+        state[f"{ours}.qkv.weight"] = Concatenated([get(f"{hf}.self_attn.{x}_proj.weight", D, D) for x in "qkv"])
+        state[f"{ours}.qkv.bias"] = Concatenated([get(f"{hf}.self_attn.{x}_proj.bias", D) for x in "qkv"])
         state[f"{ours}.proj.weight"] = get(f"{hf}.self_attn.out_proj.weight", D, D)
         state[f"{ours}.proj.bias"] = get(f"{hf}.self_attn.out_proj.bias", D)
         state[f"{ours}.fc1.weight"], state[f"{ours}.fc1.bias"] = get(f"{hf}.mlp.fc1.weight", M, D), get(f"{hf}.mlp.fc1.bias", M)

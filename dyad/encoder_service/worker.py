@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dyad.encoder_service.hf import encoder_state_dict
+from dyad.encoder_service.hf import encoder_sources
 from dyad.encoder_service.model import VisionEncoder
 from dyad.encoder_service.parallelize import parallelize_encoder
 from dyad.encoder_service.step import encode_rows
@@ -32,6 +32,7 @@ from dyad.exposed_wait import ExposedWait
 from dyad.hf_checkpoint import HFCheckpoint
 from dyad.kernels.boundary_pack import RowSegments, pack, unpack_add
 from dyad.service import PoolService, boundary_dtype, compute_context, transfer_segments
+from dyad.slices import load_pieces
 from dyad.transport import Direction, MessageTag, Phase
 from dyad.wire import pb
 
@@ -55,12 +56,8 @@ class EncoderWorker(PoolService):
     def load_pretrained(model: VisionEncoder, config) -> None:
         """The `encoder.from_hf` tower's weights (up to its feature layer); the projector keeps
         its drawn values."""
-        if not config.encoder.from_hf:
-            return
-        state = encoder_state_dict(HFCheckpoint(config.encoder.from_hf), config.encoder)
-        with torch.no_grad():
-            for name, tensor in state.items():
-                model.get_parameter(name).copy_(tensor)
+        if config.encoder.from_hf:
+            load_pieces(model, encoder_sources(HFCheckpoint(config.encoder.from_hf), config.encoder))
 
     @staticmethod
     def freeze(model: VisionEncoder, config) -> None:

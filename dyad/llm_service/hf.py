@@ -1,5 +1,6 @@
-"""Hugging Face MoE decoders' weights under `MoELM`'s names (`llm_state_dict`), and back
-(`hf_tensors`: what `dyad export --to-hf` writes); their config is `dyad.llm_service.hf_config`'s."""
+"""Hugging Face MoE decoders' weights under `MoELM`'s names (`llm_sources`: read a rank's piece
+at a time; `llm_state_dict`: whole), and back (`hf_tensors`: what `dyad export --to-hf` writes);
+their config is `dyad.llm_service.hf_config`'s."""
 
 from __future__ import annotations
 
@@ -7,15 +8,22 @@ import torch
 
 from dyad.hf_checkpoint import HFCheckpoint
 from dyad.llm_service.config import LLMConfig
+from dyad.slices import Merged, Source, Stacked, Transposed
 
 
 def llm_state_dict(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, torch.Tensor]:
     """`MoELM(cfg)`'s state dict from `checkpoint`, every tensor's name and shape checked."""
+    return {name: source.full() for name, source in llm_sources(checkpoint, cfg).items()}
+
+
+def llm_sources(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, Source]:
+    """Where each tensor of `MoELM(cfg)`'s state dict lies in `checkpoint`, every tensor's name
+    and shape checked (nothing read yet)."""
     family = checkpoint.config["model_type"]
     D, Dh, F = cfg.dim, cfg.head_dim, cfg.moe.expert_dim
 
-    def get(name: str, *shape: int) -> torch.Tensor:
-        return checkpoint.tensor(name, shape)
+    def get(name: str, *shape: int) -> Source:
+        return checkpoint.stored(name, shape)
 
     state = {
         "tok_embeddings.weight": get("model.embed_tokens.weight", cfg.vocab_size, D),
@@ -50,11 +58,12 @@ def llm_state_dict(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, torch.
         w13, w2 = [], []
         for e in range(cfg.moe.num_experts):
             expert = f"{moe}.experts.{e}"
-            # (gate, up) column pairs interleaved, as `swiglu_pairs` reads them
-            w13.append(torch.stack([get(f"{expert}.{gate}.weight", F, D).T, get(f"{expert}.{up}.weight", F, D).T], -1))
-            w2.append(get(f"{expert}.{down}.weight", D, F).T)
-        state[f"{ours}.feed_forward.w13_ED2F"] = torch.stack(w13).reshape(cfg.moe.num_experts, D, 2 * F)
-        state[f"{ours}.feed_forward.w2_EFD"] = torch.stack(w2)
+            # (gate, up) column pairs interleaved, as `swiglu_pairs` reads them: [D, F, 2] -> [D, 2F]
+            pair = [Transposed(get(f"{expert}.{name}.weight", F, D)) for name in (gate, up)]
+            w13.append(Merged(Stacked(pair, dim=2), dim=1))
+            w2.append(Transposed(get(f"{expert}.{down}.weight", D, F)))
+        state[f"{ours}.feed_forward.w13_ED2F"] = Stacked(w13)
+        state[f"{ours}.feed_forward.w2_EFD"] = Stacked(w2)
         if cfg.moe.shared_expert_dim:
             H = cfg.moe.shared_expert_dim
             for mine, theirs, shape in (("w1", "gate_proj", (H, D)), ("w3", "up_proj", (H, D)), ("w2", "down_proj", (D, H))):

@@ -24,13 +24,14 @@ from dyad.exposed_wait import ExposedWait
 from dyad.hf_checkpoint import HFCheckpoint
 from dyad.kernels.boundary_pack import RowSegments, pack, unpack_into
 from dyad.llm_service.fp8 import convert_to_fp8
-from dyad.llm_service.hf import llm_state_dict
+from dyad.llm_service.hf import llm_sources
 from dyad.llm_service.model import MoELM
 from dyad.llm_service.moe import update_expert_biases
 from dyad.llm_service.parallelize import parallelize_llm
 from dyad.llm_service.sharding import shard_microbatch
 from dyad.llm_service.step import heldout_microbatch, microbatch_loss
 from dyad.service import PoolService, boundary_dtype, compute_context, transfer_segments
+from dyad.slices import load_pieces
 from dyad.transport import Direction, MessageTag, Phase
 from dyad.wire import pb
 
@@ -65,12 +66,8 @@ class LLMWorker(PoolService):
         if not config.llm.from_hf:
             return
         checkpoint = HFCheckpoint(config.llm.from_hf)
-        rows = checkpoint.config["vocab_size"]
-        state = llm_state_dict(checkpoint, dataclasses.replace(config.llm, vocab_size=rows))
-        with torch.no_grad():
-            for name, tensor in state.items():
-                param = model.get_parameter(name)
-                (param[:rows] if name in _VOCABULARY_ROWS else param).copy_(tensor)
+        sources = llm_sources(checkpoint, dataclasses.replace(config.llm, vocab_size=checkpoint.config["vocab_size"]))
+        load_pieces(model, sources, rows=dict.fromkeys(_VOCABULARY_ROWS, config.llm.vocab_size))
         log.info("loaded the weights of %s", config.llm.from_hf)
 
     @staticmethod
