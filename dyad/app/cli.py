@@ -234,14 +234,16 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """A committed checkpoint's LLM as a Hugging Face model directory (dyad/app/export.py)."""
+    """A committed checkpoint as a Hugging Face model directory: a LLaVA, or its LLM alone
+    (dyad/app/export.py)."""
     args.device = None
     committed, config = _committed_and_config(args)
-    from dyad.app.export import export_llm  # torch and safetensors
+    from dyad.app.export import export_llava, export_llm, llava_shaped  # torch and safetensors
 
     resolved, _ = _resolved(config)
-    written = export_llm(resolved, committed.path, Path(args.to_hf))
-    print(f"{committed.path} (step {committed.step}): the LLM written to {args.to_hf} "
+    whole = llava_shaped(resolved) and not args.llm_only
+    written = (export_llava if whole else export_llm)(resolved, committed.path, Path(args.to_hf))
+    print(f"{committed.path} (step {committed.step}): {'the LLaVA' if whole else 'the LLM'} written to {args.to_hf} "
           f"({len(written)} safetensors file{'s' if len(written) > 1 else ''})")
     return 0
 
@@ -412,9 +414,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
     evaluate.set_defaults(func=cmd_eval)
-    export = commands.add_parser("export", help="a checkpoint's LLM as a Hugging Face model directory")
+    export = commands.add_parser(
+        "export", help="a checkpoint as a Hugging Face model directory (a LLaVA, or the LLM alone)"
+    )
     export.add_argument("checkpoint", help="a committed checkpoint directory, or a run's (its newest)")
     export.add_argument("--to-hf", required=True, metavar="OUT", help="the directory to write (new or empty)")
+    export.add_argument("--llm-only", action="store_true",
+                        help="the LLM alone, as its family's class, also from a run that is a LLaVA")
     export.add_argument("--config", help="the run's config (default: config.yaml in its run directory)")
     export.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (repeatable)"

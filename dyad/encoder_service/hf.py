@@ -12,6 +12,7 @@ from dyad.hf_checkpoint import HFCheckpoint
 from dyad.slices import Concatenated, Merged, Source
 
 _PATCH = "embeddings.patch_embedding.weight"
+_PROJECTOR = "multi_modal_projector.linear_1.weight"
 
 
 def tower_prefix(checkpoint: HFCheckpoint) -> str:
@@ -62,4 +63,43 @@ def encoder_sources(checkpoint: HFCheckpoint, cfg: EncoderConfig, prefix: str | 
         state[f"{ours}.proj.bias"] = get(f"{hf}.self_attn.out_proj.bias", D)
         state[f"{ours}.fc1.weight"], state[f"{ours}.fc1.bias"] = get(f"{hf}.mlp.fc1.weight", M, D), get(f"{hf}.mlp.fc1.bias", M)
         state[f"{ours}.fc2.weight"], state[f"{ours}.fc2.bias"] = get(f"{hf}.mlp.fc2.weight", D, M), get(f"{hf}.mlp.fc2.bias", D)
+    projectors = sorted(n.removesuffix("linear_1.weight") for n in checkpoint.names if n.endswith(_PROJECTOR))
+    if projectors:  # a LLaVA's: its own, where a tower alone leaves dyad's drawn one
+        O = cfg.out_dim
+        for mine, theirs, shape in (("proj_in", "linear_1", (O, cfg.merged_dim)), ("proj_out", "linear_2", (O, O))):
+            state[f"{mine}.weight"] = checkpoint.stored(f"{projectors[0]}{theirs}.weight", shape)
+            state[f"{mine}.bias"] = checkpoint.stored(f"{projectors[0]}{theirs}.bias", shape[:1])
     return state
+
+
+def tower_tensors(state: dict[str, torch.Tensor], cfg: EncoderConfig, prefix: str) -> dict[str, torch.Tensor]:
+    """`VisionEncoder(cfg)`'s full state dict under a Hugging Face tower's names, each prefixed by
+    `prefix`, and its projector as a LLaVA's (`multi_modal_projector.`): the inverse of
+    `encoder_sources` for a LLaVA's checkpoint, each tensor contiguous (what safetensors writes)."""
+    D, C, p = cfg.dim, cfg.channels, cfg.patch_size
+    tensors = {
+        _PATCH: state["patch_embed.weight"].reshape(D, C, p, p),
+        "embeddings.position_embedding.weight": state["pos_embed_PD"],
+    }
+    if cfg.patch_bias:
+        tensors["embeddings.patch_embedding.bias"] = state["patch_embed.bias"]
+    if cfg.cls_token:
+        tensors["embeddings.class_embedding"] = state["cls_token_D"]
+    if cfg.pre_norm:
+        tensors["pre_layrnorm.weight"], tensors["pre_layrnorm.bias"] = state["pre_norm.weight"], state["pre_norm.bias"]
+    if cfg.final_norm:
+        tensors["post_layernorm.weight"], tensors["post_layernorm.bias"] = state["norm.weight"], state["norm.bias"]
+    for i in range(cfg.depth):
+        hf, ours = f"encoder.layers.{i}", f"blocks.{i}"
+        for mine, theirs in (("attn_norm", "layer_norm1"), ("mlp_norm", "layer_norm2"), ("proj", "self_attn.out_proj"),
+                             ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2")):
+            for kind in ("weight", "bias"):
+                tensors[f"{hf}.{theirs}.{kind}"] = state[f"{ours}.{mine}.{kind}"]
+        for kind in ("weight", "bias"):
+            for x, block in zip("qkv", state[f"{ours}.qkv.{kind}"].chunk(3), strict=True):
+                tensors[f"{hf}.self_attn.{x}_proj.{kind}"] = block
+    tensors = {prefix + name: tensor for name, tensor in tensors.items()}
+    for mine, theirs in (("proj_in", "linear_1"), ("proj_out", "linear_2")):
+        for kind in ("weight", "bias"):
+            tensors[f"multi_modal_projector.{theirs}.{kind}"] = state[f"{mine}.{kind}"]
+    return {name: tensor.contiguous() for name, tensor in tensors.items()}

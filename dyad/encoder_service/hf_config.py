@@ -5,7 +5,9 @@ embedding with a bias, tanh GELU) and CLIP (`clip_vision_model` / `clip`: a clas
 LayerNorm before the first block, quick GELU, no patch bias), both with biases on q, k and v. A
 tower feeds the LLM as LLaVA's does: the features of `feature_layer` (-1: the last block's
 output, -2: the one before), before the final norm, without the class token; loaded alone
-(`dyad.hf.load`) it is transformers' `last_hidden_state`.
+(`dyad.hf.load`) it is transformers' `last_hidden_state`. A LLaVA directory's tower comes with its
+projector (two linears around an exact GELU, dyad's own projector at `encoder.spatial_merge` 1), and
+with the feature layer its config names.
 """
 
 from __future__ import annotations
@@ -22,6 +24,30 @@ _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "quic
 def vision_config(hf: dict) -> dict:
     """The vision tower's part of a config.json: itself, or its `vision_config`."""
     return hf["vision_config"] if hf.get("model_type") in ("siglip", "clip", "llava") else hf
+
+
+def llava_feature_layer(hf: dict) -> int | None:
+    """The feature layer a LLaVA's config.json names (None for a tower alone), or a ValueError
+    naming the field of one whose projector or feature selection dyad's encoder does not model."""
+    if hf.get("model_type") != "llava":
+        return None
+    family = FAMILIES.get(hf["vision_config"].get("model_type"))
+    # LLaVA's "default" drops the first token, "full" keeps them all: dyad drops a class token only
+    strategy = "default" if family == "clip" else "full"
+    checks = (
+        ("projector_hidden_act", hf.get("projector_hidden_act", "gelu"), "gelu"),
+        ("multimodal_projector_bias", hf.get("multimodal_projector_bias", True), True),
+        ("vision_feature_select_strategy", hf.get("vision_feature_select_strategy", "default"), strategy),
+    )
+    for field, value, supported in checks:
+        if value != supported:
+            raise ValueError(f"config.json {field}={value!r} is not supported for a LLaVA of a {family} tower "
+                             f"(dyad's: {supported!r})")
+    layer = hf.get("vision_feature_layer", -2)
+    several = not isinstance(layer, int)  # a list: several layers' features concatenated
+    if several:
+        raise ValueError(f"config.json vision_feature_layer={layer!r}: dyad takes the features of one layer")
+    return layer
 
 
 def encoder_config(hf: dict, *, feature_layer: int | None = None, out_dim: int = 1) -> EncoderConfig:
@@ -67,8 +93,13 @@ def pretrained(encoder: EncoderConfig, *, image_size: int, channels: int) -> Enc
     """`encoder` with the architecture of its `from_hf` tower at `encoder.feature_layer`; the
     data's images must be the tower's size and channels; a field the run set away from its
     default to something else than the tower's is a ValueError naming both."""
+    hf = read_config(encoder.from_hf, "encoder.from_hf")
     try:
-        derived = encoder_config(read_config(encoder.from_hf, "encoder.from_hf"), feature_layer=encoder.feature_layer)
+        named = llava_feature_layer(hf)
+        if named is not None and named != encoder.feature_layer:
+            raise ValueError(f"encoder.feature_layer ({encoder.feature_layer}) must be the LLaVA's vision_feature_layer "
+                             f"({named}, encoder.from_hf)")
+        derived = encoder_config(hf, feature_layer=encoder.feature_layer)
     except (KeyError, TypeError) as error:
         raise ValueError(f"encoder.from_hf: {encoder.from_hf}/config.json lacks or misstates {error}") from None
     for field, ours in (("image_size", image_size), ("channels", channels)):

@@ -9,8 +9,12 @@ mirrors, so that a user (and dyad's tests) can compare the two directly:
     tower = dyad.hf.load("path/to/siglip-so400m-patch14-384")
     tower(pixel_values).last_hidden_state
 
+    whole = dyad.hf.load("path/to/a-llava")  # a tower, its projector and an MoE LLM
+    whole(input_ids, pixel_values=pixel_values, attention_mask=attention_mask).logits
+
 LLM families: `dyad.llm_service.hf_config.FAMILIES`; vision towers:
-`dyad.encoder_service.hf_config.FAMILIES`.
+`dyad.encoder_service.hf_config.FAMILIES`; a LLaVA (`LlavaForConditionalGeneration`) of any of
+them, its image placeholders (`image_token_index`) replaced by the projected features of its images.
 """
 
 from __future__ import annotations
@@ -24,14 +28,14 @@ from torch import nn
 
 from dyad.encoder_service.hf import encoder_state_dict
 from dyad.encoder_service.hf_config import FAMILIES as VISION_FAMILIES
-from dyad.encoder_service.hf_config import encoder_config
+from dyad.encoder_service.hf_config import encoder_config, llava_feature_layer
 from dyad.encoder_service.model import VisionEncoder
 from dyad.hf_checkpoint import HFCheckpoint
 from dyad.llm_service.hf import llm_state_dict
 from dyad.llm_service.hf_config import FAMILIES, llm_config
 from dyad.llm_service.model import MoELM
 
-__all__ = ["CausalLM", "CausalLMOutput", "VisionTower", "VisionTowerOutput", "load"]
+__all__ = ["CausalLM", "CausalLMOutput", "Llava", "VisionTower", "VisionTowerOutput", "load"]
 
 
 @dataclass
@@ -52,17 +56,52 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
     ) -> CausalLMOutput:
-        valid_BS = None
-        if attention_mask is not None:
-            valid_BS = attention_mask.bool()
-            if (valid_BS[:, 1:] & ~valid_BS[:, :-1]).any():
-                raise ValueError("attention_mask must be right-padded (ones, then zeros): dyad masks causally")
-        logits_BSV, _ = self.model(input_ids, valid_BS=valid_BS)
-        loss = None
-        if labels is not None:
-            V = logits_BSV.shape[-1]
-            loss = F.cross_entropy(logits_BSV[:, :-1].reshape(-1, V).float(), labels[:, 1:].reshape(-1), ignore_index=-100)
-        return CausalLMOutput(logits=logits_BSV, loss=loss)
+        logits_BSV, _ = self.model(input_ids, valid_BS=_valid(attention_mask))
+        return _output(logits_BSV, labels)
+
+
+def _valid(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """[B, S] bool of the real tokens, refusing a mask that is not right-padded."""
+    if attention_mask is None:
+        return None
+    valid_BS = attention_mask.bool()
+    if (valid_BS[:, 1:] & ~valid_BS[:, :-1]).any():
+        raise ValueError("attention_mask must be right-padded (ones, then zeros): dyad masks causally")
+    return valid_BS
+
+
+def _output(logits_BSV: torch.Tensor, labels: torch.Tensor | None) -> CausalLMOutput:
+    """The logits, and with `labels` (-100: ignored) the mean cross-entropy of the next tokens."""
+    loss = None
+    if labels is not None:
+        V = logits_BSV.shape[-1]
+        loss = F.cross_entropy(logits_BSV[:, :-1].reshape(-1, V).float(), labels[:, 1:].reshape(-1), ignore_index=-100)
+    return CausalLMOutput(logits=logits_BSV, loss=loss)
+
+
+class Llava(nn.Module):
+    """A `VisionEncoder` (`.encoder`: the tower to its feature layer and the projector) and a
+    `MoELM` (`.llm`) behind transformers' `LlavaForConditionalGeneration` forward: each image's
+    projected features, in order, replace the `image_token_id` placeholders of `input_ids`."""
+
+    def __init__(self, encoder: VisionEncoder, llm: MoELM, image_token_id: int):
+        super().__init__()
+        self.encoder, self.llm, self.image_token_id = encoder, llm, image_token_id
+
+    def forward(
+        self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        rows_ND = positions_N = None
+        placeholders_N = (input_ids.flatten() == self.image_token_id).nonzero().flatten()
+        if pixel_values is not None:
+            rows_ND = self.encoder(pixel_values.to(self.encoder.patch_embed.weight.dtype)).flatten(0, 1)
+            positions_N = placeholders_N
+        if len(placeholders_N) != (0 if rows_ND is None else len(rows_ND)):
+            raise ValueError(f"input_ids hold {len(placeholders_N)} image placeholders (id {self.image_token_id}), "
+                             f"the images give {0 if rows_ND is None else len(rows_ND)} rows")
+        logits_BSV, _ = self.llm(input_ids, rows_ND, positions_N, valid_BS=_valid(attention_mask))
+        return _output(logits_BSV, labels)
 
 
 @dataclass
@@ -84,25 +123,37 @@ class VisionTower(nn.Module):
 
 def load(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-) -> CausalLM | VisionTower:
-    """dyad's single-device model of the Hugging Face model directory `path` (an MoE LLM or a
-    vision tower), its weights read from the directory's safetensors files (names and shapes
-    checked)."""
+) -> CausalLM | VisionTower | Llava:
+    """dyad's single-device model of the Hugging Face model directory `path` (an MoE LLM, a
+    vision tower, or a LLaVA of the two), its weights read from the directory's safetensors files
+    (names and shapes checked)."""
     checkpoint = HFCheckpoint(path)
     family = checkpoint.config.get("model_type")
+    if family == "llava":
+        llm = _llm(checkpoint)
+        cfg = encoder_config(checkpoint.config, feature_layer=llava_feature_layer(checkpoint.config),
+                             out_dim=llm.cfg.dim)
+        encoder = VisionEncoder(cfg)  # copied into, not assigned: its parameters keep their hooks
+        encoder.load_state_dict(encoder_state_dict(checkpoint, cfg), strict=True)
+        image_token_id = checkpoint.config.get("image_token_index", checkpoint.config.get("image_token_id"))
+        return Llava(encoder, llm, image_token_id).to(device=device, dtype=dtype)
     if family in VISION_FAMILIES:
         cfg = encoder_config(checkpoint.config)
-        tower = VisionEncoder(cfg)  # copied into, not assigned: its parameters keep their hooks
+        tower = VisionEncoder(cfg)
         state = encoder_state_dict(checkpoint, cfg)
         # The projector is dyad's (LLaVA's is the whole model's): a tower alone has none.
         state |= {name: torch.zeros(p.shape) for name, p in tower.named_parameters() if name.startswith("proj_")}
         tower.load_state_dict(state, strict=True)
         return VisionTower(tower.to(device=device, dtype=dtype))
     if family not in FAMILIES:
-        known = ", ".join([*FAMILIES, *sorted(VISION_FAMILIES)])
+        known = ", ".join([*FAMILIES, *sorted(VISION_FAMILIES), "llava"])
         raise ValueError(f"{path}: model_type {family!r} is not one dyad loads ({known})")
+    return CausalLM(_llm(checkpoint).to(device=device, dtype=dtype))
+
+
+def _llm(checkpoint: HFCheckpoint) -> MoELM:
     cfg = llm_config(checkpoint.config)
     with torch.device("meta"):
         model = MoELM(cfg)
     model.load_state_dict(llm_state_dict(checkpoint, cfg), assign=True, strict=True)
-    return CausalLM(model.to(device=device, dtype=dtype))
+    return model

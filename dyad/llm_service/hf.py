@@ -8,6 +8,7 @@ import torch
 
 from dyad.hf_checkpoint import HFCheckpoint
 from dyad.llm_service.config import LLMConfig
+from dyad.llm_service.hf_config import text_config
 from dyad.slices import Merged, Source, Stacked, Transposed
 
 
@@ -19,19 +20,20 @@ def llm_state_dict(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, torch.
 def llm_sources(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, Source]:
     """Where each tensor of `MoELM(cfg)`'s state dict lies in `checkpoint`, every tensor's name
     and shape checked (nothing read yet)."""
-    family = checkpoint.config["model_type"]
+    family = text_config(checkpoint.config)["model_type"]
+    decoder, head = _prefixes(checkpoint)
     D, Dh, F = cfg.dim, cfg.head_dim, cfg.moe.expert_dim
 
     def get(name: str, *shape: int) -> Source:
         return checkpoint.stored(name, shape)
 
     state = {
-        "tok_embeddings.weight": get("model.embed_tokens.weight", cfg.vocab_size, D),
-        "norm.weight": get("model.norm.weight", D),
-        "output.weight": get("lm_head.weight", cfg.vocab_size, D),
+        "tok_embeddings.weight": get(f"{decoder}embed_tokens.weight", cfg.vocab_size, D),
+        "norm.weight": get(f"{decoder}norm.weight", D),
+        "output.weight": get(f"{head}{_HEAD}", cfg.vocab_size, D),
     }
     for i in range(cfg.n_layers):
-        hf, ours = f"model.layers.{i}", f"layers.{i}"
+        hf, ours = f"{decoder}layers.{i}", f"layers.{i}"
         state[f"{ours}.attn_norm.weight"] = get(f"{hf}.input_layernorm.weight", D)
         state[f"{ours}.ffn_norm.weight"] = get(f"{hf}.post_attention_layernorm.weight", D)
         for mine, theirs, rows in (
@@ -73,6 +75,21 @@ def llm_sources(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, Source]:
     return state
 
 
+def _prefixes(checkpoint: HFCheckpoint) -> tuple[str, str]:
+    """The prefixes of the decoder's tensors and of its output head: ("model.", "") for a causal
+    LM, ("language_model.model.", "language_model.") for a LLaVA as transformers saves one."""
+    found = []
+    for suffix in (_EMBEDDING, _HEAD):
+        prefixes = sorted(n.removesuffix(suffix) for n in checkpoint.names if n.endswith(suffix))
+        if len(prefixes) != 1:
+            raise ValueError(f"{checkpoint.path}: expected one language model ('...{suffix}'), found {len(prefixes)}")
+        found.append(prefixes[0])
+    return found[0], found[1]
+
+
+_EMBEDDING, _HEAD = "embed_tokens.weight", "lm_head.weight"
+
+
 def _moe_names(family: str, layer: str) -> tuple[str, tuple[str, str, str]]:
     """The MoE block's prefix and its experts' (gate, up, down) projection names."""
     if family == "mixtral":
@@ -80,16 +97,17 @@ def _moe_names(family: str, layer: str) -> tuple[str, tuple[str, str, str]]:
     return f"{layer}.mlp", ("gate_proj", "up_proj", "down_proj")
 
 
-def hf_tensors(state: dict[str, torch.Tensor], cfg: LLMConfig, family: str) -> dict[str, torch.Tensor]:
-    """`MoELM(cfg)`'s full state dict under `family`'s checkpoint names: the inverse of
-    `llm_state_dict`, each tensor contiguous (what safetensors writes)."""
+def hf_tensors(state: dict[str, torch.Tensor], cfg: LLMConfig, family: str, *, head: str = "") -> dict[str, torch.Tensor]:
+    """`MoELM(cfg)`'s full state dict under `family`'s checkpoint names, each prefixed by `head`
+    (a LLaVA's "language_model."): the inverse of `llm_state_dict`, each tensor contiguous (what
+    safetensors writes)."""
     tensors = {
-        "model.embed_tokens.weight": state["tok_embeddings.weight"],
-        "model.norm.weight": state["norm.weight"],
-        "lm_head.weight": state["output.weight"],
+        f"{head}model.embed_tokens.weight": state["tok_embeddings.weight"],
+        f"{head}model.norm.weight": state["norm.weight"],
+        f"{head}lm_head.weight": state["output.weight"],
     }
     for i in range(cfg.n_layers):
-        hf, ours = f"model.layers.{i}", f"layers.{i}"
+        hf, ours = f"{head}model.layers.{i}", f"layers.{i}"
         tensors[f"{hf}.input_layernorm.weight"] = state[f"{ours}.attn_norm.weight"]
         tensors[f"{hf}.post_attention_layernorm.weight"] = state[f"{ours}.ffn_norm.weight"]
         for mine, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):

@@ -4,7 +4,8 @@ router and the CLI check a run's `llm.from_hf` without the model code).
 Families: Mixtral (`MixtralForCausalLM`), Qwen3-MoE (`Qwen3MoeForCausalLM`: per-head q/k norm,
 its own head_dim, dense layers by `mlp_only_layers` / `decoder_sparse_step`) and Qwen2-MoE
 (`Qwen2MoeForCausalLM`: q/k/v biases, a shared expert behind a sigmoid gate, dense layers as
-Qwen3-MoE's) and OLMoE (`OlmoeForCausalLM`: q/k norms over the whole projection). A config field
+Qwen3-MoE's) and OLMoE (`OlmoeForCausalLM`: q/k norms over the whole projection); any of them as
+the language model of a LLaVA (`LlavaForConditionalGeneration`: its `text_config`). A config field
 that would change the math in a way `MoELM` does not model (a sliding window, attention biases,
 tied embeddings, a scaled rotary embedding, another activation) is a ValueError naming it: a
 model is loaded exactly or not at all.
@@ -21,8 +22,14 @@ from dyad.llm_service.config import LLMConfig, MoEConfig
 FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
 
 
+def text_config(hf: dict) -> dict:
+    """The language model's part of a config.json: itself, or a LLaVA's `text_config`."""
+    return hf["text_config"] if hf.get("model_type") == "llava" else hf
+
+
 def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
-    """dyad's LLM config for a Hugging Face `config.json` of one of `FAMILIES`."""
+    """dyad's LLM config for a Hugging Face `config.json` of one of `FAMILIES` (or a LLaVA's)."""
+    hf = text_config(hf)
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise ValueError(f"config.json model_type {family!r} is not an LLM family dyad loads ({', '.join(FAMILIES)})")
@@ -134,7 +141,7 @@ def vocabulary_growth(llm: LLMConfig) -> str | None:
     """What a run says when its tokenizer has more ids than the checkpoint's embedding rows."""
     if not llm.from_hf:
         return None
-    rows = read_config(llm.from_hf, "llm.from_hf")["vocab_size"]
+    rows = text_config(read_config(llm.from_hf, "llm.from_hf"))["vocab_size"]
     if llm.vocab_size <= rows:
         return None
     return (

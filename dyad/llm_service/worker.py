@@ -25,6 +25,7 @@ from dyad.hf_checkpoint import HFCheckpoint
 from dyad.kernels.boundary_pack import RowSegments, pack, unpack_into
 from dyad.llm_service.fp8 import convert_to_fp8
 from dyad.llm_service.hf import llm_sources
+from dyad.llm_service.hf_config import text_config
 from dyad.llm_service.model import MoELM
 from dyad.llm_service.moe import update_expert_biases
 from dyad.llm_service.parallelize import parallelize_llm
@@ -66,7 +67,8 @@ class LLMWorker(PoolService):
         if not config.llm.from_hf:
             return
         checkpoint = HFCheckpoint(config.llm.from_hf)
-        sources = llm_sources(checkpoint, dataclasses.replace(config.llm, vocab_size=checkpoint.config["vocab_size"]))
+        rows = text_config(checkpoint.config)["vocab_size"]
+        sources = llm_sources(checkpoint, dataclasses.replace(config.llm, vocab_size=rows))
         load_pieces(model, sources, rows=dict.fromkeys(_VOCABULARY_ROWS, config.llm.vocab_size))
         log.info("loaded the weights of %s", config.llm.from_hf)
 

@@ -3,7 +3,8 @@ saved by transformers, with a tokenizer.json beside it, fine-tuned for 30 steps 
 encoder. Its first step's loss is transformers' loss on the same batch (the encoder's rows spliced
 into transformers' input embeddings); the loss then falls. A tokenizer with more ids than the
 embedding grows it and says so; a run config contradicting the checkpoint is refused naming the
-field; a fine-tuned LLM exports to a directory transformers loads (`dyad export --to-hf`)."""
+field; a fine-tuned LLM exports to a directory transformers loads (`dyad export --to-hf`), and so
+does a fine-tuned LLaVA-style whole (as transformers' `LlavaForConditionalGeneration`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from dyad.checkpoint import load_pool_state
 from dyad.data import make_dataset
 from dyad.data.batch import collate
 from dyad.data.tokenizer import build_word_tokenizer
+from dyad.encoder_service.hf import encoder_state_dict, tower_prefix
 from dyad.encoder_service.step import encode_rows
 from dyad.hf_checkpoint import HFCheckpoint
 from dyad.llm_service.hf import llm_state_dict
@@ -230,3 +232,35 @@ def test_a_llava_style_whole_from_a_tower_and_an_llm_trains_across_the_pools_as_
                                         dataset, job)
     assert comparison.worst_loss_error <= 1e-5, comparison.losses
     assert comparison.worst_param_error <= 1e-5, (comparison.worst_param, comparison.worst_param_error)
+
+    out = tmp_path / "exported"
+    with pytest.raises(SystemExit) as exited:
+        main(["export", config.out_dir, "--to-hf", str(out)])
+    assert exited.value.code == 0
+    _check_llava_export(out, checkpoint_dir(config.out_dir, 4), config_lib.load(tmp_path / "out" / "config.yaml", []),
+                        tmp_path / "siglip")
+
+
+def _check_llava_export(out, checkpoint, config, tower_source):
+    """The export holds the trained encoder (its projector LLaVA's) and LLM bit for bit, and the
+    source tower's blocks past the feature layer; transformers' LLaVA of it computes dyad's logits."""
+    dataset = make_dataset(config.data)
+    resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
+    exported = HFCheckpoint(out)
+    for pool, read in (("encoder", encoder_state_dict), ("llm", llm_state_dict)):
+        trained = load_pool_state(checkpoint, pool)
+        for name, tensor in read(exported, getattr(resolved, pool)).items():
+            assert torch.equal(tensor, trained[name]), name
+    unused = "encoder.layers.2.mlp.fc2.weight"  # the last block's: LLaVA takes the penultimate's output
+    source = HFCheckpoint(tower_source)
+    assert torch.equal(exported.stored(f"vision_tower.vision_model.{unused}", (32, 48)).full(),
+                       source.stored(tower_prefix(source) + unused, (32, 48)).full())
+    reloaded = transformers.LlavaForConditionalGeneration.from_pretrained(out).eval()
+    batch = collate(dataset.tokenizer, [dataset.sample(s) for s in dataset.train_ids[:3]], resolved.encoder.tokens_per_image)
+    attention_mask = (torch.arange(batch.input_ids.shape[1]) < batch.lengths[:, None]).long()
+    inputs = dict(input_ids=batch.input_ids, pixel_values=dataset.images(list(batch.image_ids), device="cpu"),
+                  attention_mask=attention_mask)
+    with torch.no_grad():
+        expected, got = reloaded(**inputs).logits, dyad.hf.load(out)(**inputs).logits
+    real = attention_mask.bool()
+    torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-6)
