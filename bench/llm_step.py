@@ -54,6 +54,16 @@ CONFIGS = {
                       moe=MoEConfig(num_experts=16, top_k=4, expert_dim=1408, aux_loss_coef=0.01)),
         seq=4096, image_rows=576,
     ),
+    # Qwen3-MoE's shape (its head_dim, heads, per-head q/k norms, experts of 768 with top-8, every
+    # layer MoE) at ~1 B active: 32 experts where Qwen3-30B-A3B has 128, so that the float32
+    # weights and AdamW state of all 2.5 B parameters fit one GPU (bench/titan_step.py: the same
+    # shape in torchtitan's model).
+    "qwen3-1b-active": dict(
+        llm=LLMConfig(vocab_size=32000, dim=2048, n_layers=16, n_heads=32, n_kv_heads=4, head_dim=128,
+                      qk_norm="head", rope_theta=1e6, norm_eps=1e-6, dense_layers=(), max_seq_len=4096,
+                      moe=MoEConfig(num_experts=32, top_k=8, expert_dim=768, aux_loss_coef=0.01)),
+        seq=4096, image_rows=576,
+    ),
     "toy": dict(
         llm=LLMConfig(vocab_size=100, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, dense_ffn_dim=128,
                       dense_layers=(0,), max_seq_len=64,
@@ -179,6 +189,8 @@ def allocator_numbers() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--toy", action="store_true")
+    parser.add_argument("--config", default="1b-active", choices=[c for c in CONFIGS if c != "toy"],
+                        help="the model's shape on a GPU (CPU: toy)")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--variants", help="comma-separated names from VARIANTS (default: all; on CPU the eager ones)")
     parser.add_argument("--out")
@@ -189,12 +201,13 @@ def main() -> None:
     if args.without_reload_barrier:
         inductor_reloads.install = lambda: None  # compile_blocks calls it through the module
     device = bench_device(args.toy)
-    spec = CONFIGS["toy" if device == "cpu" else "1b-active"]
+    spec = CONFIGS["toy" if device == "cpu" else args.config]
     cfg, S, N = spec["llm"], spec["seq"], spec["image_rows"]
     active = active_parameters(cfg)
     flops_per_token = 6 * active + 12 * cfg.n_layers * cfg.dim * S
     result = {
-        **run_header(device), "reload_barrier": not args.without_reload_barrier,
+        **run_header(device), "config": "toy" if device == "cpu" else args.config,
+        "reload_barrier": not args.without_reload_barrier,
         "active_params": active, "seq": S, "image_rows": N, "variants": {},
     }
     eager = [name for name in VARIANTS if not needs_compiler(name)]
