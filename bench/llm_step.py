@@ -18,7 +18,7 @@ retries.
 `--without-reload-barrier` compiles the blocks without dyad/inductor_reloads.py's barrier, only to
 measure what the barrier costs: without it the compiled bf16 gradients can be wrong on a GPU.
 
-MFU = (6 x active non-embedding parameters + 12 x layers x dim x sequence) x tokens / step time /
+MFU = (6 x active non-embedding parameters + 12 x layers x attention width x sequence) x tokens / step time /
 peak, with the peak 989 TFLOP/s (H100/H200 dense bf16, as the issue counts). Active parameters:
 attention, norms, router, top-k experts of each MoE layer, dense FFN layers, and the output
 projection (the input embedding is a lookup).
@@ -204,7 +204,8 @@ def main() -> None:
     spec = CONFIGS["toy" if device == "cpu" else args.config]
     cfg, S, N = spec["llm"], spec["seq"], spec["image_rows"]
     active = active_parameters(cfg)
-    flops_per_token = 6 * active + 12 * cfg.n_layers * cfg.dim * S
+    # attention's width: heads x head_dim, which is the model dim except where head_dim is set apart
+    flops_per_token = 6 * active + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * S
     result = {
         **run_header(device), "config": "toy" if device == "cpu" else args.config,
         "reload_barrier": not args.without_reload_barrier,

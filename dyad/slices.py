@@ -154,9 +154,9 @@ def load_pieces(model: nn.Module, sources: Mapping[str, Source], *, rows: Mappin
         if index and index[0].numel():
             stored = (index[0] >= 0) & (index[0] < source.shape[0])
             index = (index[0][stored], *index[1:])
-            value = source.read(index)
-            with torch.no_grad():
-                param[stored.nonzero().flatten()] = value.to(param.dtype)
+            held_rows = stored.nonzero().flatten().to(param.device)
+            with torch.no_grad():  # read on the host, memory-mapped: copied to the parameter's device
+                param[held_rows] = source.read(index).to(param.device, param.dtype)
         elif not index:
             with torch.no_grad():
                 param.copy_(source.read(()))

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dyad.slices import Concatenated, Merged, Stacked, Stored, Transposed, everything
+from dyad.slices import Concatenated, Merged, Stacked, Stored, Transposed, everything, load_pieces
 
 
 @pytest.fixture
@@ -73,3 +73,11 @@ def test_a_stored_tensor_reads_only_the_box_of_its_selection(stored, monkeypatch
     value = source.read((torch.tensor([2, 1]), torch.tensor([1]), torch.tensor([0, 1, 3])))
     assert torch.equal(value, tensors["d"][[2, 1]][:, [1]][:, :, [0, 1, 3]])
     assert boxes == [(slice(1, 3), slice(1, 2), slice(0, 4))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the pieces are read on the host and copied there")
+def test_pieces_load_into_a_model_on_a_gpu(stored):
+    tensors, sources = stored
+    model = torch.nn.Linear(5, 6, device="cuda")
+    load_pieces(model, {"weight": sources["a"]})
+    assert torch.equal(model.weight.cpu(), tensors["a"])
