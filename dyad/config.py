@@ -509,9 +509,23 @@ def resolve(config: RunConfig, *, vocab_size: int | None = None) -> RunConfig:
     """Fill the fields one component derives from another (documented in configs/) and check
     what spans components: each pool type checks its own section against the others and its
     layout (`PoolType.resolve`). `vocab_size`: the tokenizer's; None keeps the one a resolved
-    config has."""
-    sections = {pool.name: pool.resolve(config, vocab_size) for pool in pool_types()}
-    return dataclasses.replace(config, **sections)
+    config has. A pool that reads others' sections (`PoolType.reads`) sees them resolved."""
+    resolved = {}
+    for pool in _resolution_order(pool_types()):
+        resolved[pool.name] = pool.resolve(dataclasses.replace(config, **resolved), vocab_size)
+    return dataclasses.replace(config, **resolved)
+
+
+def _resolution_order(pools: tuple[PoolType, ...]) -> list[PoolType]:
+    """`pools`, each after the registered pools it reads."""
+    names = {pool.name for pool in pools}
+    order: list[PoolType] = []
+    while len(order) < len(pools):
+        placed = {pool.name for pool in order}
+        ready = [p for p in pools if p.name not in placed and names & set(p.reads) <= placed]
+        assert ready, f"pool types read each other: {[(p.name, p.reads) for p in pools if p.name not in placed]}"
+        order.append(ready[0])
+    return order
 
 
 # Fields that name files or directories: relative ones are relative to where the config was
