@@ -28,3 +28,14 @@ def test_the_encoder_reads_the_resolved_llm(tmp_path):
     assert (resolved.llm.dim, resolved.llm.max_seq_len) == (96, 1024)
     assert resolved.encoder.out_dim == 96
     assert resolved.encoder.tokens_per_image == 400
+
+
+def test_a_tower_whose_patch_does_not_divide_the_default_image_size_resolves(tmp_path):
+    """CLIP-L/336's patch of 14 does not divide the encoder section's default image size (16):
+    the tower's patch and the data's images are taken together."""
+    transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                  image_size=28, patch_size=14).save_pretrained(tmp_path / "clip")
+    config = config_lib.from_yaml(f"data: {{name: digits, image_size: 28, channels: 3}}\n"
+                                  f"encoder: {{from_hf: {tmp_path / 'clip'}, feature_layer: -1}}\n")
+    encoder = config_lib.resolve(config, vocab_size=32).encoder
+    assert (encoder.patch_size, encoder.image_size, encoder.tokens_per_image) == (14, 28, 4)
