@@ -494,8 +494,26 @@ def _parse_yaml(text: str, what: str) -> Any:
         raise ValueError(f"{what} is not valid YAML: {error}") from None
 
 
+def bundled_configs() -> list[str]:
+    """The names of the configs dyad ships (dyad/configs/NAME.yaml)."""
+    return sorted(path.stem for path in DEFAULT_CONFIG.parent.glob("*.yaml"))
+
+
+def config_path(name_or_path: str | Path | None) -> Path:
+    """A config file, or the NAME of one dyad ships; None: the default."""
+    if name_or_path is None:
+        return DEFAULT_CONFIG
+    path = Path(name_or_path)
+    bundled = DEFAULT_CONFIG.parent / f"{name_or_path}.yaml"
+    if not path.exists() and path.name == str(name_or_path) and bundled.is_file():
+        return bundled
+    return path
+
+
 def load(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    values = load_yaml_text(Path(path or DEFAULT_CONFIG).read_text())
+    """The config in file `path` (or the bundled config of that name; None: the default), with
+    `--set` overrides."""
+    values = load_yaml_text(config_path(path).read_text())
     for assignment in overrides:
         values = merge(values, parse_override(assignment))
     return build(composed_types()[0], values)
