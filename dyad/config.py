@@ -494,8 +494,26 @@ def _parse_yaml(text: str, what: str) -> Any:
         raise ValueError(f"{what} is not valid YAML: {error}") from None
 
 
+def bundled_configs() -> list[str]:
+    """The names of the configs dyad ships (dyad/configs/NAME.yaml)."""
+    return sorted(path.stem for path in DEFAULT_CONFIG.parent.glob("*.yaml"))
+
+
+def config_path(name_or_path: str | Path | None) -> Path:
+    """A config file, or the NAME of one dyad ships; None: the default."""
+    if name_or_path is None:
+        return DEFAULT_CONFIG
+    path = Path(name_or_path)
+    bundled = DEFAULT_CONFIG.parent / f"{name_or_path}.yaml"
+    if not path.exists() and path.name == str(name_or_path) and bundled.is_file():
+        return bundled
+    return path
+
+
 def load(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    values = load_yaml_text(Path(path or DEFAULT_CONFIG).read_text())
+    """The config in file `path` (or the bundled config of that name; None: the default), with
+    `--set` overrides."""
+    values = load_yaml_text(config_path(path).read_text())
     for assignment in overrides:
         values = merge(values, parse_override(assignment))
     return build(composed_types()[0], values)
@@ -509,9 +527,23 @@ def resolve(config: RunConfig, *, vocab_size: int | None = None) -> RunConfig:
     """Fill the fields one component derives from another (documented in configs/) and check
     what spans components: each pool type checks its own section against the others and its
     layout (`PoolType.resolve`). `vocab_size`: the tokenizer's; None keeps the one a resolved
-    config has."""
-    sections = {pool.name: pool.resolve(config, vocab_size) for pool in pool_types()}
-    return dataclasses.replace(config, **sections)
+    config has. A pool that reads others' sections (`PoolType.reads`) sees them resolved."""
+    resolved = {}
+    for pool in _resolution_order(pool_types()):
+        resolved[pool.name] = pool.resolve(dataclasses.replace(config, **resolved), vocab_size)
+    return dataclasses.replace(config, **resolved)
+
+
+def _resolution_order(pools: tuple[PoolType, ...]) -> list[PoolType]:
+    """`pools`, each after the registered pools it reads."""
+    names = {pool.name for pool in pools}
+    order: list[PoolType] = []
+    while len(order) < len(pools):
+        placed = {pool.name for pool in order}
+        ready = [p for p in pools if p.name not in placed and names & set(p.reads) <= placed]
+        assert ready, f"pool types read each other: {[(p.name, p.reads) for p in pools if p.name not in placed]}"
+        order.append(ready[0])
+    return order
 
 
 # Fields that name files or directories: relative ones are relative to where the config was

@@ -42,6 +42,8 @@ class PoolType:
       notice each, in `dyad watch` and metrics.jsonl); none by default.
     - `freezable`: the parts `train.freeze` may name (its service's `freeze` holds them); the
       pool's own name freezes all of it.
+    - `reads`: the pools whose resolved sections its `resolve` reads (the encoder's rows are the
+      LLM's width, which a checkpoint may fix): they are resolved first.
     """
 
     name: str
@@ -54,6 +56,7 @@ class PoolType:
     service: str
     warnings: Callable[[Any], list[str]] = lambda run: []
     freezable: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()
 
     @property
     def wire_id(self) -> int:

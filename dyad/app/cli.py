@@ -1,6 +1,7 @@
 """The `dyad` command.
 
-    dyad train   [--config FILE] [--set key=value ...] [--steps N] [--device cpu|cuda] [--out DIR]
+    dyad train   [--config FILE_OR_NAME] [--set key=value ...] [--steps N] [--device cpu|cuda] [--out DIR]
+                 [--dry-run]
     dyad verify  [--config FILE] [--set key=value ...] [--steps N] [--tolerance T]
     dyad eval    CHECKPOINT_OR_RUN_DIR [--config FILE] [--set key=value ...] [--device cpu|cuda]
     dyad router  [--host H] [--port P] [--token-file F] [--join-token-file F] [--tls-cert ...]
@@ -62,7 +63,9 @@ def _connect(args) -> RouterClient:
 def _add_job_arguments(
     parser: argparse.ArgumentParser, default_steps: int | None, *, local: bool = True
 ) -> None:
-    parser.add_argument("--config", help="YAML run config (default: dyad/configs/digits.yaml)")
+    parser.add_argument(
+        "--config", help="a YAML run config, or the NAME of one dyad ships (dyad/configs/NAME.yaml; default: digits)"
+    )
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a config field by dotted key, e.g. --set train.lr=1e-3 (repeatable)",
@@ -80,6 +83,18 @@ def _job_config(args, *, local: bool = True):
     """The run config from the job arguments, checked before anything starts (`_check`). A
     `local` job (train, verify) also picks the device and the output directory here; a submitted
     one leaves what is unset to the router."""
+    config = _checked_config(args, local=local)
+    if args.device is None and local:
+        train = dataclasses.replace(config.train, device=_default_device())
+        config = dataclasses.replace(config, train=train)
+    out = args.out
+    if out is None and local:
+        out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    return dataclasses.replace(config, out_dir=str(Path(out).resolve())) if out else config
+
+
+def _checked_config(args, *, local: bool):
+    """The run config from --config, --set, --steps and --device, checked (`_check`)."""
     from dyad import config as config_lib
 
     overrides = list(args.set)
@@ -90,15 +105,13 @@ def _job_config(args, *, local: bool = True):
     try:
         config = config_lib.load(args.config, overrides)
     except OSError as error:  # the --config file
-        raise ValueError(f"--config {args.config}: {error.strerror}") from None
+        from dyad.config import bundled_configs
+
+        raise ValueError(
+            f"--config {args.config}: {error.strerror} (dyad ships: {', '.join(bundled_configs())})"
+        ) from None
     _check(config, local=local, local_router=local and not args.router, command=args.command)
-    if args.device is None and local:
-        train = dataclasses.replace(config.train, device=_default_device())
-        config = dataclasses.replace(config, train=train)
-    out = args.out
-    if out is None and local:
-        out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-    return dataclasses.replace(config, out_dir=str(Path(out).resolve())) if out else config
+    return config
 
 
 def _check(config, *, local: bool, local_router: bool, command: str) -> None:
@@ -176,6 +189,8 @@ def _run_job(args, config):
 
 
 def cmd_train(args) -> int:
+    if args.dry_run:
+        return _dry_run(args)
     config = _job_config(args)
     print(f"dyad train: writing to {config.out_dir}", flush=True)  # before the progress on stderr
     job = _run_job(args, config)
@@ -195,6 +210,17 @@ def cmd_train(args) -> int:
         f"  metrics: {out_dir / 'metrics.jsonl'}\n  plot: {out_dir / 'loss.png'}\n"
         f"  checkpoint: {job.final_checkpoint()}"
     )
+    return 0
+
+
+def _dry_run(args) -> int:
+    """The config checked as `dyad train` checks it, then its models, layouts, memory per rank and
+    first step printed (dyad/app/dry_run.py); nothing starts, and torch is not imported."""
+    from dyad.app.dry_run import describe
+
+    config = _checked_config(args, local=True)
+    resolved, dataset = _resolved(config)
+    print(describe(resolved, dataset, args.config or "the default config (digits)"))
     return 0
 
 
@@ -398,6 +424,11 @@ def _parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train (default: digits, local processes)")
     _add_job_arguments(train, default_steps=None)
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--dry-run", action="store_true",
+        help="check the config as a run would, print its models' parameters, layouts, an estimate of each "
+        "rank's memory and the plan of the first step; start nothing",
+    )
     _add_connection_arguments(train, default_router=None)
     train.set_defaults(func=cmd_train)
     verify = commands.add_parser("verify", help="check a layout against single-process training")

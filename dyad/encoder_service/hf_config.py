@@ -105,6 +105,7 @@ def pretrained(encoder: EncoderConfig, *, image_size: int, channels: int) -> Enc
     for field, ours in (("image_size", image_size), ("channels", channels)):
         if ours != getattr(derived, field):
             raise ValueError(f"data.{field} ({ours}) must be the tower's ({getattr(derived, field)}, encoder.from_hf)")
-    return dataclasses.replace(
-        encoder, **adopted(encoder, derived, ARCHITECTURE, section="encoder", source="encoder.from_hf's tower")
+    return dataclasses.replace(  # the images' size with the patches' (their sizes are checked together)
+        encoder, **adopted(encoder, derived, ARCHITECTURE, section="encoder", source="encoder.from_hf's tower"),
+        image_size=image_size, channels=channels,
     )

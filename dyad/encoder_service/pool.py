@@ -48,4 +48,5 @@ POOL = PoolType(
     seed_offset=1,
     service="dyad.encoder_service.worker:EncoderWorker",
     freezable=("encoder", "vision_tower"),
+    reads=("llm",),
 )

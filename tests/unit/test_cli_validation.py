@@ -80,7 +80,8 @@ def test_an_unknown_field_like_no_known_one_suggests_nothing():
 def test_user_mistakes_are_one_line_and_exit_2(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for argv, message in [
-        (["--config", "missing.yaml"], "dyad train: --config missing.yaml: No such file or directory"),
+        (["--config", "missing.yaml"], ("dyad train: --config missing.yaml: No such file or directory "
+                                       f"(dyad ships: {', '.join(config_lib.bundled_configs())})")),
         (["--set", "train.lr"], "dyad train: --set expects key=value, got 'train.lr'"),
         (["--set", "train.steps=0"], "dyad train: train.steps must be >= 1, got 0"),
     ]:

@@ -1,0 +1,203 @@
+"""What a run's models hold and need on each rank, from their configs, layouts and a step's plan,
+without torch (`dyad train --dry-run` prints it): parameters (total, per token, per rank) and an
+estimate of each rank's memory.
+
+Parameters are counted part by part from the same shapes `VisionEncoder` and `MoELM` build (a
+test checks the counts against the models and against transformers'), and each part is held
+whole or cut over the ranks that split it: tensor parallelism (tp) the attention's and dense
+FFNs' linears, the vocabulary and the projector; expert parallelism (ep x etp) the experts; data
+parallelism replicates everything (dyad keeps no optimizer state sharded over dp).
+
+Memory per rank, in bytes, an estimate:
+- weights: 4 per parameter (float32 master weights; train.dtype bfloat16 autocasts the compute),
+  plus 2 with train.working_weights (bf16 copies of the matrices, counted over every parameter);
+- gradients 4 and AdamW's two moments 8 per trained parameter (none for a frozen part);
+- activations: what the blocks keep for the backward pass of the largest microbatch a rank holds
+  at once (the LLM one at a time; the encoder `boundary.prefetch_depth` rounds, whose gradients
+  come back later), at train.dtype's element size, counted per token and layer as the tensors
+  below; the output's logits in float32. Not counted: the CUDA context, allocator fragmentation,
+  communication buffers, transient tensors inside a block, float8 codes.
+
+Legend: V vocabulary, D LLM dim, L layers, H query heads, G kv heads, Dh head dim, E experts,
+k top_k, F expert hidden, Fd dense FFN hidden, Fs shared expert hidden; encoder: d dim, n blocks,
+m MLP hidden, X patch (channels * patch_size**2), P positions, Q merged dim, O out_dim (= D).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dyad.encoder_service.config import EncoderConfig
+from dyad.layout import EncoderLayout, LLMLayout
+from dyad.llm_service.config import LLMConfig
+from dyad.router.boundary import BoundaryPlan
+
+FLOAT32 = 4
+ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
+WORKING_COPY = 2  # bf16 working weights (train.working_weights)
+ADAMW_STATES = 2  # exp_avg, exp_avg_sq: float32 like the master weights
+
+
+@dataclass(frozen=True)
+class Part:
+    """Parameters of one kind: `count` in the single-device model, cut over `split` ranks
+    (each holds count / split); `per_token` of them compute on each token."""
+
+    name: str
+    count: int
+    split: int = 1
+    per_token: int | None = None  # None: all of them
+
+    @property
+    def per_rank(self) -> int:
+        assert self.count % self.split == 0, (self.name, self.count, self.split)
+        return self.count // self.split
+
+
+def total(parts: Sequence[Part]) -> int:
+    return sum(part.count for part in parts)
+
+
+def per_token(parts: Sequence[Part]) -> int:
+    return sum(part.count if part.per_token is None else part.per_token for part in parts)
+
+
+def per_rank(parts: Sequence[Part]) -> int:
+    return sum(part.per_rank for part in parts)
+
+
+# ---- parameters -----------------------------------------------------------------------------
+
+
+def llm_parts(llm: LLMConfig, layout: LLMLayout) -> list[Part]:
+    """The parts of `MoELM` (a resolved `llm`: vocab_size set) on one rank of `layout`."""
+    D, L, H, G, Dh, V, tp = llm.dim, llm.n_layers, llm.n_heads, llm.n_kv_heads, llm.head_dim, llm.vocab_size, layout.tp
+    moe, dense = llm.moe, len(llm.dense_layers)
+    sparse = L - dense
+    E, F = moe.num_experts, moe.expert_dim
+    projections = D * (H + 2 * G) * Dh + H * Dh * D + ((H + 2 * G) * Dh if llm.attention_bias else 0)
+    experts = sparse * E * 3 * D * F
+    parts = [
+        Part("embedding", V * D, tp),
+        Part("attention", L * projections, tp),
+        Part("norms", (2 * L + 1) * D),
+        Part("expert router", sparse * (D * E + (D if moe.shared_expert_gate else 0))),
+        Part("experts", experts, layout.ep * layout.etp, per_token=experts * moe.top_k // E),
+        Part("shared experts", sparse * 3 * D * moe.shared_expert_dim),
+        Part("dense FFN", dense * 3 * D * llm.dense_ffn_dim, tp),
+        Part("output", D * V, tp),
+    ]
+    if llm.qk_norm == "head":  # one weight of Dh per projection, shared by its heads
+        parts.append(Part("q/k norms", L * 2 * Dh))
+    elif llm.qk_norm == "projection":  # over all heads, which tp splits
+        parts.append(Part("q/k norms", L * (H + G) * Dh, tp))
+    return [part for part in parts if part.count]
+
+
+def encoder_tower_parts(encoder: EncoderConfig, layout: EncoderLayout) -> list[Part]:
+    """The vision tower of `VisionEncoder` (a resolved `encoder`) on one rank of `layout`."""
+    d, n, m, tp = encoder.dim, encoder.depth, encoder.mlp_dim, layout.tp
+    X = encoder.channels * encoder.patch_size**2
+    # qkv (weight, bias), proj's weight, fc1 (weight, bias), fc2's weight: cut over tp; the row-
+    # parallel biases (proj, fc2) and the LayerNorms whole on every rank
+    cut = 3 * d * d + (3 * d if encoder.qkv_bias else 0) + d * d + d * m + m + m * d
+    whole = 2 * 2 * d + d + d
+    parts = [
+        Part("patch embedding", X * d + (d if encoder.patch_bias else 0)),
+        Part("positions", encoder.positions * d + (d if encoder.cls_token else 0)),
+        Part("blocks (tp)", n * cut, tp),
+        Part("blocks (whole)", n * whole),
+        Part("norms", 2 * d * (int(encoder.pre_norm) + int(encoder.final_norm))),
+    ]
+    return [part for part in parts if part.count]
+
+
+def projector_parts(encoder: EncoderConfig, layout: EncoderLayout) -> list[Part]:
+    """proj_in (column-parallel) and proj_out (row-parallel: its bias whole)."""
+    Q, O = encoder.merged_dim, encoder.out_dim
+    return [Part("projector (tp)", Q * O + O + O * O, layout.tp), Part("projector (whole)", O)]
+
+
+# ---- memory ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on one rank (an estimate: see the module docstring)."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def state_memory(held: int, trained: int, *, working_weights: bool, activations: int) -> Memory:
+    """`held` parameters on the rank, `trained` of them trained."""
+    return Memory(
+        weights=held * (FLOAT32 + (WORKING_COPY if working_weights else 0)),
+        gradients=trained * FLOAT32,
+        optimizer=trained * FLOAT32 * ADAMW_STATES,
+        activations=activations,
+    )
+
+
+def llm_activations(llm: LLMConfig, layout: LLMLayout, tokens: int, *, element_size: int, recompute: bool) -> int:
+    """Bytes one LLM rank keeps for the backward pass of `tokens` (its share of a microbatch).
+
+    Per token and layer: the two norms' inputs and outputs (4D), q, k, v and the attention's
+    output ((2H + 2G)·Dh / tp); an MoE layer's routed copies, in and out (2kD), and its experts'
+    gate, up and activated hidden (3kF / etp), assuming balanced routing, its tokens split over
+    tp; a dense layer's 3Fd / tp. With recompute only each block's input (D) stays, and one
+    block's tensors while it is recomputed. Plus the float32 logits (V / tp)."""
+    D, Dh, tp, moe = llm.dim, llm.head_dim, layout.tp, llm.moe
+    attention = 4 * D + (2 * llm.n_heads + 2 * llm.n_kv_heads) * Dh // tp
+    routed = moe.top_k * (2 * D + 3 * moe.expert_dim // layout.etp) // tp
+    dense_ffn = 3 * llm.dense_ffn_dim // tp
+    dense = len(llm.dense_layers)
+    sparse = llm.n_layers - dense
+    layers = [attention + routed] * sparse + [attention + dense_ffn] * dense
+    kept = D * llm.n_layers + max(layers) if recompute else sum(layers)
+    return tokens * (kept * element_size + llm.vocab_size // tp * FLOAT32)
+
+
+def encoder_activations(encoder: EncoderConfig, layout: EncoderLayout, images: int, *, element_size: int,
+                        recompute: bool) -> int:
+    """Bytes one encoder rank keeps for the backward pass of `images` in flight.
+
+    Per position and block: the two norms' inputs and outputs (4d), q, k, v and the attention's
+    output (4d / tp), the MLP's hidden before and after its activation (2m / tp); with recompute
+    each block's input (d) and one block's tensors. Per image token sent: the projector's input
+    and its hidden before and after the GELU (Q + 2·O / tp)."""
+    d, tp = encoder.dim, layout.tp
+    block = 4 * d + (4 * d + 2 * encoder.mlp_dim) // tp
+    kept = d * encoder.depth + block if recompute else block * encoder.depth
+    projector = encoder.tokens_per_image * (encoder.merged_dim + 2 * encoder.out_dim // tp)
+    return images * (encoder.positions * kept + projector) * element_size
+
+
+# ---- what the step's plan puts on a rank -------------------------------------------------------
+
+
+def llm_tokens_per_rank(microbatch_shapes: Sequence[tuple[int, int]], layout: LLMLayout) -> int:
+    """The most tokens one LLM rank holds at once: a microbatch of `(samples, longest sequence)`
+    right-padded to its longest, its sequence cut over cp."""
+    return max((samples * -(-longest // layout.cp) for samples, longest in microbatch_shapes), default=0)
+
+
+def encoder_images_in_flight(plan: BoundaryPlan, rounds: Sequence[int], depth: int) -> int:
+    """The most images one encoder rank holds activations for: the work of `depth` consecutive
+    rounds (`rounds[microbatch]`: its index in its LLM data-parallel lane), which the encoder
+    encodes before the oldest one's gradient returns."""
+    per_rank_round: dict[tuple[int, int], int] = {}
+    for work in plan.encoder_work:
+        key = (work.encoder_dp_rank, rounds[work.microbatch])
+        per_rank_round[key] = per_rank_round.get(key, 0) + len(work.images)
+    return max(
+        (sum(per_rank_round.get((rank, first + r), 0) for r in range(depth)) for rank, first in per_rank_round),
+        default=0,
+    )
