@@ -57,7 +57,9 @@ before, its class token first)."""
     vision = vision_config(hf)
     family = FAMILIES.get(vision.get("model_type"))
     if family is None:
-        raise ValueError(f"config.json vision model_type {vision.get('model_type')!r} is not one dyad loads "
+        native = " (SigLIP2's native-resolution towers; its fixed-resolution checkpoints are 'siglip')" \
+            if vision.get("model_type", "").startswith("siglip2") else ""
+        raise ValueError(f"config.json vision model_type {vision.get('model_type')!r} is not one dyad loads{native} "
                          f"({', '.join(sorted(FAMILIES))})")
     act = vision.get("hidden_act", "gelu_pytorch_tanh" if family == "siglip" else "quick_gelu")
     if act not in _ACTIVATIONS:

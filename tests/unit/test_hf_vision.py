@@ -96,3 +96,8 @@ def test_a_feature_layer_outside_the_tower_is_refused(tmp_path):
     _saved("siglip", tmp_path)
     with pytest.raises(ValueError, match=r"encoder.feature_layer \(-4\) must be in \[-3, -1\]"):
         encoder_config(HFCheckpoint(tmp_path).config, feature_layer=-4)
+
+
+def test_a_native_resolution_siglip2_tower_is_refused_pointing_at_the_fixed_resolution_ones():
+    with pytest.raises(ValueError, match="'siglip2_vision_model' is not one dyad loads .SigLIP2's native-resolution"):
+        encoder_config({"model_type": "siglip2_vision_model", "num_hidden_layers": 2})
