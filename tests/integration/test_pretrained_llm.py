@@ -4,7 +4,8 @@ encoder. Its first step's loss is transformers' loss on the same batch (the enco
 into transformers' input embeddings); the loss then falls. A tokenizer with more ids than the
 embedding grows it and says so; a run config contradicting the checkpoint is refused naming the
 field; a fine-tuned LLM exports to a directory transformers loads (`dyad export --to-hf`), and so
-does a fine-tuned LLaVA-style whole (as transformers' `LlavaForConditionalGeneration`)."""
+does a fine-tuned LLaVA-style whole (as transformers' `LlavaForConditionalGeneration`); a run from a
+LLaVA directory starts at transformers' LLaVA's loss."""
 
 from __future__ import annotations
 
@@ -264,3 +265,79 @@ def _check_llava_export(out, checkpoint, config, tower_source):
         expected, got = reloaded(**inputs).logits, dyad.hf.load(out)(**inputs).logits
     real = attention_mask.bool()
     torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-6)
+
+
+def _llava_directory(path):
+    """A tiny LLaVA (SigLIP, its projector, a Qwen3-MoE over the digits' word tokenizer, whose
+    `<image>` is its image placeholder), saved with the tokenizer.json beside it."""
+    dataset = make_dataset(config_lib.load(None, []).data)
+    tokenizer = build_word_tokenizer(dataset.sample(i).text for i in range(len(dataset.train_ids)))
+    path.mkdir()
+    tokenizer.save(path / "tokenizer.json")
+    torch.manual_seed(2)
+    model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        vision_config=transformers.SiglipVisionConfig(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, image_size=16,
+            patch_size=4, num_channels=3, vision_use_head=False),
+        text_config=transformers.Qwen3MoeConfig(
+            vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+            num_experts_per_tok=2, mlp_only_layers=[0], max_position_embeddings=256, router_aux_loss_coef=0.0,
+            tie_word_embeddings=False),
+        image_token_index=tokenizer.image_id, vision_feature_layer=-2, vision_feature_select_strategy="full",
+        tie_word_embeddings=False,
+    )).float().eval()
+    with torch.no_grad():  # norms start at one and biases at zero: make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(std=0.2)
+    model.save_pretrained(path)
+    return model
+
+
+@torch.no_grad()
+def _transformers_llava_loss(reference, config) -> float:
+    """Step 0's caption loss of transformers' LLaVA on the run's batch (token ids with `<image>`
+    placeholders, the images' pixels), normalised as dyad normalises."""
+    dataset = make_dataset(config.data)
+    resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
+    spec = StepPlanner(resolved, dataset).next(0)
+    total = 0.0
+    for sample_ids in spec.microbatches:
+        batch = collate(dataset.tokenizer, [dataset.sample(s) for s in sample_ids], resolved.encoder.tokens_per_image)
+        attention_mask = (torch.arange(batch.input_ids.shape[1]) < batch.lengths[:, None]).long()
+        logits = reference(input_ids=batch.input_ids, attention_mask=attention_mask,
+                           pixel_values=dataset.images(list(batch.image_ids), device="cpu")).logits
+        total += float(F.cross_entropy(logits.flatten(0, 1), batch.targets.reshape(-1), reduction="sum"))
+    return total / spec.target_tokens
+
+
+def test_a_run_from_a_llava_directory_starts_at_transformers_loss_and_trains_as_on_one_device(tmp_path):
+    """Both pools from one LLaVA directory (the tower and its projector, the LLM) under encoder tp2
+    -> LLM cp2: step 0 is transformers' LLaVA's loss on the same batch, every step matches the
+    single-process reference (`dyad verify`'s comparison), whose initial weights are
+    `dyad.hf.load`'s of the directory."""
+    llava = _llava_directory(tmp_path / "llava")
+    path = tmp_path / "run.yaml"
+    path.write_text(LLAVA_RUN.replace("TOKENIZER", str(tmp_path / "llava" / "tokenizer.json"))
+                    .replace("TOWER", str(tmp_path / "llava")).replace("CHECKPOINT", str(tmp_path / "llava")))
+    config = config_lib.load(path, [
+        *BASE, "checkpoint.interval_steps=0", "train.steps=3", "parallel.encoder.tp=2", "parallel.llm.cp=2",
+    ])
+    config = dataclasses.replace(config, out_dir=str(tmp_path / "out"))
+    dataset = make_dataset(config.data)
+    resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
+    loaded = dyad.hf.load(tmp_path / "llava")
+    for pool, part in (("encoder", loaded.encoder), ("llm", loaded.llm)):
+        reference_state = build_model(resolved, pool, device="cpu").state_dict()
+        for name, tensor in part.state_dict().items():
+            assert torch.equal(reference_state[name], tensor), f"{pool}.{name}"
+
+    job = run_job(config, progress=False)
+    assert job.succeeded, job.info.message
+    assert job.metrics[0]["lm_loss"] == pytest.approx(_transformers_llava_loss(llava, config), rel=1e-5)
+    comparison = compare_with_reference(resolved, dataset, job)
+    assert comparison.worst_loss_error <= 1e-5, comparison.losses
+    assert comparison.worst_param_error <= 1e-5, (comparison.worst_param, comparison.worst_param_error)
