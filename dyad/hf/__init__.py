@@ -30,6 +30,7 @@ from dyad.hf_checkpoint import HFCheckpoint
 from dyad.llm_service.hf import llm_state_dict
 from dyad.llm_service.hf_config import FAMILIES, llm_config
 from dyad.llm_service.model import MoELM
+from dyad.llm_service.moe import zero_expert_counts
 
 __all__ = ["CausalLM", "CausalLMOutput", "VisionTower", "VisionTowerOutput", "load"]
 
@@ -105,4 +106,5 @@ def load(
     with torch.device("meta"):
         model = MoELM(cfg)
     model.load_state_dict(llm_state_dict(checkpoint, cfg), assign=True, strict=True)
+    zero_expert_counts(model)
     return CausalLM(model.to(device=device, dtype=dtype))

@@ -67,9 +67,10 @@ class LLMWorker(PoolService):
         checkpoint = HFCheckpoint(config.llm.from_hf)
         rows = checkpoint.config["vocab_size"]
         state = llm_state_dict(checkpoint, dataclasses.replace(config.llm, vocab_size=rows))
+        tensors = model.state_dict(keep_vars=True)  # parameters and DeepSeek-V3's expert biases
         with torch.no_grad():
             for name, tensor in state.items():
-                param = model.get_parameter(name)
+                param = tensors[name]
                 (param[:rows] if name in _VOCABULARY_ROWS else param).copy_(tensor)
         log.info("loaded the weights of %s", config.llm.from_hf)
 
