@@ -18,6 +18,7 @@ from dyad.checkpoint import load_pool_state
 from dyad.config import RunConfig
 from dyad.hf_checkpoint import read_config
 from dyad.llm_service.hf import hf_tensors
+from dyad.llm_service.hf_config import exported_config
 
 SHARD_BYTES = 5 * 2**30
 # Beside the weights in a model directory, what describes its tokenizer and generation.
@@ -39,7 +40,7 @@ def export_llm(config: RunConfig, checkpoint: Path, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = _save_sharded(tensors, out)
     dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(source | {"vocab_size": config.llm.vocab_size, "dtype": dtype}, indent=2))
+    (out / "config.json").write_text(json.dumps(exported_config(source, config.llm) | {"dtype": dtype}, indent=2))
     if config.data.tokenizer:
         shutil.copyfile(config.data.tokenizer, out / "tokenizer.json")
     for name in _SOURCE_FILES:

@@ -218,6 +218,16 @@ def pretrained(llm: LLMConfig, vocab_size: int) -> LLMConfig:
     )
 
 
+def exported_config(source: dict, llm: LLMConfig) -> dict:
+    """The config.json of a model exported from a run that started from `source`: the run's
+    vocabulary, and no multi-token-prediction layers (DeepSeek-V3's are not loaded, so not
+    written)."""
+    exported = source | {"vocab_size": llm.vocab_size}
+    if "num_nextn_predict_layers" in source:
+        exported["num_nextn_predict_layers"] = 0
+    return exported
+
+
 def vocabulary_growth(llm: LLMConfig) -> str | None:
     """What a run says when its tokenizer has more ids than the checkpoint's embedding rows."""
     if not llm.from_hf:

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 import dyad.hf
 from dyad.hf_checkpoint import HFCheckpoint
-from dyad.llm_service.hf import llm_state_dict
-from dyad.llm_service.hf_config import llm_config
+from dyad.llm_service.hf import hf_tensors, llm_state_dict
+from dyad.llm_service.hf_config import exported_config, llm_config
 from tests.helpers.parity import relative_error
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test reference (pip install -e '.[test]')")
@@ -291,3 +291,27 @@ def test_invalid_latent_attention_yarn_and_routing_fields_are_named(overrides, m
 
     with pytest.raises(ValueError, match=match):
         config_lib.load(None, overrides)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_export_loads_in_transformers_with_dyad_logits(family, tmp_path):
+    """`hf_tensors` and `exported_config`, what `dyad export --to-hf` writes, of a model whose
+    every parameter (and expert bias) moved away from the checkpoint's."""
+    _saved(FAMILIES[family], tmp_path / "model")
+    ours = dyad.hf.load(tmp_path / "model")
+    with torch.no_grad():
+        for tensor in [*ours.model.parameters(), *ours.model.buffers()]:
+            if tensor.is_floating_point():
+                tensor.add_(torch.randn_like(tensor), alpha=0.05)
+    source = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "out").mkdir()
+    save_file(hf_tensors(ours.model.state_dict(), ours.model.cfg, source["model_type"]),
+              tmp_path / "out" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "out" / "config.json").write_text(json.dumps(exported_config(source, ours.model.cfg)))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
+    input_ids, attention_mask, _ = _batch()
+    real = attention_mask.bool()
+    with torch.no_grad():
+        expected = ours(input_ids, attention_mask=attention_mask).logits
+        got = exported(input_ids=input_ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(got[real], expected[real], **TOL)
