@@ -142,12 +142,19 @@ def _held_indices(module: nn.Module, name: str, shape: tuple[int, ...]) -> Index
 
 def load_pieces(model: nn.Module, sources: Mapping[str, Source], *, rows: Mapping[str, int] = {}) -> None:
     """Copy into each of `model`'s parameters named in `sources` (single-device names) its piece
-    as this rank holds it, read from its source. `rows`: parameters whose single-device tensor has
+    as this rank holds it, read from its source, and into each buffer named there its whole. `rows`: parameters whose single-device tensor has
     more rows than their source (a vocabulary grown past the checkpoint's): the rows past the
     source's keep their values; so do the padding rows of a piece."""
+    loaded = set()
+    for key, buffer in model.named_buffers():  # a buffer is whole on every rank (an expert bias)
+        if key in sources:
+            with torch.no_grad():
+                buffer.copy_(sources[key].full().to(buffer.device, buffer.dtype))
+            loaded.add(key)
     for key, module, name, param in owned_parameters(model):
         if key not in sources:
             continue
+        loaded.add(key)
         source = sources[key]
         full_shape = (rows.get(key, source.shape[0]), *source.shape[1:]) if source.shape else ()
         index = _held_indices(module, name, full_shape)
@@ -160,3 +167,4 @@ def load_pieces(model: nn.Module, sources: Mapping[str, Source], *, rows: Mappin
         elif not index:
             with torch.no_grad():
                 param.copy_(source.read(()))
+    assert loaded == set(sources), f"no tensor of the model for {sorted(set(sources) - loaded)[:3]}"

@@ -23,7 +23,7 @@ from dyad.encoder_service.hf import tower_prefix, tower_tensors
 from dyad.encoder_service.hf_config import vision_config
 from dyad.hf_checkpoint import HFCheckpoint, read_config
 from dyad.llm_service.hf import hf_tensors
-from dyad.llm_service.hf_config import text_config
+from dyad.llm_service.hf_config import exported_config, text_config
 
 SHARD_BYTES = 5 * 2**30
 # Beside the weights in a model directory, what describes its tokenizer and generation.
@@ -46,7 +46,7 @@ def export_llm(config: RunConfig, checkpoint: Path, out: Path) -> list[Path]:
     _check_empty(out)
     source = text_config(read_config(config.llm.from_hf, "llm.from_hf"))
     tensors = hf_tensors(load_pool_state(checkpoint, "llm"), config.llm, source["model_type"])
-    return _write(out, tensors, source | {"vocab_size": config.llm.vocab_size}, config)
+    return _write(out, tensors, exported_config(source, config.llm), config)
 
 
 def export_llava(config: RunConfig, checkpoint: Path, out: Path) -> list[Path]:
@@ -69,7 +69,7 @@ def export_llava(config: RunConfig, checkpoint: Path, out: Path) -> list[Path]:
     hf_config = {
         "model_type": "llava",
         "architectures": ["LlavaForConditionalGeneration"],
-        "text_config": text | {"vocab_size": config.llm.vocab_size},
+        "text_config": exported_config(text, config.llm),
         "vision_config": vision,
         "image_token_index": make_dataset(config.data).tokenizer.image_id,
         "image_seq_length": config.encoder.tokens_per_image,

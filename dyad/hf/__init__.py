@@ -34,6 +34,7 @@ from dyad.hf_checkpoint import HFCheckpoint
 from dyad.llm_service.hf import llm_state_dict
 from dyad.llm_service.hf_config import FAMILIES, llm_config
 from dyad.llm_service.model import MoELM
+from dyad.llm_service.moe import zero_expert_counts
 
 __all__ = ["CausalLM", "CausalLMOutput", "Llava", "VisionTower", "VisionTowerOutput", "load"]
 
@@ -156,4 +157,5 @@ def _llm(checkpoint: HFCheckpoint) -> MoELM:
     with torch.device("meta"):
         model = MoELM(cfg)
     model.load_state_dict(llm_state_dict(checkpoint, cfg), assign=True, strict=True)
+    zero_expert_counts(model)
     return model

@@ -40,15 +40,18 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         self.group = group
 
-    def forward(self, q_BHSlDh, k_BGSlDh, v_BGSlDh, positions_Sl):
-        # K and V travel in one collective (one backward reduction instead of two).
-        kv_2BGSDh = all_gather_sequence(torch.stack([k_BGSlDh, v_BGSlDh]), self.group)
+    def forward(self, q_BHSlDh, k_BGSlDh, v_BGSlDh, positions_Sl, scale: float | None = None):
+        # K and V travel in one collective (one backward reduction instead of two), side by side
+        # in the features: MLA's values have their own head dim.
+        Dk = k_BGSlDh.shape[-1]
+        kv_BGSX = all_gather_sequence(torch.cat([k_BGSlDh, v_BGSlDh], dim=-1), self.group)
         positions_S = all_gather_cat(positions_Sl, self.group, 0)
         allowed_SlS = positions_S.unsqueeze(0) <= positions_Sl.unsqueeze(1)
         return F.scaled_dot_product_attention(
             q_BHSlDh,
-            kv_2BGSDh[0],
-            kv_2BGSDh[1],
+            kv_BGSX[..., :Dk],
+            kv_BGSX[..., Dk:],
             attn_mask=allowed_SlS,
+            scale=scale,
             enable_gqa=q_BHSlDh.shape[1] != k_BGSlDh.shape[1],
         )

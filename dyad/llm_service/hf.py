@@ -4,12 +4,16 @@ their config is `dyad.llm_service.hf_config`'s."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from dyad.hf_checkpoint import HFCheckpoint
 from dyad.llm_service.config import LLMConfig
 from dyad.llm_service.hf_config import text_config
 from dyad.slices import Merged, Source, Stacked, Transposed
+
+log = logging.getLogger(__name__)
 
 
 def llm_state_dict(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, torch.Tensor]:
@@ -22,7 +26,11 @@ def llm_sources(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, Source]:
     and shape checked (nothing read yet)."""
     family = text_config(checkpoint.config)["model_type"]
     decoder, head = _prefixes(checkpoint)
-    D, Dh, F = cfg.dim, cfg.head_dim, cfg.moe.expert_dim
+    D, F = cfg.dim, cfg.moe.expert_dim
+    skipped = multi_token_prediction_layers(checkpoint, cfg)
+    if skipped:
+        log.info("%s: skipping layers %s, multi-token prediction's, which the causal LM does not use",
+                 checkpoint.path, skipped)
 
     def get(name: str, *shape: int) -> Source:
         return checkpoint.stored(name, shape)
@@ -36,20 +44,8 @@ def llm_sources(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, Source]:
         hf, ours = f"{decoder}layers.{i}", f"layers.{i}"
         state[f"{ours}.attn_norm.weight"] = get(f"{hf}.input_layernorm.weight", D)
         state[f"{ours}.ffn_norm.weight"] = get(f"{hf}.post_attention_layernorm.weight", D)
-        for mine, theirs, rows in (
-            ("wq", "q_proj", cfg.n_heads * Dh), ("wk", "k_proj", cfg.n_kv_heads * Dh), ("wv", "v_proj", cfg.n_kv_heads * Dh),
-        ):
-            state[f"{ours}.attention.{mine}.weight"] = get(f"{hf}.self_attn.{theirs}.weight", rows, D)
-        state[f"{ours}.attention.wo.weight"] = get(f"{hf}.self_attn.o_proj.weight", D, cfg.n_heads * Dh)
-        if cfg.attention_bias:
-            for mine, theirs, rows in (
-                ("wq", "q_proj", cfg.n_heads * Dh), ("wk", "k_proj", cfg.n_kv_heads * Dh), ("wv", "v_proj", cfg.n_kv_heads * Dh),
-            ):
-                state[f"{ours}.attention.{mine}.bias"] = get(f"{hf}.self_attn.{theirs}.bias", rows)
-        if cfg.qk_norm != "none":  # each head's, or the whole projection's
-            per_head = cfg.qk_norm == "head"
-            for norm, heads in (("q_norm", cfg.n_heads), ("k_norm", cfg.n_kv_heads)):
-                state[f"{ours}.attention.{norm}.weight"] = get(f"{hf}.self_attn.{norm}.weight", Dh if per_head else heads * Dh)
+        for mine, theirs, shape in _attention_pairs(cfg):
+            state[f"{ours}.attention.{mine}"] = get(f"{hf}.self_attn.{theirs}", *shape)
         if i in cfg.dense_layers:
             H = cfg.dense_ffn_dim
             for mine, theirs, shape in (("w1", "gate_proj", (H, D)), ("w3", "up_proj", (H, D)), ("w2", "down_proj", (D, H))):
@@ -57,6 +53,8 @@ def llm_sources(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, Source]:
             continue
         moe, (gate, up, down) = _moe_names(family, hf)
         state[f"{ours}.feed_forward.router.weight"] = get(f"{moe}.gate.weight", cfg.moe.num_experts, D)
+        if family == "deepseek_v3":  # aux-loss-free balancing's bias, which only selects experts
+            state[f"{ours}.feed_forward.expert_bias_E"] = get(f"{moe}.gate.e_score_correction_bias", cfg.moe.num_experts)
         w13, w2 = [], []
         for e in range(cfg.moe.num_experts):
             expert = f"{moe}.experts.{e}"
@@ -69,7 +67,7 @@ def llm_sources(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, Source]:
         if cfg.moe.shared_expert_dim:
             H = cfg.moe.shared_expert_dim
             for mine, theirs, shape in (("w1", "gate_proj", (H, D)), ("w3", "up_proj", (H, D)), ("w2", "down_proj", (D, H))):
-                state[f"{ours}.feed_forward.shared_expert.{mine}.weight"] = get(f"{moe}.shared_expert.{theirs}.weight", *shape)
+                state[f"{ours}.feed_forward.shared_expert.{mine}.weight"] = get(f"{moe}.{_shared(family)}.{theirs}.weight", *shape)
         if cfg.moe.shared_expert_gate:
             state[f"{ours}.feed_forward.shared_expert_gate.weight"] = get(f"{moe}.shared_expert_gate.weight", 1, D)
     return state
@@ -90,11 +88,61 @@ def _prefixes(checkpoint: HFCheckpoint) -> tuple[str, str]:
 _EMBEDDING, _HEAD = "embed_tokens.weight", "lm_head.weight"
 
 
+def _attention_pairs(cfg: LLMConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name in `MoELM`'s attention, name in the checkpoint's self_attn, shape) of each tensor."""
+    if cfg.attention == "mla":
+        return _latent_attention_pairs(cfg)
+    D, Dh, H, G = cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    projections = (("wq", "q_proj", H * Dh), ("wk", "k_proj", G * Dh), ("wv", "v_proj", G * Dh))
+    pairs = [(f"{mine}.weight", f"{theirs}.weight", (rows, D)) for mine, theirs, rows in projections]
+    pairs.append(("wo.weight", "o_proj.weight", (D, H * Dh)))
+    if cfg.attention_bias:
+        pairs += [(f"{mine}.bias", f"{theirs}.bias", (rows,)) for mine, theirs, rows in projections]
+    if cfg.qk_norm != "none":  # each head's, or the whole projection's
+        per_head = cfg.qk_norm == "head"
+        for norm, heads in (("q_norm", H), ("k_norm", G)):
+            pairs.append((f"{norm}.weight", f"{norm}.weight", (Dh if per_head else heads * Dh,)))
+    return pairs
+
+
+def _latent_attention_pairs(cfg: LLMConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+    mla, D, H = cfg.mla, cfg.dim, cfg.n_heads
+    if mla.q_lora_rank:
+        query = [
+            ("wq_a.weight", "q_a_proj.weight", (mla.q_lora_rank, D)),
+            ("q_norm.weight", "q_a_layernorm.weight", (mla.q_lora_rank,)),
+            ("wq_b.weight", "q_b_proj.weight", (H * mla.qk_head_dim, mla.q_lora_rank)),
+        ]
+    else:
+        query = [("wq.weight", "q_proj.weight", (H * mla.qk_head_dim, D))]
+    return [
+        *query,
+        ("wkv_a.weight", "kv_a_proj_with_mqa.weight", (mla.kv_lora_rank + mla.qk_rope_head_dim, D)),
+        ("kv_norm.weight", "kv_a_layernorm.weight", (mla.kv_lora_rank,)),
+        ("wkv_b.weight", "kv_b_proj.weight", (H * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)),
+        ("wo.weight", "o_proj.weight", (D, H * mla.v_head_dim)),
+    ]
+
+
 def _moe_names(family: str, layer: str) -> tuple[str, tuple[str, str, str]]:
     """The MoE block's prefix and its experts' (gate, up, down) projection names."""
     if family == "mixtral":
         return f"{layer}.block_sparse_moe", ("w1", "w3", "w2")
     return f"{layer}.mlp", ("gate_proj", "up_proj", "down_proj")
+
+
+def _shared(family: str) -> str:
+    """The shared expert's name in the MoE block (DeepSeek-V3's stands for n_shared_experts)."""
+    return "shared_experts" if family == "deepseek_v3" else "shared_expert"
+
+
+def multi_token_prediction_layers(checkpoint: HFCheckpoint, cfg: LLMConfig) -> list[int]:
+    """The layers past the decoder's that a DeepSeek-V3 checkpoint carries for multi-token
+    prediction (num_nextn_predict_layers): not part of the causal LM, never read."""
+    decoder, _ = _prefixes(checkpoint)
+    prefix = f"{decoder}layers."
+    layers = {int(name.removeprefix(prefix).split(".")[0]) for name in checkpoint.names if name.startswith(prefix)}
+    return sorted(i for i in layers if i >= cfg.n_layers)
 
 
 def hf_tensors(state: dict[str, torch.Tensor], cfg: LLMConfig, family: str, *, head: str = "") -> dict[str, torch.Tensor]:
@@ -110,19 +158,16 @@ def hf_tensors(state: dict[str, torch.Tensor], cfg: LLMConfig, family: str, *, h
         hf, ours = f"{head}model.layers.{i}", f"layers.{i}"
         tensors[f"{hf}.input_layernorm.weight"] = state[f"{ours}.attn_norm.weight"]
         tensors[f"{hf}.post_attention_layernorm.weight"] = state[f"{ours}.ffn_norm.weight"]
-        for mine, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-            tensors[f"{hf}.self_attn.{theirs}.weight"] = state[f"{ours}.attention.{mine}.weight"]
-            if cfg.attention_bias and mine != "wo":
-                tensors[f"{hf}.self_attn.{theirs}.bias"] = state[f"{ours}.attention.{mine}.bias"]
-        if cfg.qk_norm != "none":
-            tensors[f"{hf}.self_attn.q_norm.weight"] = state[f"{ours}.attention.q_norm.weight"]
-            tensors[f"{hf}.self_attn.k_norm.weight"] = state[f"{ours}.attention.k_norm.weight"]
+        for mine, theirs, _ in _attention_pairs(cfg):
+            tensors[f"{hf}.self_attn.{theirs}"] = state[f"{ours}.attention.{mine}"]
         if i in cfg.dense_layers:
             for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
                 tensors[f"{hf}.mlp.{theirs}.weight"] = state[f"{ours}.feed_forward.{mine}.weight"]
             continue
         moe, (gate, up, down) = _moe_names(family, hf)
         tensors[f"{moe}.gate.weight"] = state[f"{ours}.feed_forward.router.weight"]
+        if family == "deepseek_v3":
+            tensors[f"{moe}.gate.e_score_correction_bias"] = state[f"{ours}.feed_forward.expert_bias_E"]
         w13_ED2F, w2_EFD = state[f"{ours}.feed_forward.w13_ED2F"], state[f"{ours}.feed_forward.w2_EFD"]
         for e in range(cfg.moe.num_experts):
             tensors[f"{moe}.experts.{e}.{gate}.weight"] = w13_ED2F[e, :, 0::2].T
@@ -130,7 +175,7 @@ def hf_tensors(state: dict[str, torch.Tensor], cfg: LLMConfig, family: str, *, h
             tensors[f"{moe}.experts.{e}.{down}.weight"] = w2_EFD[e].T
         if cfg.moe.shared_expert_dim:
             for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                tensors[f"{moe}.shared_expert.{theirs}.weight"] = state[f"{ours}.feed_forward.shared_expert.{mine}.weight"]
+                tensors[f"{moe}.{_shared(family)}.{theirs}.weight"] = state[f"{ours}.feed_forward.shared_expert.{mine}.weight"]
         if cfg.moe.shared_expert_gate:
             tensors[f"{moe}.shared_expert_gate.weight"] = state[f"{ours}.feed_forward.shared_expert_gate.weight"]
     return {name: tensor.contiguous() for name, tensor in tensors.items()}

@@ -4,11 +4,14 @@ router and the CLI check a run's `llm.from_hf` without the model code).
 Families: Mixtral (`MixtralForCausalLM`), Qwen3-MoE (`Qwen3MoeForCausalLM`: per-head q/k norm,
 its own head_dim, dense layers by `mlp_only_layers` / `decoder_sparse_step`) and Qwen2-MoE
 (`Qwen2MoeForCausalLM`: q/k/v biases, a shared expert behind a sigmoid gate, dense layers as
-Qwen3-MoE's) and OLMoE (`OlmoeForCausalLM`: q/k norms over the whole projection); any of them as
-the language model of a LLaVA (`LlavaForConditionalGeneration`: its `text_config`). A config field
-that would change the math in a way `MoELM` does not model (a sliding window, attention biases,
-tied embeddings, a scaled rotary embedding, another activation) is a ValueError naming it: a
-model is loaded exactly or not at all.
+Qwen3-MoE's), OLMoE (`OlmoeForCausalLM`: q/k norms over the whole projection) and DeepSeek-V3
+(`DeepseekV3ForCausalLM`: multi-head latent attention, YaRN, sigmoid routing over groups with
+a correction bias and a routed scaling factor, shared experts, the first k layers dense; the
+multi-token-prediction layers are not loaded). A config field that would change the math in a
+way `MoELM` does not model (a sliding window, attention biases, tied embeddings, a scaled rotary
+embedding other than DeepSeek-V3's YaRN, another activation, quantized weights) is a ValueError
+naming it: a model is loaded exactly or not at all. Any of them loads as the language model of a
+LLaVA (`LlavaForConditionalGeneration`: its `text_config`).
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ import dataclasses
 from collections.abc import Callable
 
 from dyad.hf_checkpoint import adopted, read_config
-from dyad.llm_service.config import LLMConfig, MoEConfig
+from dyad.llm_service.config import LLMConfig, MLAConfig, MoEConfig, YarnConfig
 
-FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("deepseek_v3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
 
 
 def text_config(hf: dict) -> dict:
@@ -34,6 +37,8 @@ def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
     if family not in FAMILIES:
         raise ValueError(f"config.json model_type {family!r} is not an LLM family dyad loads ({', '.join(FAMILIES)})")
     _refuse(hf, family)
+    if family == "deepseek_v3":
+        return _deepseek_v3(hf, max_seq_len)
     n_layers = hf["num_hidden_layers"]
     shared = hf.get("shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0
     if family == "mixtral":
@@ -80,9 +85,80 @@ def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
     )
 
 
+def _deepseek_v3(hf: dict, max_seq_len: int | None) -> LLMConfig:
+    n_layers, experts, expert_dim = hf["num_hidden_layers"], hf["n_routed_experts"], hf["moe_intermediate_size"]
+    rope = _rope_parameters(hf)
+    kind = _rope_type(rope)
+    if kind not in ("default", "yarn"):
+        raise ValueError(f"config.json rope_type {kind!r}: dyad loads DeepSeek-V3's default or YaRN rotary embedding")
+    return LLMConfig(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=n_layers,
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf["num_attention_heads"],
+        attention="mla",
+        mla=MLAConfig(
+            q_lora_rank=hf.get("q_lora_rank") or 0,
+            kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"],
+            qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"],
+            rope_interleave=hf.get("rope_interleave", True),
+        ),
+        pad_token_id=-1 if hf.get("pad_token_id") is None else hf["pad_token_id"],
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_type=kind,
+        yarn=_yarn(hf, rope) if kind == "yarn" else YarnConfig(),
+        norm_eps=hf["rms_norm_eps"],
+        dense_ffn_dim=hf["intermediate_size"],
+        dense_layers=tuple(range(min(hf.get("first_k_dense_replace") or 0, n_layers))),
+        max_seq_len=max_seq_len or hf["max_position_embeddings"],
+        moe=MoEConfig(
+            num_experts=experts,
+            top_k=hf["num_experts_per_tok"],
+            expert_dim=expert_dim,
+            shared_expert_dim=(hf.get("n_shared_experts") or 0) * expert_dim,
+            norm_topk_prob=hf.get("norm_topk_prob", True),
+            score_func="sigmoid",
+            expert_bias=True,  # e_score_correction_bias
+            n_groups=hf.get("n_group") or 1,
+            topk_groups=hf.get("topk_group") or 1,
+            group_score_experts=2,
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            aux_loss_coef=0.0,  # balanced by the bias; transformers computes no balance loss
+        ),
+    )
+
+
+def _rope_parameters(hf: dict) -> dict:
+    """The rotary section: transformers 5's rope_parameters, or 4's rope_scaling (rope_theta at the top)."""
+    return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+
+
+def _rope_type(rope: dict) -> str:
+    return rope.get("rope_type") or rope.get("type") or "default"  # "type": older configs' name
+
+
+def _yarn(hf: dict, rope: dict) -> YarnConfig:
+    """YaRN's parameters as transformers reads them (`standardize_rope_params`, `_compute_yarn_parameters`)."""
+    original = hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+    original = original or hf["max_position_embeddings"]
+    return YarnConfig(
+        factor=float(rope.get("factor") or hf["max_position_embeddings"] / original),
+        original_max_seq_len=original,
+        beta_fast=float(rope.get("beta_fast") or 32),
+        beta_slow=float(rope.get("beta_slow") or 1),
+        mscale=float(rope.get("mscale") or 0),
+        mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
+        attention_factor=float(rope.get("attention_factor") or 0),
+        truncate=rope.get("truncate", True),
+    )
+
+
 def _rope_theta(hf: dict) -> float:
-    rope = hf.get("rope_parameters") or {}  # transformers 5; 4 kept rope_theta at the top
-    kind = rope.get("rope_type") or (hf.get("rope_scaling") or {}).get("rope_type") or "default"
+    rope = _rope_parameters(hf)
+    kind = _rope_type(rope)
     if kind != "default":
         raise ValueError(f"config.json rope_type {kind!r}: dyad loads the default rotary embedding only")
     return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
@@ -98,7 +174,16 @@ def _refuse(hf: dict, family: str) -> None:
         ("sliding_window", lambda v: not v or ("use_sliding_window" in hf and not hf["use_sliding_window"])),
         ("use_sliding_window", lambda v: not v),
         ("clip_qkv", lambda v: v is None),
+        ("quantization_config", lambda v: not v),  # e.g. DeepSeek-V3's float8 blocks and their scales
     ]
+    if family == "deepseek_v3":
+        checks += [
+            # transformers' MLA repeats its keys and values by heads / num_key_value_heads
+            ("num_key_value_heads", lambda v: v in (None, hf["num_attention_heads"])),
+            ("moe_layer_freq", lambda v: v in (None, 1)),
+            ("scoring_func", lambda v: v in (None, "sigmoid")),
+            ("topk_method", lambda v: v in (None, "noaux_tc")),
+        ]
     for field, supported in checks:
         if field in hf and not supported(hf[field]):
             raise ValueError(f"config.json {field}={hf[field]!r} is not supported for {family}")
@@ -108,10 +193,11 @@ def _refuse(hf: dict, family: str) -> None:
 ARCHITECTURE = (
     "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "attention_bias", "pad_token_id", "rope_theta",
     "norm_eps",
-    "dense_ffn_dim", "dense_layers",
+    "dense_ffn_dim", "dense_layers", "attention", "mla", "rope_type", "yarn",
 )
 MOE_ARCHITECTURE = ("num_experts", "top_k", "expert_dim", "shared_expert_dim", "shared_expert_gate", "norm_topk_prob",
-                    "score_func", "topk_before_softmax", "n_groups", "topk_groups")
+                    "score_func", "topk_before_softmax", "n_groups", "topk_groups", "group_score_experts",
+                    "routed_scaling_factor")
 
 
 def pretrained(llm: LLMConfig, vocab_size: int) -> LLMConfig:
@@ -127,6 +213,8 @@ def pretrained(llm: LLMConfig, vocab_size: int) -> LLMConfig:
     source, default, default_moe = "llm.from_hf's checkpoint", LLMConfig(), MoEConfig()
     moe = dataclasses.replace(
         llm.moe, **adopted(llm.moe, derived.moe, MOE_ARCHITECTURE, section="llm.moe", source=source),
+        # A checkpoint's correction bias is loaded (DeepSeek-V3); a run may add one to any family.
+        expert_bias=llm.moe.expert_bias or derived.moe.expert_bias,
         aux_loss_coef=llm.moe.aux_loss_coef if llm.moe.aux_loss_coef != default_moe.aux_loss_coef
         else derived.moe.aux_loss_coef,
     )
@@ -135,6 +223,16 @@ def pretrained(llm: LLMConfig, vocab_size: int) -> LLMConfig:
         vocab_size=max(vocab_size, derived.vocab_size),
         max_seq_len=llm.max_seq_len if llm.max_seq_len != default.max_seq_len else derived.max_seq_len,
     )
+
+
+def exported_config(source: dict, llm: LLMConfig) -> dict:
+    """The config.json of a model exported from a run that started from `source`: the run's
+    vocabulary, and no multi-token-prediction layers (DeepSeek-V3's are not loaded, so not
+    written)."""
+    exported = source | {"vocab_size": llm.vocab_size}
+    if "num_nextn_predict_layers" in source:
+        exported["num_nextn_predict_layers"] = 0
+    return exported
 
 
 def vocabulary_growth(llm: LLMConfig) -> str | None:

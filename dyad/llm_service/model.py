@@ -1,7 +1,9 @@
 """Decoder-only MoE language model that accepts image embeddings spliced into its input.
 
 Legend: B batch, S sequence length, D model dim, V vocab size, H query heads, G kv heads,
-Dh head dim, N spliced image tokens, T = B*S flattened tokens.
+Dh head dim, N spliced image tokens, T = B*S flattened tokens; MLA: Q query latent (q_lora_rank),
+C key-value latent (kv_lora_rank), Dn and R a head's features without and with rotary, Dqk = Dn + R,
+Dv a value head.
 
 Image tokens follow LLaVA: the caller reserves placeholder tokens in input_ids and passes the flat
 indices (into B*S) of those placeholders; their token embeddings are replaced by the image
@@ -15,23 +17,10 @@ from torch import nn
 
 from dyad.llm_service.config import LLMConfig
 from dyad.llm_service.moe import MoELayer, SwiGLU
+from dyad.llm_service.rotary import apply_rotary, deinterleave, rotary_cos_sin, rotary_frequencies, yarn_mscale
 
-
-def rotary_cos_sin(positions_S: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos_SDh, sin_SDh in float32 for the rotate-half convention, at the given positions."""
-    device = positions_S.device
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(positions_S.to(torch.float32), inv_freq)
-    angles_SDh = torch.cat([angles, angles], dim=-1)
-    return angles_SDh.cos(), angles_SDh.sin()
-
-
-def apply_rotary(x_BSHDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
-    x = x_BSHDh.float()
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    cos, sin = cos_SDh[:, None, :], sin_SDh[:, None, :]
-    return (x * cos + rotated * sin).to(x_BSHDh.dtype)
+# DeepSeek's latent norms use RMSNorm's default epsilon, not the model's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
 
 
 class CausalAttention(nn.Module):
@@ -39,9 +28,10 @@ class CausalAttention(nn.Module):
     parallelism replaces it with attention over the whole group's keys, masked by the positions
     (`ContextParallelAttention`)."""
 
-    def forward(self, q_BHSDh, k_BGSDh, v_BGSDh, positions_S):
+    def forward(self, q_BHSDh, k_BGSDh, v_BGSDh, positions_S, scale: float | None = None):
+        """`scale`: the softmax's (None: 1 / sqrt(the query head dim)); values may have their own head dim."""
         return F.scaled_dot_product_attention(
-            q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True, enable_gqa=q_BHSDh.shape[1] != k_BGSDh.shape[1]
+            q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True, scale=scale, enable_gqa=q_BHSDh.shape[1] != k_BGSDh.shape[1]
         )
 
 
@@ -70,6 +60,70 @@ class Attention(nn.Module):
         return self.wo(out_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
 
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3), names as DeepSeek's reference code: the
+    queries through a normed low-rank latent (wq_a, q_norm, wq_b; or one projection wq), the keys'
+    and values' no-rotary parts through one normed latent shared by the heads (wkv_a, kv_norm,
+    wkv_b), the keys' rotary part one head shared by all (the rest of wkv_a's output).
+
+    Tensor parallelism splits the heads (wq_b or wq, wkv_b column-parallel, wo row-parallel); the
+    latents are every rank's, and `rope_key`, the shared rotary key, becomes where it enters the
+    head-parallel region (each rank's heads contribute to its gradient).
+    """
+
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        mla, D, H = cfg.mla, cfg.dim, cfg.n_heads
+        self.n_heads, self.nope_dim, self.rope_dim, self.v_dim = H, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        self.kv_rank, self.interleaved = mla.kv_lora_rank, mla.rope_interleave
+        if mla.q_lora_rank:
+            self.wq, self.wq_a = None, nn.Linear(D, mla.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(mla.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.wq_b = nn.Linear(mla.q_lora_rank, H * mla.qk_head_dim, bias=False)
+        else:
+            self.wq = nn.Linear(D, H * mla.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(D, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(mla.kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.wkv_b = nn.Linear(mla.kv_lora_rank, H * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
+        self.wo = nn.Linear(H * mla.v_head_dim, D, bias=False)
+        self.rope_key = nn.Identity()
+        self.core = CausalAttention()
+        self.scale = mla_softmax_scale(cfg)
+
+    def forward(self, x_BSD, cos_SR, sin_SR, positions_S) -> torch.Tensor:
+        # Shapes come from the head-parallel projections: under sequence parallelism x and the
+        # latents hold part of the sequence, and the projections gather the rest.
+        q_BSX = self.wq(x_BSD) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
+        B, S, _ = q_BSX.shape
+        q_nope_BSHDn, q_rope_BSHR = q_BSX.view(B, S, self.n_heads, -1).split([self.nope_dim, self.rope_dim], -1)
+        kv_latent_BsC, k_rope_BsR = self.wkv_a(x_BSD).split([self.kv_rank, self.rope_dim], -1)
+        kv_BSHX = self.wkv_b(self.kv_norm(kv_latent_BsC)).view(B, S, self.n_heads, -1)
+        k_nope_BSHDn, v_BSHDv = kv_BSHX.split([self.nope_dim, self.v_dim], -1)
+        k_rope_BS1R = self.rope_key(k_rope_BsR).view(B, S, 1, self.rope_dim)
+        q_rope_BSHR, k_rope_BS1R = (self._rotate(x, cos_SR, sin_SR) for x in (q_rope_BSHR, k_rope_BS1R))
+        q_BSHDqk = torch.cat([q_nope_BSHDn, q_rope_BSHR], -1)
+        k_BSHDqk = torch.cat([k_nope_BSHDn, k_rope_BS1R.expand(B, S, self.n_heads, self.rope_dim)], -1)
+        if q_BSHDqk.numel() == 0:  # cuDNN attention returns None for an empty batch (torch 2.11)
+            return self.wo(v_BSHDv.reshape(B, S, self.n_heads * self.v_dim))
+        out_BHSDv = self.core(
+            q_BSHDqk.transpose(1, 2), k_BSHDqk.transpose(1, 2), v_BSHDv.transpose(1, 2), positions_S, scale=self.scale
+        )
+        return self.wo(out_BHSDv.transpose(1, 2).reshape(B, S, self.n_heads * self.v_dim))
+
+    def _rotate(self, x_BSHR, cos_SR, sin_SR):
+        return apply_rotary(deinterleave(x_BSHR) if self.interleaved else x_BSHR, cos_SR, sin_SR)
+
+
+def mla_softmax_scale(cfg: LLMConfig) -> float:
+    """1 / sqrt(Dqk), times YaRN's mscale(factor, mscale_all_dim) squared where the config has one
+    (DeepSeek-V3's attention temperature for the longer context)."""
+    scale = cfg.mla.qk_head_dim ** -0.5
+    if cfg.rope_type == "yarn" and cfg.yarn.mscale_all_dim:
+        mscale = yarn_mscale(cfg.yarn.factor, cfg.yarn.mscale_all_dim)
+        scale = scale * mscale * mscale
+    return scale
+
+
 class ProjectionNorm(nn.RMSNorm):
     """An RMSNorm over all heads of a projection, [B, S, H, Dh] in and out (OLMoE's q/k norms).
     Tensor parallelism, which splits the heads, replaces it with `ProjectionParallelRMSNorm`."""
@@ -92,7 +146,7 @@ class DecoderBlock(nn.Module):
         super().__init__()
         self.is_moe = is_moe
         self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = MoELayer(cfg.dim, cfg.moe) if is_moe else SwiGLU(cfg.dim, cfg.dense_ffn_dim)
 
@@ -182,7 +236,7 @@ class MoELM(nn.Module):
             h_BSD = splice_image_embeds(h_BSD, image_embeds_ND, image_positions_N)
         if position_ids_S is None:
             position_ids_S = torch.arange(S, device=h_BSD.device)
-        cos_SDh, sin_SDh = rotary_cos_sin(position_ids_S, self.cfg.head_dim, self.cfg.rope_theta)
+        cos_SDh, sin_SDh = rotary_cos_sin(position_ids_S, *rotary_frequencies(self.cfg, h_BSD.device))
         h_BSD = self.sequence.scatter(h_BSD)
         valid_T = None if valid_BS is None else self.sequence.columns(valid_BS).reshape(-1)
         seq_ids_BS = torch.arange(B, device=h_BSD.device).unsqueeze(1).expand(B, S)

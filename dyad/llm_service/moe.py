@@ -9,10 +9,13 @@ softmax top-k on CUDA in one launch forward), with the defaults first:
 - Selection is the top k of a key: the scores, or the logits when topk_before_softmax; plus the
   aux-loss-free expert bias when enabled (the bias changes which experts are chosen, never a gate
   value). With n_groups > 1 the key first keeps only the topk_groups best groups, a group's
-  strength being the sum of its top (top_k / topk_groups) keys (DeepSeek-V3). Ties go to the
-  lower expert index (and the lower group index), so routing is deterministic.
+  strength being the sum of its top group_score_experts keys (default top_k / topk_groups;
+  DeepSeek-V3's checkpoints: 2). Ties go to the lower expert index (and the lower group index),
+  so routing is deterministic.
 - gates = the chosen scores, renormalised over the k when norm_topk_prob; with
-  topk_before_softmax, the softmax over the k chosen logits (already summing to 1).
+  topk_before_softmax, the softmax over the k chosen logits (already summing to 1). The routed
+  experts' summed output is then multiplied by routed_scaling_factor (DeepSeek-V3), the shared
+  expert's not.
 - Capacity (optional): each expert takes at most ceil(capacity_factor * T * K / E) assignments of
   this call (T counts padding), preferring the highest scores ("probs": the router score of that
   expert for that token, not the renormalised gate, which is 1 for every token when K = 1) or the
@@ -92,11 +95,11 @@ def top_k_indices(key_TE: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(key_TE, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
-def group_limited_mask(key_TE: torch.Tensor, n_groups: int, topk_groups: int, top_k: int) -> torch.Tensor:
+def group_limited_mask(key_TE: torch.Tensor, n_groups: int, topk_groups: int, score_experts: int) -> torch.Tensor:
     """[T, E] bool: experts of each token's topk_groups strongest groups (strength: sum of the
-    group's top (top_k / topk_groups) keys)."""
+    group's top `score_experts` keys)."""
     T, E = key_TE.shape
-    strength_TG = key_TE.view(T, n_groups, E // n_groups).topk(top_k // topk_groups, dim=-1).values.sum(dim=-1)
+    strength_TG = key_TE.view(T, n_groups, E // n_groups).topk(score_experts, dim=-1).values.sum(dim=-1)
     chosen_TG = torch.zeros(T, n_groups, dtype=torch.bool, device=key_TE.device)
     chosen_TG.scatter_(1, top_k_indices(strength_TG, topk_groups), True)
     return chosen_TG.repeat_interleave(E // n_groups, dim=1)
@@ -306,7 +309,8 @@ class MoELayer(nn.Module):
         if self.expert_bias_E is not None:
             key_TE = key_TE + self.expert_bias_E.float()
         if cfg.n_groups > 1:
-            allowed_TE = group_limited_mask(key_TE, cfg.n_groups, cfg.topk_groups, cfg.top_k)
+            score_experts = cfg.group_score_experts or cfg.top_k // cfg.topk_groups
+            allowed_TE = group_limited_mask(key_TE, cfg.n_groups, cfg.topk_groups, score_experts)
             key_TE = key_TE.masked_fill(~allowed_TE, -math.inf)
         expert_idx_TK = top_k_indices(key_TE, cfg.top_k)
         if cfg.topk_before_softmax:
@@ -361,6 +365,8 @@ class MoELayer(nn.Module):
         x_TD, valid_T, seq_ids_T = self.tokens.split(x_TD, valid_T, seq_ids_T)
         scores_TE, gates_TK, expert_idx_TK = self.route(x_TD, valid_T)
         y_TD = self.routed_experts(x_TD, gates_TK, expert_idx_TK)
+        if self.cfg.routed_scaling_factor != 1.0:
+            y_TD = y_TD * self.cfg.routed_scaling_factor
         if self.shared_expert is not None:
             shared_TD = self.shared_expert(x_TD)
             if self.shared_expert_gate is not None:
@@ -391,3 +397,11 @@ def update_expert_biases(model: nn.Module, group=None) -> None:
     for module in model.modules():
         if isinstance(module, MoELayer):
             module.update_expert_bias(group)
+
+
+def zero_expert_counts(model: nn.Module) -> None:
+    """Fresh zero expert counts beside each MoE layer's expert bias, on the bias's device: for a
+    model built on the meta device and loaded from a state dict, which does not hold the counts."""
+    for module in model.modules():
+        if isinstance(module, MoELayer) and module.expert_bias_E is not None:
+            module.expert_counts_E = torch.zeros(module.cfg.num_experts, dtype=torch.long, device=module.expert_bias_E.device)

@@ -7,7 +7,9 @@ that say what they do), never a method. Order (fixed):
    the dense FFNs' and the output's linears become `ColumnParallelLinear` / `RowParallelLinear`,
    the embedding `VocabParallelEmbedding`, the caption loss `VocabParallelCrossEntropy`, the
    argmax `VocabParallelPredictedTargets`, a query/key norm over the whole projection
-   `ProjectionParallelRMSNorm`; with sequence parallelism the residual stream
+   `ProjectionParallelRMSNorm`; multi-head latent attention's up-projections and output
+   split by heads, its latents whole, its shared rotary key `EnterHeadParallel`; with sequence
+   parallelism the residual stream
    (`MoELM.sequence`) becomes `SequenceParallel`, split along the sequence over tp;
 2. context parallelism (dyad/llm_service/context_parallel.py): each attention's `core` becomes
    `ContextParallelAttention`;
@@ -21,8 +23,8 @@ order.
 
 Gradient groups:
 - expert weights: summed over edp (every token reaches its expert exactly once in the world);
-- MoE router and shared expert, and with sequence parallelism the norms: summed over the whole
-  pool (each rank sees distinct tokens);
+- MoE router and shared expert, and with sequence parallelism the norms and MLA's
+  down-projections: summed over the whole pool (each rank sees distinct tokens);
 - everything else: summed over dp×cp (tp ranks hold shards, or identical replicas).
 """
 
@@ -35,8 +37,9 @@ from torch import nn
 
 from dyad.llm_service.context_parallel import ContextParallelAttention
 from dyad.llm_service.expert_parallel import SplitTokens, expert_param_names, parallelize_moe
-from dyad.llm_service.model import ProjectionNorm
+from dyad.llm_service.model import Attention, LatentAttention, ProjectionNorm
 from dyad.llm_service.tensor_parallel import (
+    EnterHeadParallel,
     ProjectionParallelRMSNorm,
     SequenceParallel,
     VocabParallelCrossEntropy,
@@ -62,7 +65,8 @@ def parallelize_llm(model: nn.Module, groups: ProcessGroups, *, sequence_paralle
     token_distinct: set[int] = set()
     if layout.tp > 1:
         token_distinct |= {
-            id(p) for block in model.layers for norm in (block.attention.q_norm, block.attention.k_norm)
+            id(p) for block in model.layers if isinstance(block.attention, Attention)
+            for norm in (block.attention.q_norm, block.attention.k_norm)
             if isinstance(norm, nn.RMSNorm) for p in norm.parameters()
         }
     for block in model.layers:
@@ -70,6 +74,8 @@ def parallelize_llm(model: nn.Module, groups: ProcessGroups, *, sequence_paralle
             token_distinct |= _apply_expert_parallel(block.feed_forward, groups, sequence_parallel)
     if sequence_parallel:
         token_distinct |= {id(p) for m in model.modules() if isinstance(m, nn.RMSNorm) for p in m.parameters()}
+        # MLA's down-projections, like the norms, see this rank's part of the sequence.
+        token_distinct |= {id(p) for linear in _latent_down_projections(model) for p in linear.parameters()}
     experts = {id(p) for n, p in model.named_parameters() if n in expert_param_names(model)}
     return _gradient_plan(model, groups, tp_sharded, token_distinct, experts)
 
@@ -86,13 +92,16 @@ def _apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool) 
         model.sequence = SequenceParallel(tp_group)
     for block in model.layers:
         attention = block.attention
-        attention.wq, attention.wk, attention.wv = column(attention.wq), column(attention.wk), column(attention.wv)
-        attention.wo = row(attention.wo)
-        if isinstance(attention.q_norm, ProjectionNorm):  # over the heads, which tp splits
-            attention.q_norm = ProjectionParallelRMSNorm(attention.q_norm, tp_group)
-            attention.k_norm = ProjectionParallelRMSNorm(attention.k_norm, tp_group)
-        attention.n_heads //= tp
-        attention.n_kv_heads //= tp
+        if isinstance(attention, LatentAttention):
+            _latent_attention_tensor_parallel(attention, tp_group, sequence_parallel)
+        else:
+            attention.wq, attention.wk, attention.wv = column(attention.wq), column(attention.wk), column(attention.wv)
+            attention.wo = row(attention.wo)
+            if isinstance(attention.q_norm, ProjectionNorm):  # over the heads, which tp splits
+                attention.q_norm = ProjectionParallelRMSNorm(attention.q_norm, tp_group)
+                attention.k_norm = ProjectionParallelRMSNorm(attention.k_norm, tp_group)
+            attention.n_heads //= tp
+            attention.n_kv_heads //= tp
         if not block.is_moe:
             ffn = block.feed_forward
             ffn.w1, ffn.w3, ffn.w2 = column(ffn.w1), column(ffn.w3), row(ffn.w2)
@@ -102,6 +111,29 @@ def _apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool) 
         for name, p in module.named_parameters()
         if is_sharded(module, name)
     }
+
+
+def _latent_attention_tensor_parallel(attention: LatentAttention, tp_group, sequence_parallel: bool) -> None:
+    """MLA's heads split over tp: the up-projections from the latents (and a query projection
+    without one) column-parallel, the output row-parallel. The down-projections and the latents'
+    norms stay whole on every rank (under sequence parallelism, over its part of the sequence):
+    entering the head-parallel region through the column-parallel layers and `rope_key`, their
+    outputs get every rank's heads' gradients."""
+    column = functools.partial(ColumnParallelLinear, group=tp_group, sequence_parallel=sequence_parallel)
+    if attention.wq is not None:
+        attention.wq = column(attention.wq)
+    else:
+        attention.wq_b = column(attention.wq_b)
+    attention.wkv_b = column(attention.wkv_b)
+    attention.wo = RowParallelLinear(attention.wo, tp_group, sequence_parallel=sequence_parallel)
+    attention.rope_key = EnterHeadParallel(tp_group, sequence_parallel)
+    attention.n_heads //= dist.get_world_size(tp_group)
+
+
+def _latent_down_projections(model: nn.Module) -> list[nn.Linear]:
+    """MLA's projections into its latents, whole on every tensor-parallel rank."""
+    attentions = [block.attention for block in model.layers if isinstance(block.attention, LatentAttention)]
+    return [a.wkv_a for a in attentions] + [a.wq_a for a in attentions if a.wq is None]
 
 
 def _apply_expert_parallel(layer: nn.Module, groups: ProcessGroups, sequence_parallel: bool) -> set[int]:

@@ -15,7 +15,9 @@ from torch import nn
 
 from dyad.parallel.collectives import (
     all_gather_cat,
+    all_gather_sum_grad,
     all_reduce_sum_grad,
+    copy_to_group,
     gather_from_group,
     own_chunk,
     reduce_from_group,
@@ -167,6 +169,22 @@ class ProjectionParallelRMSNorm(nn.Module, ShardedParameters):
         sq_sum_BS1 = all_reduce_sum_grad(x_BSF.square().sum(-1, keepdim=True), self.group)
         y_BSF = x_BSF * torch.rsqrt(sq_sum_BS1 / self.features + self.eps) * self.weight.float()
         return y_BSF.to(x_BSHDh.dtype).view_as(x_BSHDh)
+
+
+class EnterHeadParallel(nn.Module):
+    """Where a value every rank's heads use enters the head-parallel region (replaces
+    `LatentAttention.rope_key`, the rotary key all heads share): the backward sums the ranks'
+    gradients, as a column-parallel layer's does for its input; with sequence parallelism the
+    forward also gathers the sequence (and the backward scatters it)."""
+
+    def __init__(self, group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x_BSX: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:  # x holds this rank's part of the sequence (dim -2)
+            return all_gather_sum_grad(x_BSX, self.group, x_BSX.dim() - 2)
+        return copy_to_group(x_BSX, self.group)
 
 
 class SequenceParallel:

@@ -57,10 +57,24 @@ OPTIONS = {
     "projection-qk-norm": ["llm.qk_norm=projection", "llm.pad_token_id=0"],
     # Qwen2-MoE's: q/k/v biases, the shared expert behind a sigmoid gate.
     "qwen2-moe": ["llm.attention_bias=true", "llm.moe.shared_expert_gate=true"],
+    # DeepSeek-V3's: latent attention (a query latent, values of their own head dim), YaRN
+    # with both mscales, sigmoid routing over groups scored by their top 2 with a correction bias,
+    # the routed output scaled, a shared expert, the first layer dense (the default).
+    "deepseek-v3": [
+        "llm.attention=mla", "llm.n_kv_heads=4", "llm.mla.q_lora_rank=24", "llm.mla.kv_lora_rank=16",
+        "llm.mla.qk_nope_head_dim=8", "llm.mla.qk_rope_head_dim=4", "llm.mla.v_head_dim=6",
+        "llm.rope_type=yarn", "llm.yarn.factor=4.0", "llm.yarn.original_max_seq_len=16", "llm.yarn.mscale=1.0",
+        "llm.yarn.mscale_all_dim=0.8",
+        "llm.moe.score_func=sigmoid", "llm.moe.expert_bias=true", "llm.moe.n_groups=4", "llm.moe.topk_groups=2",
+        "llm.moe.group_score_experts=2", "llm.moe.routed_scaling_factor=2.5",
+    ],
 }
 
 LAYOUTS = {
+    "single-device": {},
     "tp2-ep2": dict(tp=2, ep=2),
+    "cp2": dict(cp=2),
+    "etp2-ep2": dict(etp=2, ep=2, dp=4),
     "cp2-ep2": dict(cp=2, ep=2),
     "dp2-cp2-ep4": dict(dp=2, cp=2, ep=4),
     "dp4-ep4": dict(dp=4, ep=4),
@@ -73,11 +87,11 @@ LAYOUTS = {
 
 
 def _config(options=()):
-    overrides = [*options,
+    overrides = [
         "data.multi_image_fraction=0.3", "data.text_only_fraction=0.2",
         "llm.n_heads=4", "llm.n_kv_heads=2", "llm.moe.num_experts=8", "llm.moe.top_k=2",
         "llm.moe.shared_expert_dim=32", "llm.moe.expert_dim=32", "llm.dense_ffn_dim=64",
-        "train.grad_clip=0.5",
+        "train.grad_clip=0.5", *options,  # last: an option may change these
     ]
     config = config_lib.load(None, overrides)
     dataset = make_dataset(config.data)
@@ -181,11 +195,14 @@ def test_router_options_under_a_layout_match_single_device(name):
 
 
 # The parts of pretrained families (dyad/llm_service/hf_config.py), each under the layouts that cut
-# them: Qwen3-MoE's per-head q/k norm, OLMoE's projection-wide one, Qwen2-MoE's biases and gate.
+# them: Qwen3-MoE's per-head q/k norm, OLMoE's projection-wide one, Qwen2-MoE's biases and gate,
+# DeepSeek-V3's latent attention (heads split, latents whole), YaRN and routing.
 FAMILY_PARTS = [
     ("qk-norm", "tp2-cp2-ep4"), ("qk-norm", "tp2-sp-ep2"),
     ("projection-qk-norm", "tp2-cp2-ep4"), ("projection-qk-norm", "tp2-sp-ep2"),
     ("qwen2-moe", "tp2-cp2-ep4"), ("qwen2-moe", "tp2-dp2-etp2-ep2"),
+    ("deepseek-v3", "single-device"), ("deepseek-v3", "tp2-ep2"), ("deepseek-v3", "cp2"), ("deepseek-v3", "etp2-ep2"), ("deepseek-v3", "tp2-sp-ep2"),
+    ("deepseek-v3", "tp2-cp2-sp-etp2-ep2"),
 ]
 
 

@@ -50,7 +50,8 @@ def _ref_route(logits, cfg: MoEConfig, bias=None):
     allowed = list(range(n))
     if cfg.n_groups > 1:
         per = n // cfg.n_groups
-        strength = [sum(sorted(key[g * per:(g + 1) * per], reverse=True)[: cfg.top_k // cfg.topk_groups])
+        summed = cfg.group_score_experts or cfg.top_k // cfg.topk_groups
+        strength = [sum(sorted(key[g * per:(g + 1) * per], reverse=True)[:summed])
                     for g in range(cfg.n_groups)]
         groups = sorted(range(cfg.n_groups), key=lambda g: (-strength[g], g))[: cfg.topk_groups]
         allowed = [e for e in range(n) if e // per in groups]
@@ -139,6 +140,8 @@ def test_config_validation(kwargs, match):
         dict(n_groups=4, topk_groups=2),
         dict(n_groups=2, topk_groups=1, top_k=3),
         dict(score_func="sigmoid", n_groups=4, topk_groups=2, top_k=4),
+        {"score_func": "sigmoid", "n_groups": 2, "topk_groups": 1, "top_k": 2, "group_score_experts": 3},
+        {"score_func": "sigmoid", "n_groups": 4, "topk_groups": 2, "top_k": 3, "group_score_experts": 2},
     ],
 )
 def test_route_matches_reference(options):
@@ -170,6 +173,11 @@ def test_group_limited_selection_by_hand():
     x = torch.tensor([[5.0, -5.0, 3.0, 3.0, 4.0, -5.0, 1.0, 1.0]])
     assert layer.route(x)[2].tolist() == [[2, 3, 6, 7]]
     assert _layer(top_k=4, score_func="sigmoid").route(x)[2].tolist() == [[0, 4, 2, 3]]
+    # k=2 from 2 groups: by each group's top 2 / 2 = 1, groups {0,1} and {4,5}; by DeepSeek-V3's
+    # top 2 whatever top_k / topk_groups, {2,3} and {6,7}.
+    assert _layer(n_groups=4, topk_groups=2, top_k=2, score_func="sigmoid").route(x)[2].tolist() == [[0, 4]]
+    deepseek = _layer(n_groups=4, topk_groups=2, top_k=2, score_func="sigmoid", group_score_experts=2)
+    assert deepseek.route(x)[2].tolist() == [[2, 3]]
     # One group of k=2: group {2,3} beats group {0,1}.
     layer = _layer(n_groups=4, topk_groups=1, top_k=2)
     x = torch.tensor([[3.0, -5.0, 2.8, 2.8, 0.0, 0.0, 0.0, 0.0]])
