@@ -69,6 +69,9 @@ def _pieces_body(rank, world_size, pool, layout, overrides):
     gathered, expected = full_tensors(model), dict(whole.named_parameters())
     for name, tensor in gathered.items():
         assert torch.equal(tensor, expected[name]), name
+    whole_buffers = dict(whole.named_buffers())
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, whole_buffers[name]), name
     checkpoint = HFCheckpoint(getattr(config, pool).from_hf)
     total = sum(torch.Size(checkpoint.shape(n)).numel() for n in checkpoint.names)
     stored = _stored_elements(model, whole, pool, checkpoint)
@@ -87,12 +90,13 @@ def _stored_elements(model, whole, pool, checkpoint) -> int:
         if key in ("tok_embeddings.weight", "output.weight"):
             mask[checkpoint.config["vocab_size"]:] = 0
         count += int(local_part(module, name, mask).sum())
-    return count
+    # and whole, DeepSeek-V3's expert biases (buffers, on every rank)
+    return count + sum(b.numel() for key, b in model.named_buffers() if key.endswith("expert_bias_E"))
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """A tiny Qwen3-MoE of the default config's shape whose tokenizer (the digits' words: 19 ids, so a tp2 split pads a row)
+    """A tiny Qwen3-MoE and a tiny DeepSeek-V3 of the default config's shape whose tokenizer (the digits' words: 19 ids, so a tp2 split pads a row)
     has `GROWN` more ids than its embedding, and a tiny SigLIP tower."""
     root = tmp_path_factory.mktemp("hf")
     dataset = make_dataset(config_lib.load(None, []).data)
@@ -105,6 +109,14 @@ def checkpoints(tmp_path_factory):
         num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=64, num_experts=4,
         num_experts_per_tok=2, mlp_only_layers=[0], max_position_embeddings=256, tie_word_embeddings=False,
     )).save_pretrained(root / "qwen3-moe")
+    (root / "deepseek-v3").mkdir()
+    tokenizer.save(root / "deepseek-v3" / "tokenizer.json")
+    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=tokenizer.vocab_size - GROWN, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=256, tie_word_embeddings=False,
+    )).save_pretrained(root / "deepseek-v3")
     transformers.SiglipVisionModel(transformers.SiglipVisionConfig(
         hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, image_size=16,
         patch_size=4, num_channels=3, vision_use_head=False,
@@ -112,11 +124,14 @@ def checkpoints(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("layout", [LLMLayout(tp=2, ep=2), LLMLayout(tp=2, dp=2, etp=2, ep=2)],
-                         ids=["tp2-ep2", "tp2-dp2-etp2-ep2"])
-def test_each_llm_rank_reads_only_its_pieces(checkpoints, layout):
-    llm = checkpoints / "qwen3-moe"
-    overrides = [f"llm.from_hf={llm}", f"data.tokenizer={llm / 'tokenizer.json'}"]
+@pytest.mark.parametrize("family, layout", [
+    ("qwen3-moe", LLMLayout(tp=2, ep=2)), ("qwen3-moe", LLMLayout(tp=2, dp=2, etp=2, ep=2)),
+    ("deepseek-v3", LLMLayout(tp=2, ep=2)),  # latent attention's heads split, its latents whole
+], ids=["qwen3-moe-tp2-ep2", "qwen3-moe-tp2-dp2-etp2-ep2", "deepseek-v3-tp2-ep2"])
+def test_each_llm_rank_reads_only_its_pieces(checkpoints, family, layout):
+    llm = checkpoints / family
+    heads = ["llm.n_kv_heads=4"] if family == "deepseek-v3" else []  # the default config's 2: MLA's are all
+    overrides = [f"llm.from_hf={llm}", f"data.tokenizer={llm / 'tokenizer.json'}", *heads]
     run_distributed(_pieces_body, layout.world_size, "llm", layout, overrides)
 
 
