@@ -9,12 +9,16 @@ pre-hook), no auxiliary loss. The step is the trainer's (torchtitan/trainer.py):
 over one rank, `ParallelDims` and the default `spmd_types` backend, `parallelize_qwen3` (each
 block compiled, FSDP2 with bf16 parameters and fp32 reduction over the one-rank mesh), meta-device
 build then `init_weights`, flex attention with the packed-document block-causal mask built per
-microbatch from positions (one document per sequence here, so the mask is causal), the qwen3
-recipes' `ChunkedLossWrapper` (fp32 cross entropy over 8 chunks of the sequence), a CUDA graph
-around each microbatch's forward + backward (the trainer's default), gradient-norm clipping at 1.0,
+microbatch from positions (one document per sequence here, so the mask is causal; one mask for all
+microbatches under CUDA graphs, see make_step), its `CrossEntropyLoss` (fp32, summed, divided by the
+step's tokens) over the whole logits (`--loss chunked`: the qwen3 recipes' `ChunkedLossWrapper`,
+whose backward fails under torch 2.11's FSDP2), a CUDA graph around each microbatch's forward +
+backward (the trainer's default; `--no-cuda-graphs`), gradient-norm clipping at 1.0,
 fused AdamW (lr 1e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.01, as bench/llm_step.py). No
 activation checkpointing (as llm_step's compiled variants; `--ac selective|full` for the recipes').
 Not timed: the data loader, the learning-rate scheduler (constant lr), metrics and checkpoints.
+On torch 2.11 (the GPU hosts) two names torchtitan 0.3.0 takes from torch 2.13 are stood in for
+(shim_older_torch).
 
 MFU as bench/llm_step.py: (6 x active non-embedding parameters + 12 x layers x dim x sequence) x
 tokens / step time / 989 TFLOP/s.
@@ -32,6 +36,8 @@ Wheels the GPU hosts lack (from the checkout, then on the host):
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import os
 import tempfile
 
@@ -52,8 +58,14 @@ def register_flavor(name: str, shape: dict, causal_sdpa: bool = False) -> None:
     """Adds `name` to torchtitan's qwen3 registry, built as its 30B-A3B flavor is; `causal_sdpa`
     (the CPU toy: flex attention has no backward on CPU) puts SDPA with is_causal in flex's place."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear, ScaledDotProductAttention
-    from torchtitan.models.qwen3 import Qwen3Model, qwen3_configs
-    from torchtitan.models.qwen3 import _build_qwen3_moe_layers, _EMBEDDING_INIT, _LINEAR_INIT, _qwen3_norm
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_INIT,
+        _LINEAR_INIT,
+        Qwen3Model,
+        _build_qwen3_moe_layers,
+        _qwen3_norm,
+        qwen3_configs,
+    )
 
     s = shape
 
@@ -89,9 +101,10 @@ def trainer_config(flavor: str, args, seq: int, compiled: bool) -> argparse.Name
 
     spec = model_registry(flavor, attn_backend="flex")
     ac = {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[args.ac]
+    loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))
     return argparse.Namespace(
         model_spec=spec,
-        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))),
+        loss=ChunkedLossWrapper.Config(loss_fn=loss) if args.loss == "chunked" else loss,
         optimizer=default_adamw(lr=1e-4, weight_decay=0.01),  # AdamW, betas (0.9, 0.95), eps 1e-8, fused
         training=TrainingConfig(local_batch_size=args.sequences, global_batch_size=args.sequences * args.microbatches,
                                 seq_len=seq, disable_cuda_graphs=not args.cuda_graphs),
@@ -101,17 +114,49 @@ def trainer_config(flavor: str, args, seq: int, compiled: bool) -> argparse.Name
     )
 
 
+def titan_on_cpu() -> None:
+    """torchtitan takes "cuda" when it finds no accelerator; the CPU toy tells it otherwise (gloo)
+    before the modules that copy its device type are imported."""
+    import sys
+
+    import torchtitan.tools.utils as titan_utils
+
+    assert "torchtitan.distributed.parallel_dims" not in sys.modules, "patch before its import"
+    titan_utils.device_type, titan_utils.device_module = "cpu", torch.cpu
+
+
+def shim_older_torch() -> None:
+    """torchtitan 0.3.0 imports `torch.distributed.fsdp.DataParallelMeshDims`, new in torch 2.13
+    (the GPU hosts run 2.11): set before its modules load; on one rank its spmd_types path never hands one to fully_shard
+    (`resolve_fsdp_mesh` returns None for a size-1 mesh), so a stand-in name is enough."""
+    from torch.distributed import fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+
+        @dataclasses.dataclass
+        class DataParallelMeshDims:
+            shard: str | tuple[str, ...] | None = None
+            replicate: str | None = None
+
+        fsdp.DataParallelMeshDims = DataParallelMeshDims
+    # its mask builder passes create_block_mask's `separate_full_blocks` (torch 2.13; True, the
+    # only behaviour of 2.11's create_block_mask)
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models.common import attention
+
+    if "separate_full_blocks" not in inspect.signature(create_block_mask).parameters:
+
+        def without_flag(*args, separate_full_blocks: bool = True, **kwargs):
+            assert separate_full_blocks, "torch 2.11 always separates full blocks"
+            return create_block_mask(*args, **kwargs)
+
+        attention._compiled_create_block_mask = torch.compile(without_flag)
+
+
 def init_one_rank(device: str) -> None:
     """The environment torchrun gives one rank; torchtitan's init_distributed reads it (env://)."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    if device == "cpu":  # torchtitan takes "cuda" when it finds no accelerator; the toy runs on gloo
-        import sys
-
-        import torchtitan.tools.utils as titan_utils
-
-        assert "torchtitan.distributed.parallel_dims" not in sys.modules, "patch before its import"
-        titan_utils.device_type, titan_utils.device_module = "cpu", torch.cpu
     from torchtitan.config import CommConfig
     from torchtitan.distributed import utils as dist_utils
 
@@ -124,6 +169,7 @@ def build(config, device: str):
     """What Trainer.__init__ does for one rank without pipeline parallelism: returns the parallelized
     model, its loss, optimizers and the forward + backward of one microbatch (CUDA-graphed on a GPU
     unless disabled), in the trainer's order."""
+    from torchtitan.components.loss import ChunkedLossWrapper
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.cudagraph import wrap_with_cuda_graph
@@ -148,8 +194,9 @@ def build(config, device: str):
         model.init_weights(buffer_device=None)
     model.train()
     loss_fn = config.loss.build(compile_config=config.compile)
-    loss_fn.set_lm_head(model.lm_head)
-    model._skip_lm_head = True
+    if isinstance(loss_fn, ChunkedLossWrapper):
+        loss_fn.set_lm_head(model.lm_head)
+        model._skip_lm_head = True
     optimizers = config.optimizer.build(model_parts=[model])
     spec.post_optimizer_build_fn(optimizers, [model], parallel_dims)  # MoE expert-bias update hook
     train_context = dist_utils.get_spmd_context(parallel_dims=parallel_dims)
@@ -180,6 +227,10 @@ def make_step(model, optimizers, forward_backward, config, vocab: int, S: int, M
     params = [p for p in model.parameters()]
     keep_grads = not config.training.disable_cuda_graphs  # the trainer zeroes in place under graphs
     masked = device == "cuda"  # the CPU toy's SDPA takes no mask
+    # Under CUDA graphs one mask serves every microbatch (its positions never change): torch 2.11's
+    # BlockMask carries its mask_mod closure in the structure the graph checks, so a fresh mask per
+    # microbatch, as the trainer builds, fails that check
+    shared_mask = model.get_attention_masks(positions=positions) if masked and keep_grads else None
 
     def step():
         optimizers.zero_grad(set_to_none=not keep_grads)
@@ -187,7 +238,8 @@ def make_step(model, optimizers, forward_backward, config, vocab: int, S: int, M
         for m in range(M):
             extra = {"positions": positions}
             if masked:  # Trainer.post_dataloading_process, for flex attention
-                extra["attention_masks"] = model.get_attention_masks(positions=positions)
+                extra["attention_masks"] = (shared_mask if shared_mask is not None
+                                           else model.get_attention_masks(positions=positions))
             forward_backward(ids[m], labels[m], global_valid_tokens, extra)
         dist_utils.clip_grad_norm_(params, config.training.max_norm, foreach=True, pp_mesh=None, ep_enabled=False)
         optimizers.step()
@@ -227,6 +279,9 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--sequences", type=int, default=4, help="sequences per microbatch")
     parser.add_argument("--ac", choices=("none", "selective", "full"), default="none")
+    parser.add_argument("--loss", choices=("chunked", "full"), default="full",
+                        help="the qwen3 recipes' ChunkedLossWrapper (its backward fails under torch 2.11's FSDP2), "
+                             "or cross entropy over the whole sequence's logits")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="forward + backward launched eagerly (the trainer's --training.disable_cuda_graphs)")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
@@ -235,6 +290,9 @@ def main() -> None:
     device = bench_device(args.toy)
     name = "toy" if device == "cpu" else "qwen3-1b-active"
     shape, S, M, B = SHAPES[name], SHAPES[name]["seq"], args.microbatches, args.sequences
+    if device == "cpu":
+        titan_on_cpu()
+    shim_older_torch()
     init_one_rank(device)
     register_flavor(f"dyad-{name}", shape, causal_sdpa=device == "cpu")
     config = trainer_config(f"dyad-{name}", args, S, compiled=args.compile and device == "cuda")
@@ -258,7 +316,7 @@ def main() -> None:
         **run_header(device), "shape": shape, "active_params": active, "total_params": total,
         "dyad_formula_active_params": dyad_count, "microbatches": M, "sequences_per_microbatch": B,
         "compiled_blocks": config.compile.enable, "cuda_graphs": device == "cuda" and args.cuda_graphs,
-        "activation_checkpointing": args.ac, "step_s": seconds, "tokens_per_step": tokens,
+        "activation_checkpointing": args.ac, "loss": args.loss, "step_s": seconds, "tokens_per_step": tokens,
         "tokens_per_s": tokens / seconds, "model_tflops": tflops, "mfu": tflops / PEAK_TFLOPS,
         "peak_memory_gb": peak_gb,
         "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if device == "cuda" else 0.0,
