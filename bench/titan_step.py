@@ -20,7 +20,7 @@ Not timed: the data loader, the learning-rate scheduler (constant lr), metrics a
 On torch 2.11 (the GPU hosts) two names torchtitan 0.3.0 takes from torch 2.13 are stood in for
 (shim_older_torch).
 
-MFU as bench/llm_step.py: (6 x active non-embedding parameters + 12 x layers x dim x sequence) x
+MFU as bench/llm_step.py: (6 x active non-embedding parameters + 12 x layers x heads x head_dim x sequence) x
 tokens / step time / 989 TFLOP/s.
 
 Wheels the GPU hosts lack (from the checkout, then on the host):
@@ -303,7 +303,7 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
     seconds = median_ms(step, args.iters, device) / 1e3
     tokens = M * B * S
-    tflops = (6 * active + 12 * shape["layers"] * shape["dim"] * S) * tokens / seconds / 1e12
+    tflops = (6 * active + 12 * shape["layers"] * shape["heads"] * shape["head_dim"] * S) * tokens / seconds / 1e12
     dyad_count = dyad_active(shape)
     peak_gb = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0
     print(f"torchtitan-0.3.0 {name}: active {active / 1e9:.3f}B (dyad's formula {dyad_count / 1e9:.3f}B, "
