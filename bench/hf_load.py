@@ -89,8 +89,11 @@ def synchronize(device: str) -> None:
 
 
 def dyad_whole(cfg, directory: Path, device: str) -> int:
-    with torch.device(device):
+    """A worker also draws the initial weights first (the rows and parts no checkpoint holds);
+    here the model is allocated only, as transformers allocates what it loads."""
+    with torch.device("meta"):
         model = MoELM(cfg)
+    model.to_empty(device=device)
     load_pieces(model, llm_sources(HFCheckpoint(directory), cfg))
     synchronize(device)
     return sum(p.numel() * 2 for p in model.parameters())  # bytes read: the checkpoint's bfloat16
@@ -103,7 +106,7 @@ def dyad_ep8_rank(cfg, directory: Path, device: str) -> int:
         index = everything(source.shape)
         if name.endswith(EXPERT_TENSORS):
             index = (torch.arange(source.shape[0] // 8), *index[1:])
-        value = source.read(index).to(device, torch.float32, non_blocking=True)
+        value = source.read(index, device).to(torch.float32)
         read += value.numel() * 2
     synchronize(device)
     return read

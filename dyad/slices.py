@@ -3,7 +3,9 @@ each rank reads only its own piece of each (its tensor-parallel rows or columns,
 never the whole model.
 
 A recipe (`Source`) has the single-device shape of one model tensor and reads any selection of it:
-`read(index)` with one index vector per dim returns `full[index[0]][:, index[1]]...`. The stored
+`read(index)` with one index vector per dim returns `full[index[0]][:, index[1]]...`, on the
+`device` asked for: the stored boxes go there as they are read (in the checkpoint's dtype), and the
+recipes' transposes, stacks and interleaves run there. The stored
 tensor (`Stored`) reads the box the selection spans from its memory-mapped file; the others
 (`Transposed`, `Stacked`, `Concatenated`, `Merged`) say how a model tensor is made of stored ones
 (an expert weight of one tensor per expert, a fused q/k/v of three, a patch embedding of four dims
@@ -24,21 +26,31 @@ from torch import nn
 from dyad.parallel.gradients import local_part, owned_parameters
 
 Index = tuple[torch.Tensor, ...]  # one int64 vector per dim: the positions read along it
+Device = torch.device | str | None
 
 
 def everything(shape: Sequence[int]) -> Index:
     return tuple(torch.arange(n) for n in shape)
 
 
+def _select(value: torch.Tensor, dim: int, positions: torch.Tensor) -> torch.Tensor:
+    """`value`'s entries at `positions` (on the host) along `dim`: `value` itself where that is
+    all of them in order (no copy of a whole tensor)."""
+    if len(positions) == value.shape[dim] and torch.equal(positions, torch.arange(len(positions))):
+        return value
+    return value.index_select(dim, positions.to(value.device))
+
+
 class Source(ABC):
     shape: tuple[int, ...]
 
     @abstractmethod
-    def read(self, index: Index) -> torch.Tensor:
-        """The selection `index` of the full tensor, shaped [len(i) for i in index]."""
+    def read(self, index: Index, device: Device = None) -> torch.Tensor:
+        """The selection `index` (host tensors) of the full tensor, shaped [len(i) for i in index],
+        on `device` (None: the host)."""
 
-    def full(self) -> torch.Tensor:
-        return self.read(everything(self.shape))
+    def full(self, device: Device = None) -> torch.Tensor:
+        return self.read(everything(self.shape), device)
 
 
 class Stored(Source):
@@ -48,15 +60,14 @@ class Stored(Source):
     def __init__(self, handle, name: str, shape: tuple[int, ...]):
         self.handle, self.name, self.shape = handle, name, tuple(shape)
 
-    def read(self, index: Index) -> torch.Tensor:
+    def read(self, index: Index, device: Device = None) -> torch.Tensor:
         if not index:  # a scalar
-            return self.handle.get_slice(self.name)[:]
+            return self.handle.get_slice(self.name)[:].to(device)
         starts = [int(i.min()) if len(i) else 0 for i in index]
         box = tuple(slice(start, int(i.max()) + 1 if len(i) else 0) for start, i in zip(starts, index))
-        value = self.handle.get_slice(self.name)[box]
+        value = self.handle.get_slice(self.name)[box].to(device)
         for dim, (start, i) in enumerate(zip(starts, index)):
-            if len(i) != value.shape[dim] or not torch.equal(i, torch.arange(start, start + len(i))):
-                value = value.index_select(dim, i - start)
+            value = _select(value, dim, i - start)
         return value
 
 
@@ -66,8 +77,8 @@ class Transposed(Source):
     def __init__(self, source: Source):
         self.source, self.shape = source, source.shape[::-1]
 
-    def read(self, index: Index) -> torch.Tensor:
-        return self.source.read(index[::-1]).T
+    def read(self, index: Index, device: Device = None) -> torch.Tensor:
+        return self.source.read(index[::-1], device).T
 
 
 class Stacked(Source):
@@ -80,9 +91,9 @@ class Stacked(Source):
             raise ValueError(f"stacked tensors differ in shape: {sorted({s.shape for s in self.sources})}")
         self.shape = (*part[:dim], len(self.sources), *part[dim:])
 
-    def read(self, index: Index) -> torch.Tensor:
+    def read(self, index: Index, device: Device = None) -> torch.Tensor:
         rest = index[: self.dim] + index[self.dim + 1 :]
-        return torch.stack([self.sources[int(i)].read(rest) for i in index[self.dim]], self.dim)
+        return torch.stack([self.sources[int(i)].read(rest, device) for i in index[self.dim]], self.dim)
 
 
 class Concatenated(Source):
@@ -95,7 +106,7 @@ class Concatenated(Source):
             self.starts.append(self.starts[-1] + source.shape[dim])
         self.shape = (*self.sources[0].shape[:dim], self.starts[-1], *self.sources[0].shape[dim + 1 :])
 
-    def read(self, index: Index) -> torch.Tensor:
+    def read(self, index: Index, device: Device = None) -> torch.Tensor:
         wanted = index[self.dim]
         owner = torch.bucketize(wanted, torch.tensor(self.starts[1:]), right=True)
         pieces, order = [], []
@@ -103,10 +114,10 @@ class Concatenated(Source):
             mine = (owner == part).nonzero().flatten()
             if len(mine) or part == 0:  # the first read even when empty: the value's dtype
                 local = index[: self.dim] + (wanted[mine] - self.starts[part],) + index[self.dim + 1 :]
-                pieces.append(source.read(local))
+                pieces.append(source.read(local, device))
                 order.append(mine)
         value = torch.cat(pieces, self.dim)  # grouped by part: put back in the order asked
-        return value.index_select(self.dim, torch.cat(order).argsort())
+        return _select(value, self.dim, torch.cat(order).argsort())
 
 
 class Merged(Source):
@@ -118,12 +129,12 @@ class Merged(Source):
         self.inner = shape[dim + 1]
         self.shape = (*shape[:dim], shape[dim] * shape[dim + 1], *shape[dim + 2 :])
 
-    def read(self, index: Index) -> torch.Tensor:
+    def read(self, index: Index, device: Device = None) -> torch.Tensor:
         wanted = index[self.dim]
         outer, outer_at = torch.unique(wanted // self.inner, return_inverse=True)
         inner, inner_at = torch.unique(wanted % self.inner, return_inverse=True)
-        value = self.source.read(index[: self.dim] + (outer, inner) + index[self.dim + 1 :])
-        return value.flatten(self.dim, self.dim + 1).index_select(self.dim, outer_at * len(inner) + inner_at)
+        value = self.source.read(index[: self.dim] + (outer, inner) + index[self.dim + 1 :], device)
+        return _select(value.flatten(self.dim, self.dim + 1), self.dim, outer_at * len(inner) + inner_at)
 
 
 def _held_indices(module: nn.Module, name: str, shape: tuple[int, ...]) -> Index:
@@ -149,7 +160,7 @@ def load_pieces(model: nn.Module, sources: Mapping[str, Source], *, rows: Mappin
     for key, buffer in model.named_buffers():  # a buffer is whole on every rank (an expert bias)
         if key in sources:
             with torch.no_grad():
-                buffer.copy_(sources[key].full().to(buffer.device, buffer.dtype))
+                buffer.copy_(sources[key].full(buffer.device).to(buffer.dtype))
             loaded.add(key)
     for key, module, name, param in owned_parameters(model):
         if key not in sources:
@@ -161,10 +172,15 @@ def load_pieces(model: nn.Module, sources: Mapping[str, Source], *, rows: Mappin
         if index and index[0].numel():
             stored = (index[0] >= 0) & (index[0] < source.shape[0])
             index = (index[0][stored], *index[1:])
-            held_rows = stored.nonzero().flatten().to(param.device)
-            with torch.no_grad():  # read on the host, memory-mapped: copied to the parameter's device
-                param[held_rows] = source.read(index).to(param.device, param.dtype)
+            # each box copied to the parameter's device in the checkpoint's dtype (half the bytes of
+            # a float32 parameter's), put in the model's layout and converted there
+            value = source.read(index, param.device).to(param.dtype)
+            with torch.no_grad():
+                if bool(stored.all()):
+                    param.copy_(value)
+                else:
+                    param[stored.nonzero().flatten().to(param.device)] = value
         elif not index:
             with torch.no_grad():
-                param.copy_(source.read(()))
+                param.copy_(source.read((), param.device))
     assert loaded == set(sources), f"no tensor of the model for {sorted(set(sources) - loaded)[:3]}"
