@@ -14,7 +14,7 @@ and read by every run before it):
   (without `accelerate` installed: onto the host, then `.to(device)`; the JSON says which).
 GB/s is the checkpoint's bytes read (the rank's share for dyad-ep8-rank) over the seconds.
 
-    python bench/hf_load.py --dir /tmp/qwen3-ckpt --out $OUT/hf_load.json
+    python bench/hf_load.py --out $OUT/hf_load.json [--dir DIR: keep the checkpoint there]
     python bench/hf_load.py --toy          # CPU, tiny
 """
 
@@ -25,6 +25,7 @@ import gc
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -134,16 +135,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--toy", action="store_true")
     parser.add_argument("--config", default="qwen3-1b-active")
-    parser.add_argument("--dir", default="/tmp/dyad-bench-hf-load")
+    parser.add_argument("--dir", help="where the checkpoint is written (default: a temporary directory, removed after)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--loaders", default=",".join(LOADERS))
     parser.add_argument("--out")
     args = parser.parse_args()
     device = bench_device(args.toy)
     cfg = TOY if device == "cpu" else CONFIGS[args.config]["llm"]
+    with tempfile.TemporaryDirectory(prefix="dyad-bench-hf-load-") as scratch:
+        run(args, cfg, device, Path(args.dir or scratch))
+
+
+def run(args, cfg, device: str, directory: Path) -> None:
     started = time.perf_counter()
-    total = write_checkpoint(cfg, Path(args.dir), device)
-    print(f"wrote {total / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s to {args.dir}", flush=True)
+    total = write_checkpoint(cfg, directory, device)
+    print(f"wrote {total / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s to {directory}", flush=True)
     import importlib.util
 
     result = {**run_header(device), "config": args.config, "checkpoint_bytes": total, "runs": {},
@@ -155,7 +161,7 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.empty_cache()
             started = time.perf_counter()
-            read = LOADERS[name](cfg, Path(args.dir), device)
+            read = LOADERS[name](cfg, directory, device)
             seconds = time.perf_counter() - started
             result["runs"].setdefault(name, []).append({"seconds": seconds, "bytes": read, "gb_per_s": read / seconds / 1e9})
             print(f"{repeat}: {name:14s} {read / 1e9:6.2f} GB in {seconds:6.2f} s: {read / seconds / 1e9:5.2f} GB/s",
