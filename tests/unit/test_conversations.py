@@ -42,7 +42,7 @@ LLAMA2 = (
 )
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
             "<|eot_id|>", "<s>", "</s>")
-WORDS = "system user assistant You are a helpful What is this ? A cat . colour Grey INST / [ ] Be brief".split()
+WORDS = ["system", "user", "assistant", "You", "are", "a", "helpful", "What", "is", "this", "?", "A", "cat", ".", "colour", "Grey", "INST", "/", "[", "]", "Be", "brief"]
 
 
 def _tokenizer_dir(path, template: str, bos: str = "<s>", eos: str = "</s>", jinja_file: bool = False):
@@ -206,3 +206,44 @@ def test_a_file_dataset_prepares_its_images_with_the_processor(tmp_path):
     with Image.open(tmp_path / names[1]) as image:
         assert torch.equal(images_NCHW[1], torch.from_numpy(prepared_pixels(image, processor)))
     assert dataset.images([0, 1]).min() >= 0  # without a processor: today's [0, 1]
+
+
+RUN = """
+data: {name: conversations, path: DATA, tokenizer: TOKENIZER, image_size: 8, channels: 3, heldout_fraction: 0.25}
+encoder: {patch_size: 4, dim: 32, depth: 1, heads: 2}
+llm: {from_hf: CHECKPOINT}
+train: {steps: 2, global_batch: 4, microbatches: 1, warmup_steps: 1, lr: 0.002, device: cpu}
+eval: {final: false}
+"""
+
+
+def test_two_reference_steps_of_a_pretrained_llm_on_conversations(tmp_path):
+    from dyad import config as config_lib
+    from dyad.app.reference import ReferenceTrainer
+
+    tokenizer_path = _tokenizer_dir(tmp_path / "ckpt", CHATML)
+    vocab_size = load_tokenizer(tokenizer_path).vocab_size
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, router_aux_loss_coef=0.0, tie_word_embeddings=False,
+    )).save_pretrained(tmp_path / "ckpt")
+    names = _images(tmp_path, [(5 + k, 9 - k) for k in range(8)])
+    records = [{"images": [name], "conversations": [{"from": "human", "value": "<image>\nWhat is this?"},
+                                                    {"from": "gpt", "value": "A cat." if k % 2 else "Grey."}]}
+               for k, name in enumerate(names)]
+    data = _write(tmp_path / "c.jsonl", records)
+    (tmp_path / "run.yaml").write_text(RUN.replace("DATA", str(data)).replace("TOKENIZER", str(tokenizer_path))
+                                       .replace("CHECKPOINT", str(tmp_path / "ckpt")))
+    config = config_lib.load(tmp_path / "run.yaml", [])
+    dataset = make_dataset(config.data)
+    config = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
+    trainer = ReferenceTrainer(config, dataset)
+    spec = trainer.planner.next(0)
+    # each sample's targets: its answer's two tokens or three, and <|im_end|>
+    assert spec.target_tokens == sum(4 if "A cat." in dataset.sample(s).text else 3
+                                     for mb in spec.microbatches for s in mb)
+    trainer = ReferenceTrainer(config, dataset)  # from step 0 again
+    losses = [trainer.step(step)["lm_loss"] for step in range(2)]
+    assert all(np.isfinite(losses)) and losses[0] > 0
