@@ -13,6 +13,7 @@ from dyad.checkpoint import load_pool_state
 from dyad.config import RunConfig
 from dyad.data import build_prompt
 from dyad.data.batch import collate
+from dyad.encoder_service.hf_config import image_processor
 from dyad.encoder_service.step import encode_rows
 from dyad.llm_service.model import greedy_next_token
 from dyad.llm_service.step import microbatch_loss, whole_microbatch
@@ -59,7 +60,7 @@ def heldout_loss(config: RunConfig, dataset, encoder, llm) -> tuple[float, int]:
         with compute_context(config):
             rows_RD = None
             if batch.image_ids:
-                rows_RD = encode_rows(encoder, dataset, batch.image_ids, device)[local.image_rows_Nl]
+                rows_RD = encode_rows(encoder, dataset, batch.image_ids, device, image_processor(config.encoder))[local.image_rows_Nl]
             loss = microbatch_loss(llm, local, rows_RD, global_target_tokens=targets, global_microbatches=len(batches))
         total += float(loss.lm)
     return total, targets
@@ -80,7 +81,7 @@ def _decode_matches(config, dataset, encoder, llm, samples) -> torch.Tensor:
         positions.extend(b * S + p for p in image_positions)
     lengths_B = torch.tensor([len(ids) for ids, _, _ in prompts])
     image_ids = [i for s in samples for i in s.image_ids]
-    rows_RD = encode_rows(encoder, dataset, image_ids, device) if image_ids else None
+    rows_RD = encode_rows(encoder, dataset, image_ids, device, image_processor(config.encoder)) if image_ids else None
     positions_N = torch.tensor(positions, dtype=torch.long, device=device)
     input_ids_BS, answers_BA, lengths_B = (t.to(device) for t in (input_ids_BS, answers_BA, lengths_B))
 

@@ -9,6 +9,7 @@ import math
 from dyad.clipping import clip_scale
 from dyad.config import RunConfig
 from dyad.data.batch import collate
+from dyad.encoder_service.hf_config import image_processor
 from dyad.encoder_service.step import encode_rows
 from dyad.llm_service.moe import update_expert_biases
 from dyad.llm_service.step import microbatch_loss, whole_microbatch
@@ -28,6 +29,7 @@ class ReferenceTrainer:
             pool_type(pool).service_class().freeze(model, config)  # train.freeze, as the workers hold it
         self.optimizers = [build_optimizer(m, config.train) for m in (self.encoder, self.llm)]
         self.planner = StepPlanner(config, dataset)
+        self.image_processor = image_processor(config.encoder)
 
     def step(self, step: int) -> dict[str, float]:
         spec = self.planner.next(step)
@@ -41,7 +43,7 @@ class ReferenceTrainer:
                 rows_RD = None
                 if batch.image_ids:
                     rows_RD = encode_rows(
-                        self.encoder, self.dataset, batch.image_ids, self.config.train.device
+                        self.encoder, self.dataset, batch.image_ids, self.config.train.device, self.image_processor
                     )[local.image_rows_Nl]
                 loss = microbatch_loss(
                     self.llm,

@@ -1,11 +1,14 @@
-"""Multimodal data: datasets of image-caption samples, the tokenizer, and the sequence layout
+"""Multimodal data: datasets of image-caption samples and of image conversations rendered with a
+checkpoint's chat template, the tokenizer, how a vision checkpoint prepares images, and the sequence layout
 shared by the router (plans with `SampleShape`) and the services (consume `Batch`, made by
 `dyad.data.batch.collate`). Importing this package does not import torch: the router plans
 steps without it; a dataset's `images` imports it when the services call it."""
 
 from collections.abc import Callable
 
+from dyad.data.conversations import ConversationsDataset
 from dyad.data.digits import DigitsDataset
+from dyad.data.image_processor import ImageProcessor, read_image_processor
 from dyad.data.jsonl import DatasetError, JsonlDataset
 from dyad.data.samples import (
     DATASET_NAMES,
@@ -23,6 +26,7 @@ from dyad.data.tokenizer import TextTokenizer, build_word_tokenizer, load_tokeni
 DATASETS: dict[str, Callable[[DataConfig], MultimodalDataset]] = {
     "digits": DigitsDataset,
     "jsonl": JsonlDataset,
+    "conversations": ConversationsDataset,
 }
 assert set(DATASETS) == set(DATASET_NAMES), "DataConfig validates names against DATASET_NAMES"
 
@@ -34,9 +38,11 @@ def make_dataset(cfg: DataConfig) -> MultimodalDataset:
 __all__ = [
     "DATASETS",
     "IGNORE_INDEX",
+    "ConversationsDataset",
     "DataConfig",
     "DatasetError",
     "DigitsDataset",
+    "ImageProcessor",
     "JsonlDataset",
     "MultimodalDataset",
     "Sample",
@@ -48,4 +54,5 @@ __all__ = [
     "build_word_tokenizer",
     "load_tokenizer",
     "make_dataset",
+    "read_image_processor",
 ]

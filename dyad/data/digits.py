@@ -25,6 +25,8 @@ from dyad.data.tokenizer import IMAGE, TextTokenizer, build_word_tokenizer, load
 if TYPE_CHECKING:
     import torch
 
+    from dyad.data.image_processor import ImageProcessor
+
 SEED = 0
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 # Every word any composition can produce, so the word-level vocabulary (and with it a checkpoint's
@@ -105,9 +107,15 @@ class DigitsDataset(MultimodalDataset):
             channels=cfg.channels,
         )
 
-    def images(self, image_ids: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+    def images(
+        self,
+        image_ids: Sequence[int],
+        device: torch.device | str | None = None,
+        processor: ImageProcessor | None = None,
+    ) -> torch.Tensor:
         """Upsampled on `device`: the 8x8 originals travel, not the full-size images (90 images of
-        336 pixels are 120 MB, slow to upsample on one CPU thread)."""
+        336 pixels are 120 MB, slow to upsample on one CPU thread). A stand-in for real images,
+        they keep this preparation whatever `processor` a vision checkpoint has."""
         from dyad.data.pixels import upsampled  # torch: the services call this, the router never
 
         return upsampled(self._digits_N188[list(image_ids)], self.image_size, self.channels, device)

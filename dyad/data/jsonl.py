@@ -37,6 +37,8 @@ from dyad.data.tokenizer import IMAGE, build_word_tokenizer, load_tokenizer
 if TYPE_CHECKING:
     import torch
 
+    from dyad.data.image_processor import ImageProcessor
+
 SEED = 0
 SPLITS = ("train", "heldout")
 
@@ -45,7 +47,7 @@ class DatasetError(ValueError):
     """Bad records in a dataset file; the message lists each one as "<file>:<line>: <problem>"."""
 
 
-def _check_image(path: Path, name: str) -> str | None:
+def check_image(path: Path, name: str) -> str | None:
     if not path.is_file():
         return f"image {name!r} not found"
     try:
@@ -56,20 +58,59 @@ def _check_image(path: Path, name: str) -> str | None:
     return None
 
 
+def json_object(line: bytes) -> tuple[dict | None, str | None]:
+    """(the line's JSON object, None), or (None, the problem)."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return None, f"not UTF-8 at byte {e.start + 1} of the line ({line[e.start]:#04x}: {e.reason})"
+    except json.JSONDecodeError as e:
+        return None, f"invalid JSON: {e}"
+    except RecursionError:  # json's decoder recurses once per level
+        return None, "JSON nested too deeply"
+    if not isinstance(record, dict):
+        return None, f"a record must be a JSON object, got {type(record).__name__}"
+    return record, None
+
+
+def read_records(cfg: DataConfig, parse) -> list:
+    """`parse(line)` -> (record, problems) for each non-blank line of data.path; every problem of
+    every line raised together in one DatasetError."""
+    path = Path(cfg.path)
+    if not path.is_file():
+        raise ValueError(f"data.path: file not found: '{cfg.path}'")
+    records, errors = [], []
+    # Bytes: a line that is not UTF-8 is one record's problem, named by its line.
+    for line_no, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        record, problems = parse(line)
+        errors += [f"{cfg.path}:{line_no}: {p}" for p in problems]
+        records.append(record)
+    if errors:
+        raise DatasetError(f"{len(errors)} problem(s) in {cfg.path}:\n" + "\n".join(errors))
+    if not records:
+        raise ValueError(f"data.path: no records in '{cfg.path}'")
+    return records
+
+
+def heldout_split(splits: list[str], fraction: float) -> list[int]:
+    """The records whose split is "heldout"; where none is, a deterministic `fraction` of them
+    (seed 0, independent of the run seed; at least one, never all)."""
+    heldout = [i for i, split in enumerate(splits) if split == "heldout"]
+    if not heldout and len(splits) > 1:
+        n_heldout = min(max(round(fraction * len(splits)), 1), len(splits) - 1)
+        heldout = np.random.default_rng(SEED).permutation(len(splits))[:n_heldout].tolist()
+    return heldout
+
+
 def _parse_record(
     line: bytes, root: Path, max_images: int
 ) -> tuple[tuple[list[Path], str, str, str | None] | None, list[str]]:
     """Returns (record, problems); record is (image_paths, text, split, answer)."""
-    try:
-        record = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        return None, [f"not UTF-8 at byte {e.start + 1} of the line ({line[e.start]:#04x}: {e.reason})"]
-    except json.JSONDecodeError as e:
-        return None, [f"invalid JSON: {e}"]
-    except RecursionError:  # json's decoder recurses once per level
-        return None, ["JSON nested too deeply"]
-    if not isinstance(record, dict):
-        return None, [f"a record must be a JSON object, got {type(record).__name__}"]
+    record, problem = json_object(line)
+    if problem:
+        return None, [problem]
     problems = [f"missing field {f!r}" for f in ("images", "caption") if f not in record]
     if problems:
         return None, problems
@@ -97,27 +138,33 @@ def _parse_record(
     if answer is not None and not (isinstance(answer, str) and answer_ends_text(caption, answer)):
         problems.append(f"'answer' {answer!r} must be the caption's last word(s)")
     paths = [root / name for name in images]
-    problems += [p for name, path in zip(images, paths) if (p := _check_image(path, name))]
+    problems += [p for name, path in zip(images, paths) if (p := check_image(path, name))]
     return (paths, caption, split, answer), problems
 
 
-class JsonlDataset(MultimodalDataset):
+class ImageFilesDataset(MultimodalDataset):
+    """A dataset whose images are files (`_image_paths`, indexed by image id)."""
+
+    _image_paths: list[Path]
+
+    def images(
+        self,
+        image_ids: Sequence[int],
+        device: torch.device | str | None = None,
+        processor: ImageProcessor | None = None,
+    ) -> torch.Tensor:
+        from dyad.data import pixels  # torch: the services call this, the router never
+
+        paths = [self._image_paths[i] for i in image_ids]
+        if processor is not None:
+            return pixels.prepared(paths, processor, device)
+        return pixels.decoded(paths, self.image_size, self.channels, device)
+
+
+class JsonlDataset(ImageFilesDataset):
     def __init__(self, cfg: DataConfig):
-        path = Path(cfg.path)
-        if not path.is_file():
-            raise ValueError(f"data.path: file not found: '{cfg.path}'")
-        records, errors = [], []
-        # Bytes: a line that is not UTF-8 is one record's problem, named by its line.
-        for line_no, line in enumerate(path.read_bytes().splitlines(), start=1):
-            if not line.strip():
-                continue
-            record, problems = _parse_record(line, path.parent, cfg.max_images_per_sample)
-            errors += [f"{cfg.path}:{line_no}: {p}" for p in problems]
-            records.append(record)
-        if errors:
-            raise DatasetError(f"{len(errors)} problem(s) in {cfg.path}:\n" + "\n".join(errors))
-        if not records:
-            raise ValueError(f"data.path: no records in '{cfg.path}'")
+        root = Path(cfg.path).parent
+        records = read_records(cfg, lambda line: _parse_record(line, root, cfg.max_images_per_sample))
 
         image_index: dict[Path, int] = {}
         samples = []
@@ -125,10 +172,7 @@ class JsonlDataset(MultimodalDataset):
             image_ids = tuple(image_index.setdefault(p.resolve(), len(image_index)) for p in paths)
             samples.append(Sample(sample_id=i, image_ids=image_ids, text=text, answer=answer))
         self._image_paths: list[Path] = list(image_index)
-        heldout = [i for i, (_, _, split, _) in enumerate(records) if split == "heldout"]
-        if not heldout and len(records) > 1:
-            n_heldout = min(max(round(cfg.heldout_fraction * len(records)), 1), len(records) - 1)
-            heldout = np.random.default_rng(SEED).permutation(len(records))[:n_heldout].tolist()
+        heldout = heldout_split([split for _, _, split, _ in records], cfg.heldout_fraction)
         tokenizer = (
             load_tokenizer(cfg.tokenizer)
             if cfg.tokenizer
@@ -141,8 +185,3 @@ class JsonlDataset(MultimodalDataset):
             image_size=cfg.image_size,
             channels=cfg.channels,
         )
-
-    def images(self, image_ids: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
-        from dyad.data.pixels import decoded  # torch: the services call this, the router never
-
-        return decoded([self._image_paths[i] for i in image_ids], self.image_size, self.channels, device)

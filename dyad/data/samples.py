@@ -3,7 +3,11 @@ what the two services read images from; `dyad/data/batch.py` makes their batches
 
 A sample is text with `<image>` placeholders plus the ids of its images in the dataset's image
 table. `build_sequence` expands each placeholder into `tokens_per_image` image tokens (LLaVA-style)
-and marks caption tokens as the only loss targets.
+and marks the loss targets. A caption's sequence is [bos] + its tokens + [eos], and every text
+token after bos is a target (eos included). A conversation's text is rendered by the checkpoint's
+chat template (`dyad/data/chat.py`), which places its own special tokens: its sequence is the
+text's tokens alone, and its targets are the tokens overlapping `Sample.target_spans` (the
+assistant turns, with the end-of-turn token the template emits after each).
 
 Shape legend: B batch rows, S padded sequence length, N image-token rows (n_images *
 tokens_per_image, flattened over the batch), C channels, H = W = image_size.
@@ -21,16 +25,21 @@ from dyad.data.tokenizer import IMAGE, TextTokenizer
 if TYPE_CHECKING:
     import torch
 
+    from dyad.data.image_processor import ImageProcessor
+
 IGNORE_INDEX = -100
-DATASET_NAMES = ("digits", "jsonl")
+DATASET_NAMES = ("digits", "jsonl", "conversations")
+FILE_DATASETS = ("jsonl", "conversations")  # read from data.path
 _DIGITS_ONLY_FIELDS = ("multi_image_fraction", "text_only_fraction")
 
 
 @dataclass(kw_only=True)
 class DataConfig:
     name: str = "digits"
-    path: str | None = None  # the JSONL file when name == "jsonl"
-    tokenizer: str | None = None  # a tokenizer.json; None = word-level over the captions
+    path: str | None = None  # the file of records when name is "jsonl" or "conversations"
+    # A tokenizer.json; None = word-level over the captions. "conversations" needs one: the chat
+    # template is read from its directory (tokenizer_config.json or chat_template.jinja).
+    tokenizer: str | None = None
     image_size: int = 16
     channels: int = 1
     heldout_fraction: float = 0.2
@@ -41,10 +50,13 @@ class DataConfig:
     def __post_init__(self):
         if self.name not in DATASET_NAMES:
             raise ValueError(f"data.name must be one of {DATASET_NAMES}, got {self.name!r}")
-        if self.name == "jsonl" and not self.path:
-            raise ValueError("data.path is required when data.name is 'jsonl'")
-        if self.name != "jsonl" and self.path is not None:
-            raise ValueError(f"data.path is only used when data.name is 'jsonl', got {self.path!r}")
+        if self.name in FILE_DATASETS and not self.path:
+            raise ValueError(f"data.path is required when data.name is {self.name!r}")
+        if self.name not in FILE_DATASETS and self.path is not None:
+            raise ValueError(f"data.path is only used when data.name is one of {FILE_DATASETS}, got {self.path!r}")
+        if self.name == "conversations" and not self.tokenizer:
+            raise ValueError("data.tokenizer is required when data.name is 'conversations': the chat template is "
+                             "read from its directory")
         if self.image_size < 1:
             raise ValueError(f"data.image_size must be >= 1, got {self.image_size}")
         if self.channels not in (1, 3):
@@ -88,6 +100,9 @@ class Sample:
     image_ids: tuple[int, ...]  # image table ids, in the order of the <image> placeholders
     text: str  # holds exactly len(image_ids) <image> placeholders
     answer: str | None = None  # the caption's final word(s) that caption-accuracy eval predicts
+    # None: a caption. Otherwise a rendered conversation, whose targets are the tokens overlapping
+    # these character spans [start, end) of `text`.
+    target_spans: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self):
         if self.text.count(IMAGE) != len(self.image_ids):
@@ -100,6 +115,7 @@ class Sample:
                 f"sample {self.sample_id}: answer {self.answer!r} must be the last word(s) of the "
                 f"text {self.text!r}"
             )
+        assert self.answer is None or self.target_spans is None, "caption-accuracy eval is for captions"
 
     @property
     def prompt_text(self) -> str | None:
@@ -113,18 +129,32 @@ class Sample:
 class SampleShape:
     sample_id: int
     n_images: int
-    seq_len: int  # after image expansion, including bos and eos
-    n_targets: int  # positions with a loss target: every text token after bos, and eos
+    seq_len: int  # after image expansion (a caption's includes bos and eos)
+    n_targets: int  # positions with a loss target (a caption's: every text token after bos, and eos)
 
 
 def _expand_images(
     tokenizer: TextTokenizer, text_ids: list[int], tokens_per_image: int
 ) -> list[int]:
     assert tokens_per_image >= 1, tokens_per_image
-    ids = [tokenizer.bos_id]
+    ids = []
     for token in text_ids:
         ids.extend([token] * (tokens_per_image if token == tokenizer.image_id else 1))
     return ids
+
+
+def _text_targets(tokenizer: TextTokenizer, sample: Sample) -> tuple[list[int], list[bool]]:
+    """The sample's token ids before image expansion (a caption's with bos and eos) and whether
+    each is a loss target."""
+    if sample.target_spans is None:
+        ids = [tokenizer.bos_id, *tokenizer.encode(sample.text), tokenizer.eos_id]
+        return ids, [False] + [token != tokenizer.image_id for token in ids[1:]]
+    ids, offsets = tokenizer.encode_with_offsets(sample.text)
+    is_target = [
+        token != tokenizer.image_id and any(start < end_s and end > start_s for start_s, end_s in sample.target_spans)
+        for token, (start, end) in zip(ids, offsets)
+    ]
+    return ids, is_target
 
 
 def build_sequence(
@@ -132,16 +162,19 @@ def build_sequence(
 ) -> tuple[list[int], list[int], list[int]]:
     """Returns (input_ids, targets, image_positions) for one sample.
 
-    input_ids = [bos] + text ids with each <image> expanded to tokens_per_image image ids + [eos];
-    targets[i] = input_ids[i + 1] when that is a text token (eos included), else IGNORE_INDEX;
-    image_positions = the indices of image tokens in input_ids.
+    input_ids = the text's ids (a caption's between bos and eos) with each <image> expanded to
+    tokens_per_image image ids; targets[i] = input_ids[i + 1] where that token is a target (see the
+    module docstring), else IGNORE_INDEX; image_positions = the indices of image tokens in input_ids.
     """
-    text_ids = tokenizer.encode(sample.text)
+    text_ids, is_target = _text_targets(tokenizer, sample)
     assert text_ids.count(tokenizer.image_id) == len(sample.image_ids), sample
-    ids = _expand_images(tokenizer, text_ids, tokens_per_image) + [tokenizer.eos_id]
-    image_id = tokenizer.image_id
-    targets = [nxt if nxt != image_id else IGNORE_INDEX for nxt in ids[1:]] + [IGNORE_INDEX]
-    image_positions = [i for i, token in enumerate(ids) if token == image_id]
+    ids, predicted = [], []  # predicted[i]: whether input_ids[i] is a target
+    for token, target in zip(text_ids, is_target):
+        copies = tokens_per_image if token == tokenizer.image_id else 1
+        ids.extend([token] * copies)
+        predicted.extend([target] * copies)
+    targets = [nxt if target else IGNORE_INDEX for nxt, target in zip(ids[1:], predicted[1:])] + [IGNORE_INDEX]
+    image_positions = [i for i, token in enumerate(ids) if token == tokenizer.image_id]
     return ids, targets, image_positions
 
 
@@ -160,7 +193,7 @@ def build_prompt(
             f"sample {sample.sample_id}: the tokenizer merges the answer {sample.answer!r} "
             "into the prompt, so the prompt is not a token prefix of the caption"
         )
-    ids = _expand_images(tokenizer, prompt_ids, tokens_per_image)
+    ids = _expand_images(tokenizer, [tokenizer.bos_id, *prompt_ids], tokens_per_image)
     image_positions = [i for i, token in enumerate(ids) if token == tokenizer.image_id]
     return ids, image_positions, full_ids[len(prompt_ids) :]
 
@@ -197,7 +230,7 @@ class MultimodalDataset(ABC):
         heldout = set(heldout_ids)
         self.heldout_ids: list[int] = sorted(heldout)
         self.train_ids: list[int] = [i for i in range(len(samples)) if i not in heldout]
-        self._n_text_tokens: dict[int, int] = {}
+        self._n_text_tokens: dict[int, tuple[int, int]] = {}  # (text tokens, targets)
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -208,18 +241,24 @@ class MultimodalDataset(ABC):
     def shape(self, i: int, tokens_per_image: int) -> SampleShape:
         sample = self._samples[i]
         if i not in self._n_text_tokens:
-            text_ids = self.tokenizer.encode(sample.text)
-            self._n_text_tokens[i] = len(text_ids) - text_ids.count(self.tokenizer.image_id)
-        n_text = self._n_text_tokens[i]
+            text_ids, is_target = _text_targets(self.tokenizer, sample)
+            self._n_text_tokens[i] = (len(text_ids) - len(sample.image_ids), sum(is_target))
+        n_text, n_targets = self._n_text_tokens[i]
         n_images = len(sample.image_ids)
         return SampleShape(
             sample_id=i,
             n_images=n_images,
-            seq_len=2 + n_text + n_images * tokens_per_image,
-            n_targets=n_text + 1,
+            seq_len=n_text + n_images * tokens_per_image,
+            n_targets=n_targets,
         )
 
     @abstractmethod
-    def images(self, image_ids: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
-        """The images as float32 in [0, 1], shape [len(image_ids), C, H, W] (n may be 0), on
-        `device` (default CPU)."""
+    def images(
+        self,
+        image_ids: Sequence[int],
+        device: torch.device | str | None = None,
+        processor: ImageProcessor | None = None,
+    ) -> torch.Tensor:
+        """The images as float32, shape [len(image_ids), C, H, W] (n may be 0), on `device`
+        (default CPU): as `processor` prepares them (the vision checkpoint's, where it has one),
+        else in [0, 1] at image_size x image_size."""

@@ -51,6 +51,16 @@ class TextTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of `text` and each token's character span [start, end) in it."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The added tokens marked special (e.g. `<|im_end|>`, `</s>`, `<image>`)."""
+        return tuple(t.content for t in self._tokenizer.get_added_tokens_decoder().values() if t.special)
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dyad.data.image_processor import ImageProcessor, read_image_processor
 from dyad.encoder_service.config import EncoderConfig
 from dyad.hf_checkpoint import adopted, read_config
 
@@ -111,3 +112,14 @@ def pretrained(encoder: EncoderConfig, *, image_size: int, channels: int) -> Enc
         encoder, **adopted(encoder, derived, ARCHITECTURE, section="encoder", source="encoder.from_hf's tower"),
         image_size=image_size, channels=channels,
     )
+
+
+def image_processor(encoder: EncoderConfig) -> ImageProcessor | None:
+    """How the `encoder.from_hf` checkpoint's image processor prepares images (its
+    preprocessor_config.json), None without one (the dataset's own preparation); a ValueError
+    where it prepares images of another size than the encoder's."""
+    processor = read_image_processor(encoder.from_hf) if encoder.from_hf else None
+    if processor is not None and processor.output_size != (encoder.image_size, encoder.image_size):
+        raise ValueError(f"data.image_size ({encoder.image_size}) must be the size encoder.from_hf's "
+                         f"preprocessor_config.json prepares images at ({processor.output_size})")
+    return processor

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from dyad.encoder_service.config import EncoderConfig
-from dyad.encoder_service.hf_config import pretrained
+from dyad.encoder_service.hf_config import image_processor, pretrained
 from dyad.layout import EncoderLayout, validate_encoder_layout
 from dyad.pools import PoolType
 
@@ -20,6 +20,7 @@ def _resolve(run, vocab_size: int | None) -> EncoderConfig:
     encoder = dataclasses.replace(
         encoder, out_dim=run.llm.dim, image_size=run.data.image_size, channels=run.data.channels
     )
+    image_processor(encoder)  # its images are the size the tower's processor prepares
     if encoder.tokens_per_image > run.llm.max_seq_len:
         raise ValueError(
             f"data.image_size ({encoder.image_size}) gives {encoder.tokens_per_image} tokens per image "

@@ -20,11 +20,13 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
 
 from dyad.encoder_service.hf import encoder_sources
+from dyad.encoder_service.hf_config import image_processor
 from dyad.encoder_service.model import VisionEncoder
 from dyad.encoder_service.parallelize import parallelize_encoder
 from dyad.encoder_service.step import encode_rows
@@ -47,6 +49,10 @@ class InFlight:
 
 class EncoderWorker(PoolService):
     pool = "encoder"
+
+    @cached_property
+    def image_processor(self):
+        return image_processor(self.config.encoder)
 
     @staticmethod
     def single_device_model(config) -> VisionEncoder:
@@ -147,7 +153,7 @@ class EncoderWorker(PoolService):
         """Encode `work`'s images and send their rows; with `gradients`, post the receives of
         their gradients too."""
         with compute_context(self.config):
-            rows_RD = encode_rows(self.model, self.dataset, work.image_ids, self.device)
+            rows_RD = encode_rows(self.model, self.dataset, work.image_ids, self.device, self.image_processor)
         rows_RD = rows_RD.to(boundary_dtype(self.config))
         if rows_RD.shape[0] != work.rows:
             raise RuntimeError(

@@ -23,7 +23,7 @@ class StepSpec:
     microbatches: tuple[tuple[int, ...], ...]
     llm_dp_ranks: tuple[int, ...]  # the LLM data-parallel rank of each microbatch
     lr: float
-    target_tokens: int  # caption tokens of the whole global batch: the loss normaliser
+    target_tokens: int  # target tokens of the whole global batch: the loss normaliser
     tokens: int  # sequence tokens (text + image) of the global batch
 
 
@@ -46,7 +46,7 @@ class StepPlanner:
         shapes = [self._dataset.shape(s, self._tokens_per_image) for s in sample_ids]
         target_tokens = sum(shape.n_targets for shape in shapes)
         if target_tokens == 0:
-            raise ValueError(f"step {step}: the global batch has no caption tokens to learn from")
+            raise ValueError(f"step {step}: the global batch has no target tokens to learn from")
         return StepSpec(
             step=step,
             microbatches=tuple(
@@ -83,7 +83,7 @@ class StepPlanner:
             chunks[-2:] = [chunks[-2] + chunks[-1]]
         target_tokens = sum(self._dataset.shape(s, self._tokens_per_image).n_targets for s in ids)
         if target_tokens == 0:
-            raise ValueError("the held-out split has no caption tokens to evaluate")
+            raise ValueError("the held-out split has no target tokens to evaluate")
         batches = []
         for index, chunk in enumerate(chunks):
             per_lane = min(train.microbatches, len(chunk) // dp)

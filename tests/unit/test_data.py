@@ -43,9 +43,9 @@ def digits(**kwargs):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"name": "mnist"}, "data.name must be one of ('digits', 'jsonl'), got 'mnist'"),
+        ({"name": "mnist"}, "data.name must be one of ('digits', 'jsonl', 'conversations'), got 'mnist'"),
         ({"name": "jsonl"}, "data.path is required when data.name is 'jsonl'"),
-        ({"path": "x.jsonl"}, "data.path is only used when data.name is 'jsonl', got 'x.jsonl'"),
+        ({"path": "x.jsonl"}, "data.path is only used when data.name is one of ('jsonl', 'conversations'), got 'x.jsonl'"),
         ({"heldout_fraction": 1.5}, "data.heldout_fraction must be in (0, 1), got 1.5"),
         ({"heldout_fraction": 0.0}, "data.heldout_fraction must be in (0, 1), got 0.0"),
         ({"image_size": 0}, "data.image_size must be >= 1, got 0"),

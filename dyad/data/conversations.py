@@ -1,0 +1,173 @@
+"""Image conversations from a JSONL file, rendered with the checkpoint's chat template
+(`dyad/data/chat.py`), the loss on the assistant turns only. `data.name: conversations`.
+
+Format: one JSON object per line, in UTF-8; blank lines are skipped. Either LLaVA's:
+
+    {"images": ["cats/1.png"], "conversations": [
+        {"from": "human", "value": "<image>\\nWhat is this?"}, {"from": "gpt", "value": "A cat."},
+        {"from": "human", "value": "What colour?"}, {"from": "gpt", "value": "Grey."}]}
+
+("from": "human" or "user", "gpt" or "assistant", "system"; "value": a string), or OpenAI's:
+
+    {"images": ["cats/1.png"], "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": "A cat."}]}
+
+("role": "system", "user" or "assistant"; "content": a string, or a list of {"type": "text",
+"text": ...} and {"type": "image"} parts, joined with newlines into the string the template sees,
+each image part as `<image>`).
+
+- "images" (required): image paths, relative to the JSONL file's directory or absolute; any format
+  Pillow reads. The k-th `<image>` of the conversation stands for images[k]. A LLaVA record with
+  images but no `<image>` gets one per image, each followed by a newline, before its first user
+  turn's text; otherwise the count must match.
+- At least one assistant turn with non-empty content; the targets are the assistant turns'
+  tokens and the template's end-of-turn token after each (`dyad/data/chat.py` says exactly which).
+- "split" (optional): "train" (default) or "heldout", as in `dyad/data/jsonl.py`.
+
+Images are prepared as the vision checkpoint's image processor does where `encoder.from_hf` holds
+a preprocessor_config.json (`dyad/data/image_processor.py`), else as jsonl's. Every record is
+validated and rendered when the dataset loads; all bad records are reported together in one
+`DatasetError`, one "<file>:<line>: <problem>" per problem.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+
+from dyad.data.chat import ChatTemplate, load_chat_template
+from dyad.data.jsonl import SPLITS, ImageFilesDataset, check_image, heldout_split, json_object, read_records
+from dyad.data.samples import DataConfig, Sample
+from dyad.data.tokenizer import IMAGE, load_tokenizer
+
+LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+ROLES = ("system", "user", "assistant")
+
+
+def _llava_messages(turns) -> tuple[list[dict], list[str]]:
+    if not isinstance(turns, list) or not turns:
+        return [], ["'conversations' must be a non-empty list of turns"]
+    messages, problems = [], []
+    for k, turn in enumerate(turns, start=1):
+        if not isinstance(turn, dict) or turn.get("from") not in LLAVA_ROLES or not isinstance(turn.get("value"), str):
+            problems.append(f"turn {k} must be {{\"from\": one of {sorted(LLAVA_ROLES)}, \"value\": a string}}")
+            continue
+        messages.append({"role": LLAVA_ROLES[turn["from"]], "content": turn["value"]})
+    return messages, problems
+
+
+def _content(content) -> str | None:
+    """A message's content as the string the template sees; None where it is malformed."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    parts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "image":
+            parts.append(IMAGE)
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        else:
+            return None
+    return "\n".join(parts)
+
+
+def _openai_messages(raw) -> tuple[list[dict], list[str]]:
+    if not isinstance(raw, list) or not raw:
+        return [], ["'messages' must be a non-empty list of messages"]
+    messages, problems = [], []
+    for k, message in enumerate(raw, start=1):
+        content = _content(message.get("content")) if isinstance(message, dict) else None
+        if not isinstance(message, dict) or message.get("role") not in ROLES or content is None:
+            problems.append(f"message {k} must be {{\"role\": one of {list(ROLES)}, \"content\": a string or a list "
+                            "of text and image parts}")
+            continue
+        messages.append({"role": message["role"], "content": content})
+    return messages, problems
+
+
+def _with_placeholders(messages: list[dict], n_images: int) -> list[dict]:
+    """LLaVA's convention: images without placeholders lead the first user turn."""
+    if n_images == 0 or any(IMAGE in m["content"] for m in messages):
+        return messages
+    first = next((k for k, m in enumerate(messages) if m["role"] == "user"), None)
+    if first is None:
+        return messages
+    lead = {**messages[first], "content": f"{IMAGE}\n" * n_images + messages[first]["content"]}
+    return [*messages[:first], lead, *messages[first + 1 :]]
+
+
+def parse_record(line: bytes, root: Path, max_images: int, template: ChatTemplate):
+    """Returns (record, problems); record is (image_paths, text, target_spans, split)."""
+    record, problem = json_object(line)
+    if problem:
+        return None, [problem]
+    kinds = [key for key in ("conversations", "messages") if key in record]
+    if "images" not in record or len(kinds) != 1:
+        return None, ["a record needs 'images' and one of 'conversations' (LLaVA) or 'messages' (OpenAI)"]
+    images, split = record["images"], record.get("split", "train")
+    problems = []
+    if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+        problems.append("'images' must be a list of strings")
+        images = []
+    if split not in SPLITS:
+        problems.append(f"'split' must be one of {SPLITS}, got {split!r}")
+    if len(images) > max_images:
+        problems.append(f"{len(images)} images, more than data.max_images_per_sample={max_images}")
+    if kinds == ["conversations"]:
+        messages, message_problems = _llava_messages(record["conversations"])
+        messages = _with_placeholders(messages, len(images))
+    else:
+        messages, message_problems = _openai_messages(record["messages"])
+    problems += message_problems
+    if not message_problems:
+        problems += _conversation_problems(messages, len(images))
+    paths = [root / name for name in images]
+    problems += [p for name, path in zip(images, paths) if (p := check_image(path, name))]
+    if problems:
+        return None, problems
+    try:
+        text = template.render(messages)
+        spans = template.assistant_spans(messages, text)
+    except (jinja2.TemplateError, ValueError) as e:  # a template's raise_exception, or an unlocatable turn
+        return None, [f"chat template: {e}"]
+    if text.count(IMAGE) != len(images):
+        return None, [f"the chat template's text has {text.count(IMAGE)} {IMAGE} placeholders, not {len(images)}"]
+    return (paths, text, tuple(spans), split), []
+
+
+def _conversation_problems(messages: list[dict], n_images: int) -> list[str]:
+    problems = []
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        problems.append("no assistant turn with content: nothing to learn")
+    if any(IMAGE in m["content"] for m in messages if m["role"] == "assistant"):
+        problems.append(f"an assistant turn holds {IMAGE}: images belong to the user's and system's turns")
+    n_placeholders = sum(m["content"].count(IMAGE) for m in messages)
+    if n_placeholders != n_images:
+        problems.append(f"{n_placeholders} {IMAGE} placeholders but {n_images} images")
+    return problems
+
+
+class ConversationsDataset(ImageFilesDataset):
+    def __init__(self, cfg: DataConfig):
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        template = load_chat_template(cfg.tokenizer, tokenizer.special_tokens)
+        root = Path(cfg.path).parent
+        records = read_records(cfg, lambda line: parse_record(line, root, cfg.max_images_per_sample, template))
+        image_index: dict[Path, int] = {}
+        samples = []
+        for i, (paths, text, spans, _) in enumerate(records):
+            image_ids = tuple(image_index.setdefault(p.resolve(), len(image_index)) for p in paths)
+            samples.append(Sample(sample_id=i, image_ids=image_ids, text=text, target_spans=spans))
+        self._image_paths = list(image_index)
+        super().__init__(
+            tokenizer=tokenizer,
+            samples=samples,
+            heldout_ids=heldout_split([split for *_, split in records], cfg.heldout_fraction),
+            image_size=cfg.image_size,
+            channels=cfg.channels,
+        )
