@@ -47,21 +47,23 @@ class EncoderConfig:
             raise ValueError(f"encoder.norm_eps ({self.norm_eps}) must be > 0")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"encoder.activation ({self.activation!r}) must be one of {', '.join(ACTIVATIONS)}")
-        if self.image_size % self.patch_size:
+        if self.patch_size > self.image_size:
             raise ValueError(
-                f"encoder.patch_size ({self.patch_size}) must divide encoder.image_size ({self.image_size})"
+                f"encoder.patch_size ({self.patch_size}) must be <= encoder.image_size ({self.image_size})"
             )
         if self.dim % self.heads:
             raise ValueError(f"encoder.heads ({self.heads}) must divide encoder.dim ({self.dim})")
         if self.patch_grid % self.spatial_merge:
             raise ValueError(
                 f"encoder.spatial_merge ({self.spatial_merge}) must divide the patch grid side "
-                f"({self.patch_grid} = encoder.image_size / encoder.patch_size)"
+                f"({self.patch_grid} = encoder.image_size // encoder.patch_size)"
             )
 
     @property
     def patch_grid(self) -> int:
-        """Patches along each side of an image."""
+        """Patches along each side of an image. Where the patch does not divide the image, its
+        last image_size % patch_size rows and columns are not read, as a strided convolution
+        reads them (SigLIP-so400m-patch14-384: 27 x 27 patches of a 384-pixel image)."""
         return self.image_size // self.patch_size
 
     @property

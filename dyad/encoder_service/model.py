@@ -98,7 +98,8 @@ class VisionEncoder(nn.Module):
         if images_NCHW.dim() != 4 or tuple(images_NCHW.shape[1:]) != expected:
             raise ValueError(f"images must have shape [N, {', '.join(map(str, expected))}], got {list(images_NCHW.shape)}")
         N, C = images_NCHW.shape[:2]
-        p, g = cfg.patch_size, cfg.image_size // cfg.patch_size
+        p, g = cfg.patch_size, cfg.patch_grid
+        images_NCHW = images_NCHW[:, :, : g * p, : g * p]  # a remainder past the last whole patch: unread
         grid = images_NCHW.reshape(N, C, g, p, g, p)  # [N, C, rows, ph, cols, pw]
         return grid.permute(0, 2, 4, 1, 3, 5).reshape(N, g * g, C * p * p)
 

@@ -40,7 +40,7 @@ def _moe(dim: int = 8, seed: int = 0, **overrides) -> MoELayer:
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(patch_size=5), r"encoder.patch_size \(5\) must divide encoder.image_size \(16\)"),
+        (dict(patch_size=17), r"encoder.patch_size \(17\) must be <= encoder.image_size \(16\)"),
         (dict(heads=3), r"encoder.heads \(3\) must divide encoder.dim \(64\)"),
         (dict(depth=0), r"encoder.depth \(0\) must be >= 1"),
         (dict(out_dim=-1), r"encoder.out_dim \(-1\)"),

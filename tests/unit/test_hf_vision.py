@@ -101,3 +101,17 @@ def test_a_feature_layer_outside_the_tower_is_refused(tmp_path):
 def test_a_native_resolution_siglip2_tower_is_refused_pointing_at_the_fixed_resolution_ones():
     with pytest.raises(ValueError, match="'siglip2_vision_model' is not one dyad loads .SigLIP2's native-resolution"):
         encoder_config({"model_type": "siglip2_vision_model", "num_hidden_layers": 2})
+
+
+def test_a_patch_that_does_not_divide_the_image_reads_what_transformers_convolution_reads(tmp_path):
+    """SigLIP-so400m-patch14-384's case in small: 18-pixel images of 4-pixel patches, 4 x 4 patches
+    and the last 2 pixel rows and columns unread, as the strided convolution leaves them."""
+    torch.manual_seed(0)
+    reference = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(
+        **COMMON | {"image_size": 18}, vision_use_head=False)).float().eval()
+    reference.save_pretrained(tmp_path)
+    ours = dyad.hf.load(tmp_path)
+    pixels = torch.randn(2, 3, 18, 18, generator=torch.Generator().manual_seed(1))
+    expected = reference(pixel_values=pixels).last_hidden_state
+    assert expected.shape[1] == 16
+    torch.testing.assert_close(ours(pixels).last_hidden_state, expected, rtol=1e-5, atol=1e-6)
