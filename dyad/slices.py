@@ -5,8 +5,8 @@ never the whole model.
 A recipe (`Source`) has the single-device shape of one model tensor and reads any selection of it:
 `read(index)` with one index vector per dim returns `full[index[0]][:, index[1]]...`, on the
 `device` asked for: the stored boxes go there as they are read (in the checkpoint's dtype), and the
-recipes' transposes, stacks and interleaves run there. The stored
-tensor (`Stored`) reads the box the selection spans from its memory-mapped file; the others
+recipes' transposes, stacks and interleaves run there. The stored tensor (`Stored`) reads the box
+the selection spans from its memory-mapped file; the others
 (`Transposed`, `Stacked`, `Concatenated`, `Merged`) say how a model tensor is made of stored ones
 (an expert weight of one tensor per expert, a fused q/k/v of three, a patch embedding of four dims
 flattened to two) and pass each selection on to what they are made of.
@@ -153,9 +153,10 @@ def _held_indices(module: nn.Module, name: str, shape: tuple[int, ...]) -> Index
 
 def load_pieces(model: nn.Module, sources: Mapping[str, Source], *, rows: Mapping[str, int] = {}) -> None:
     """Copy into each of `model`'s parameters named in `sources` (single-device names) its piece
-    as this rank holds it, read from its source, and into each buffer named there its whole. `rows`: parameters whose single-device tensor has
-    more rows than their source (a vocabulary grown past the checkpoint's): the rows past the
-    source's keep their values; so do the padding rows of a piece."""
+    as this rank holds it, read from its source, and into each buffer named there its whole.
+    `rows`: parameters whose single-device tensor has more rows than their source (a vocabulary
+    grown past the checkpoint's): the rows past the source's keep their values; so do the padding
+    rows of a piece."""
     loaded = set()
     for key, buffer in model.named_buffers():  # a buffer is whole on every rank (an expert bias)
         if key in sources:
