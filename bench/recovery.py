@@ -31,7 +31,6 @@ Measured on this side, from the kill (arrival times of the run's events):
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import re
 import signal
@@ -59,23 +58,23 @@ class Timeline:
     info: pb.RunInfo
 
 
-def worker_pid(run_id: str, pool: str, rank: int) -> int:
-    """The local worker process of `run_id`'s `pool` rank (found by its command line)."""
-    wanted = {"--run-id": run_id, "--pool": pool, "--rank": str(rank)}
+def worker_pid(log_dir: Path, pool: str, rank: int) -> int:
+    """The local worker process of `pool` rank: the one writing its log (`log_dir`/POOL-RANK.log:
+    a fresh process's command line, or a forked one's, says nothing of its rank)."""
+    log = (log_dir / f"{pool}-{rank}.log").resolve()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            argv = (proc / "cmdline").read_bytes().decode().split("\0")
+            if Path(os.readlink(proc / "fd" / "1")) == log:
+                return int(proc.name)
         except OSError:
             continue
-        flags = dict(itertools.pairwise(argv))  # each flag -> the word after it
-        if "dyad.app.worker" in argv and all(flags.get(flag) == value for flag, value in wanted.items()):
-            return int(proc.name)
-    raise RuntimeError(f"no worker process of run {run_id} is {pool}/{rank}")
+    raise RuntimeError(f"no worker process writes {log}")
 
 
-def follow_with_kill(client: RouterClient, run_id: str, kill_after: int, victim: tuple[str, int]) -> Timeline:
+def follow_with_kill(client: RouterClient, run_id: str, kill_after: int, victim: tuple[str, int],
+                     log_dir: Path) -> Timeline:
     """Follow the run; once step `kill_after` is reported (the first time) and a checkpoint has
     been committed, SIGKILL `victim`: the recovery then waits for no checkpoint's background sync
     (a kill while one is syncing waits for it, since the run goes back to that checkpoint)."""
@@ -90,7 +89,7 @@ def follow_with_kill(client: RouterClient, run_id: str, kill_after: int, victim:
             if event.step.step == kill_after and killed_s is None:
                 if not committed:
                     raise SystemExit(f"step {kill_after} came before a checkpoint was committed: raise --kill-after")
-                os.kill(worker_pid(run_id, *victim), signal.SIGKILL)
+                os.kill(worker_pid(log_dir, *victim), signal.SIGKILL)
                 killed_s = time.perf_counter() - start
         elif kind == "notice":
             notices.append({"t_s": now, "kind": event.notice.kind, "step": event.notice.step,
@@ -157,7 +156,7 @@ def main() -> None:
     router_log = work / "recovery" / "logs" / "router.log"
     with local_router(router_log) as client:
         run_id = client.start_run(config_lib.to_yaml(config)).run_id
-        timeline = follow_with_kill(client, run_id, args.kill_after, (pool, int(rank)))
+        timeline = follow_with_kill(client, run_id, args.kill_after, (pool, int(rank)), router_log.parent)
     info = timeline.info
     if info.state != pb.RUN_STATE_SUCCEEDED or info.recoveries != 1 or timeline.killed_s is None:
         result = {"error": f"state {info.state}, {info.recoveries} recoveries: {info.message}"}

@@ -381,6 +381,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--join-token-file", help="default: $DYAD_JOIN_TOKEN")
     args = parser.parse_args(argv)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        # the share its launcher gave it, also where torch was imported before (a fork server's)
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     logging.basicConfig(
         level=os.environ.get("DYAD_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {args.pool}/{args.rank} %(levelname)s %(message)s",

@@ -66,6 +66,18 @@ def _children(pid: int) -> dict[int, str]:
     return found
 
 
+def _workers(router: int) -> list[int]:
+    """The router's workers: its children running the worker module, or on a machine without
+    GPUs the children of its fork server (dyad/router/launcher.py)."""
+    found = []
+    for pid, command in _children(router).items():
+        if "dyad.app.worker" in command:
+            found.append(pid)
+        elif "multiprocessing.forkserver" in command:
+            found.extend(_children(pid))
+    return found
+
+
 def _running(pid: int) -> bool:
     """Alive and not a zombie (an orphan's new parent may never reap it)."""
     return _Adopted(pid).poll() is None
@@ -86,8 +98,9 @@ def test_a_killed_dyad_train_takes_its_router_and_workers_with_it(tmp_path):
         time.sleep(0.2)
     routers = [pid for pid, command in _children(cli.pid).items() if "dyad.router" in command]
     assert len(routers) == 1, _children(cli.pid)
-    workers = [pid for pid, command in _children(routers[0]).items() if "dyad.app.worker" in command]
+    workers = _workers(routers[0])
     assert len(workers) == 2, _children(routers[0])
+    workers += list(_children(routers[0]))  # and the fork server they came from (CPU machines)
 
     cli.kill()
     cli.wait()
