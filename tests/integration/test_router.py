@@ -45,7 +45,7 @@ def _config(tmp_path, extra: str = "") -> str:
         ("train: {lr: -1}", "train.lr"),
         ("train: {microbatches: 0}", "train.microbatches"),
         ("train: {lrr: 0.1}", "train.lrr"),
-        ("encoder: {patch_size: 5}", "encoder.patch_size"),
+        ("encoder: {patch_size: 17}", "encoder.patch_size"),
         ("llm: {n_kv_heads: 3}", "llm.n_kv_heads"),
         ("llm: {moe: {top_k: 9}}", "top_k"),
         ("data: {heldout_fraction: 1.5}", "data.heldout_fraction"),
