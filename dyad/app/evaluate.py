@@ -54,13 +54,14 @@ def heldout_loss(config: RunConfig, dataset, encoder, llm) -> tuple[float, int]:
     if targets == 0:
         return float("nan"), 0
     total = 0.0
+    processor = image_processor(config.encoder)  # read once, not per batch
     for batch in batches:
         batch = batch.to(device)
         local = whole_microbatch(batch, dataset.tokenizer.pad_id)
         with compute_context(config):
             rows_RD = None
             if batch.image_ids:
-                rows_RD = encode_rows(encoder, dataset, batch.image_ids, device, image_processor(config.encoder))[local.image_rows_Nl]
+                rows_RD = encode_rows(encoder, dataset, batch.image_ids, device, processor)[local.image_rows_Nl]
             loss = microbatch_loss(llm, local, rows_RD, global_target_tokens=targets, global_microbatches=len(batches))
         total += float(loss.lm)
     return total, targets
