@@ -11,7 +11,6 @@ import torch
 
 from dyad import config as config_lib
 from dyad.data import make_dataset
-from dyad.data.tokenizer import build_word_tokenizer
 from dyad.encoder_service.parallelize import parallelize_encoder
 from dyad.hf_checkpoint import HFCheckpoint
 from dyad.layout import EncoderLayout, LLMLayout
@@ -21,6 +20,7 @@ from dyad.parallel.groups import ProcessGroups
 from dyad.pools import pool_type
 from dyad.service import build_model
 from tests.helpers.distributed import run_distributed
+from tests.helpers.hf_models import digits_tokenizer_in
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test reference (pip install -e '.[test]')")
 
@@ -96,21 +96,18 @@ def _stored_elements(model, whole, pool, checkpoint) -> int:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """A tiny Qwen3-MoE and a tiny DeepSeek-V3 of the default config's shape whose tokenizer (the digits' words: 19 ids, so a tp2 split pads a row)
-    has `GROWN` more ids than its embedding, and a tiny SigLIP tower."""
+    """A tiny Qwen3-MoE and a tiny DeepSeek-V3 of the default config's shape whose tokenizer (the
+    digits' words: 19 ids, so a tp2 split pads a row) has `GROWN` more ids than their embeddings,
+    and a tiny SigLIP tower."""
     root = tmp_path_factory.mktemp("hf")
-    dataset = make_dataset(config_lib.load(None, []).data)
-    tokenizer = build_word_tokenizer(dataset.sample(i).text for i in range(len(dataset.train_ids)))
-    (root / "qwen3-moe").mkdir()
-    tokenizer.save(root / "qwen3-moe" / "tokenizer.json")
+    tokenizer = digits_tokenizer_in(root / "qwen3-moe")
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         vocab_size=tokenizer.vocab_size - GROWN, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=64, num_experts=4,
         num_experts_per_tok=2, mlp_only_layers=[0], max_position_embeddings=256, tie_word_embeddings=False,
     )).save_pretrained(root / "qwen3-moe")
-    (root / "deepseek-v3").mkdir()
-    tokenizer.save(root / "deepseek-v3" / "tokenizer.json")
+    digits_tokenizer_in(root / "deepseek-v3")
     transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
         vocab_size=tokenizer.vocab_size - GROWN, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,

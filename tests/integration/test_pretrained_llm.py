@@ -24,7 +24,6 @@ from dyad.app.verify import compare_with_reference
 from dyad.checkpoint import load_pool_state
 from dyad.data import make_dataset
 from dyad.data.batch import collate
-from dyad.data.tokenizer import build_word_tokenizer
 from dyad.encoder_service.hf import encoder_state_dict, tower_prefix
 from dyad.encoder_service.step import encode_rows
 from dyad.hf_checkpoint import HFCheckpoint
@@ -33,6 +32,7 @@ from dyad.router.checkpoints import checkpoint_dir
 from dyad.router.steps import StepPlanner
 from dyad.service import build_model
 from dyad.wire import pb
+from tests.helpers.hf_models import digits_tokenizer_in, make_norms_and_biases_matter
 from tests.helpers.resilience import BASE, in_process_router, run_followed
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test reference (pip install -e '.[test]')")
@@ -49,10 +49,7 @@ eval: {final: false}
 def _checkpoint(path, extra_tokens: int = 0):
     """A tiny Qwen3-MoE over the digits' word tokenizer (whose ids it shares), saved with its
     tokenizer.json; `extra_tokens` fewer embedding rows than the tokenizer has ids."""
-    dataset = make_dataset(config_lib.load(None, []).data)
-    tokenizer = build_word_tokenizer(dataset.sample(i).text for i in range(len(dataset.train_ids)))
-    path.mkdir()
-    tokenizer.save(path / "tokenizer.json")
+    tokenizer = digits_tokenizer_in(path)
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         vocab_size=tokenizer.vocab_size - extra_tokens, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -270,10 +267,7 @@ def _check_llava_export(out, checkpoint, config, tower_source):
 def _llava_directory(path):
     """A tiny LLaVA (SigLIP, its projector, a Qwen3-MoE over the digits' word tokenizer, whose
     `<image>` is its image placeholder), saved with the tokenizer.json beside it."""
-    dataset = make_dataset(config_lib.load(None, []).data)
-    tokenizer = build_word_tokenizer(dataset.sample(i).text for i in range(len(dataset.train_ids)))
-    path.mkdir()
-    tokenizer.save(path / "tokenizer.json")
+    tokenizer = digits_tokenizer_in(path)
     torch.manual_seed(2)
     model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
         vision_config=transformers.SiglipVisionConfig(
@@ -287,12 +281,7 @@ def _llava_directory(path):
         image_token_index=tokenizer.image_id, vision_feature_layer=-2, vision_feature_select_strategy="full",
         tie_word_embeddings=False,
     )).float().eval()
-    with torch.no_grad():  # norms start at one and biases at zero: make them matter
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(std=0.2)
+    make_norms_and_biases_matter(model, bias_std=0.2)
     model.save_pretrained(path)
     return model
 

@@ -16,6 +16,7 @@ import dyad.hf
 from dyad.encoder_service.hf import encoder_state_dict
 from dyad.hf_checkpoint import HFCheckpoint
 from dyad.llm_service.hf import llm_state_dict
+from tests.helpers.hf_models import make_norms_and_biases_matter
 from tests.helpers.parity import relative_error
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test reference (pip install -e '.[test]')")
@@ -47,12 +48,7 @@ def llava(tower: str, **overrides):
 def saved_llava(tower: str, path, **overrides):
     torch.manual_seed(0)
     model = llava(tower, **overrides).float().eval()
-    with torch.no_grad():  # norms start at one and biases at zero: make them matter
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(std=0.2)
+    make_norms_and_biases_matter(model, bias_std=0.2)
     model.save_pretrained(path)
     return model
 

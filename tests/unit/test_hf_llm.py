@@ -16,6 +16,7 @@ import dyad.hf
 from dyad.hf_checkpoint import HFCheckpoint
 from dyad.llm_service.hf import hf_tensors, llm_state_dict
 from dyad.llm_service.hf_config import exported_config, llm_config
+from tests.helpers.hf_models import make_norms_and_biases_matter
 from tests.helpers.parity import relative_error
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test reference (pip install -e '.[test]')")
@@ -97,12 +98,7 @@ FAMILIES = {
 def _saved(build, path):
     torch.manual_seed(0)
     model = build().float().eval()
-    with torch.no_grad():  # norms start at one and biases at zero: make them matter
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                p.normal_(std=0.5)
+    make_norms_and_biases_matter(model, bias_std=0.5)
     model.save_pretrained(path)
     return model
 

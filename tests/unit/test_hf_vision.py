@@ -16,6 +16,7 @@ from dyad.encoder_service.hf import encoder_state_dict
 from dyad.encoder_service.hf_config import encoder_config
 from dyad.encoder_service.model import VisionEncoder
 from dyad.hf_checkpoint import HFCheckpoint
+from tests.helpers.hf_models import make_norms_and_biases_matter
 from tests.helpers.parity import relative_error
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test reference (pip install -e '.[test]')")
@@ -31,12 +32,7 @@ TOWERS = {
 def _saved(family, path):
     torch.manual_seed(0)
     tower = TOWERS[family]().float().eval()
-    with torch.no_grad():  # LayerNorms start at (1, 0) and biases at 0: make them matter
-        for name, p in tower.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(std=0.2)
+    make_norms_and_biases_matter(tower, bias_std=0.2)
     tower.save_pretrained(path)
     return tower
 
