@@ -32,6 +32,7 @@ import time
 from typing import NamedTuple
 
 import torch
+from kernel_timeline import write_timeline  # beside this script
 from moe_layer import median_ms, write_kernel_table  # beside this script
 from run_info import bench_device, run_header, write_json  # beside this script
 
@@ -195,6 +196,7 @@ def main() -> None:
     parser.add_argument("--variants", help="comma-separated names from VARIANTS (default: all; on CPU the eager ones)")
     parser.add_argument("--out")
     parser.add_argument("--profile-dir", help="GPU: a kernel table of each variant's step is written here")
+    parser.add_argument("--timeline-dir", help="GPU: each variant's kernels in order, with the idle gaps, are written here")
     parser.add_argument("--without-reload-barrier", action="store_true",
                         help="compiled blocks without the barrier before reloads (its cost; gradients can be wrong)")
     args = parser.parse_args()
@@ -247,6 +249,8 @@ def main() -> None:
                   f"{entry['alloc_retries']} cudaMalloc retries")
         if args.profile_dir and device == "cuda":
             write_kernel_table(step, f"{args.profile_dir}/llm_step_profile_{name}.txt", steps=2, rows=40)
+        if args.timeline_dir and device == "cuda":
+            entry["timeline"] = write_timeline(step, f"{args.timeline_dir}/llm_step_timeline_{name}.txt", steps=2)
         del model, optimizer, step
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -41,14 +41,19 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
-    """Compile every transformer block of `model` in place; returns how many. With inductor,
-    its Triton kernels first get a barrier before reloading what they stored
-    (`dyad/inductor_reloads.py`: without it the LLM's compiled bf16 gradients were wrong)."""
+    """Compile every transformer block of `model` in place, and each of its modules that asks to
+    be compiled with them (`compiled_with_blocks = True`: the LLM's caption loss, whose float32
+    cast and softmax then fuse); returns how many blocks. With inductor, its Triton kernels first
+    get a barrier before reloading what they stored (`dyad/inductor_reloads.py`: without it the
+    LLM's compiled bf16 gradients were wrong)."""
     if backend == "inductor":
         inductor_reloads.install()
     blocks = transformer_blocks(model)
     for block in blocks:
         block.compile(backend=backend)
+    for module in model.modules():
+        if getattr(module, "compiled_with_blocks", False):
+            module.compile(backend=backend)
     return len(blocks)
 
 

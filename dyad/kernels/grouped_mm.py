@@ -111,11 +111,17 @@ def _standard_strides(grad_NF: torch.Tensor) -> torch.Tensor:
     return grad_NF.clone(memory_format=torch.contiguous_format)
 
 
-def _autocast(t: torch.Tensor) -> torch.Tensor:
+def matmul_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of `t` computes in: autocast's for float32 where autocast is on, else t's."""
     device_type = t.device.type
     if t.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
-        return t.to(torch.get_autocast_dtype(device_type))
-    return t
+        return torch.get_autocast_dtype(device_type)
+    return t.dtype
+
+
+def _autocast(t: torch.Tensor) -> torch.Tensor:
+    dtype = matmul_dtype(t)
+    return t if dtype == t.dtype else t.to(dtype)
 
 
 def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:

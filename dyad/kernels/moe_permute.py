@@ -17,7 +17,9 @@ ops' does: past `_PLAN_MAX_ROWS` the plain ops run.
 
 import torch
 
+from dyad.kernels.grouped_mm import matmul_dtype
 from dyad.kernels.token_rows import gathered_sum, scaled_scatter_and_dots
+from dyad.kernels.traceable import to_dtype
 from dyad.kernels.triton_modules import triton_module
 
 _PLAN_BLOCK = 4096  # ids per step of a plan program; its scan runs over one block
@@ -72,11 +74,15 @@ def _kernels():
 def permute(
     x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (x_sorted_ND, sorted_order_N, counts_E); sorted_order_N[i] is a flat t*K + k."""
+    """Returns (x_sorted_ND, sorted_order_N, counts_E); sorted_order_N[i] is a flat t*K + k.
+    The copies are in the dtype the experts' matmuls take them in (`matmul_dtype`: autocast's
+    bf16 for a float32 x), cast before they are gathered, so that the K copies, and their
+    gradients on the way back, move in bf16; the gradient of x is summed in float32 and rounded
+    to x's dtype once, as the matmul's cast and a float32 sum of the copies would give it."""
     K = expert_idx_TK.shape[1]
     flat_expert_N = expert_idx_TK.reshape(-1)
     sorted_order_N, counts_E = expert_plan(flat_expert_N, num_experts)
-    x_sorted_ND = _GatherCopies.apply(x_TD, sorted_order_N, K)
+    x_sorted_ND = _GatherCopies.apply(x_TD, sorted_order_N, K, matmul_dtype(x_TD))
     return x_sorted_ND, sorted_order_N, counts_E
 
 
@@ -118,21 +124,21 @@ class _PermuteRows(torch.autograd.Function):
 
 
 class _GatherCopies(torch.autograd.Function):
-    """x_sorted = x[order // K]. The backward sums each token's K gradient rows in token order
-    (float32 sum, `gathered_sum`), not by index_add's atomics: deterministic, and several times
-    faster on a GPU when K copies of a token collide."""
+    """x_sorted = x[order // K] in `dtype`. The backward sums each token's K gradient rows in
+    token order (float32 sum, `gathered_sum`) into x's dtype, not by index_add's atomics:
+    deterministic, and several times faster on a GPU when K copies of a token collide."""
 
     @staticmethod
-    def forward(ctx, x_TD, sorted_order_N, K):
+    def forward(ctx, x_TD, sorted_order_N, K, dtype):
         ctx.save_for_backward(sorted_order_N)
-        ctx.T, ctx.K = x_TD.shape[0], K
-        return x_TD.index_select(0, sorted_order_N // K)
+        ctx.T, ctx.K, ctx.x_dtype = x_TD.shape[0], K, x_TD.dtype
+        return to_dtype(x_TD, dtype).index_select(0, sorted_order_N // K)
 
     @staticmethod
     def backward(ctx, grad_sorted_ND):
         (sorted_order_N,) = ctx.saved_tensors
         positions_TK = _positions_TK(sorted_order_N, ctx.T, ctx.K)
-        return gathered_sum(grad_sorted_ND.contiguous(), positions_TK), None, None
+        return gathered_sum(grad_sorted_ND.contiguous(), positions_TK, out_dtype=ctx.x_dtype), None, None, None
 
 
 class _CombineCopies(torch.autograd.Function):

@@ -260,7 +260,11 @@ class MoELM(nn.Module):
 
 class CaptionLoss(nn.Module):
     """`caption_loss_sum` of the whole vocabulary's logits. Tensor parallelism replaces it with the
-    vocabulary-parallel loss of its sharded logits (`VocabParallelCrossEntropy`)."""
+    vocabulary-parallel loss of its sharded logits (`VocabParallelCrossEntropy`). Compiled with
+    the blocks (`dyad.compile.compile_blocks`): eagerly the float32 copy of the logits and the
+    softmax's passes over them took 11 ms of a 610 ms step of Qwen3-MoE's shape on an H200."""
+
+    compiled_with_blocks = True
 
     def forward(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
         return caption_loss_sum(logits_BSV, targets_BS)

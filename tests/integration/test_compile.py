@@ -44,9 +44,12 @@ def test_compile_blocks_finds_each_models_blocks():
         transformer_blocks(nn.Linear(2, 2))
 
 
-def test_each_kind_of_llm_block_is_one_graph():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not CUDA, reason="no CUDA device here: the blocks' traced Triton kernels (custom ops) are not exercised"))])
+def test_each_kind_of_llm_block_is_one_graph(device):
     """No graph breaks: one graph for the dense block and one for the MoE block, shared by every
-    block of its kind (bf16, the dtype the grouped matmul traces in)."""
+    block of its kind (bf16, the dtype the grouped matmul traces in), and one for the caption
+    loss, compiled with them."""
     graphs = []
 
     def counting_backend(graph_module, example_inputs):
@@ -54,12 +57,14 @@ def test_each_kind_of_llm_block_is_one_graph():
         return graph_module.forward
 
     config = resolved_config(["llm.n_layers=3"])
-    model = build_model(config, "llm").to(torch.bfloat16)
+    model = build_model(config, "llm").to(device, torch.bfloat16)
     compile_blocks(model, counting_backend)
-    ids, rows, positions = llm_inputs(config, "cpu")
+    ids, rows, positions = llm_inputs(config, device)
     logits, aux = model(ids, rows.bfloat16(), positions)
     assert len(graphs) == 2 and config.llm.dense_layers == (0,)
-    (logits.float().sum() + aux).backward()
+    loss = model.loss_sum(logits, ids.roll(-1, dims=1))
+    assert len(graphs) == 3
+    (loss + aux).backward()
 
 
 def test_a_recompile_for_a_new_sequence_length_is_logged_with_its_reason(capfd):

@@ -267,6 +267,27 @@ def test_grouped_mm_under_autocast_computes_in_autocast_dtype():
     torch.testing.assert_close(y_NF, y_ref)
 
 
+def test_permute_under_autocast_moves_copies_in_the_matmul_dtype():
+    """Under autocast a float32 x is gathered as the bf16 copies the experts' matmuls take, and
+    its gradient is the float32 sum of the copies' bf16 gradients, as a cast after the gather
+    gives it."""
+    torch.manual_seed(5)
+    T, K, E, D = 11, 3, 4, 8
+    expert_idx_TK = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    x_TD = torch.randn(T, D, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x_sorted, order, _ = permute(x_TD, expert_idx_TK, E)
+    assert x_sorted.dtype == torch.bfloat16
+    rows_ND = torch.randn(T * K, D).bfloat16()
+    (x_sorted.float() * rows_ND.float()).sum().backward()
+    assert x_TD.grad.dtype == torch.float32
+    reference_sorted, _, _ = permute_reference(x_TD.detach(), expert_idx_TK, E)
+    assert torch.equal(x_sorted, reference_sorted.bfloat16())
+    expected = torch.zeros(T, D, dtype=torch.float64)
+    expected.index_add_(0, order // K, rows_ND.double())
+    torch.testing.assert_close(x_TD.grad, expected.float(), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("T,K,E", [(9, 2, 4), (16, 3, 5), (1, 1, 1)])
 def test_permute_unpermute_gradients_match_reference(T, K, E):
     """The fast backward (gathers, float32 sums) against autograd through the reference loops."""

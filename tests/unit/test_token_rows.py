@@ -60,6 +60,16 @@ def test_cuda_gathered_sum_agrees_with_the_reference(T, K, D, dtype):
 
 @needs_cuda
 @pytest.mark.parametrize("T,K,D", SHAPES)
+def test_cuda_gathered_sum_into_float32_agrees_with_the_reference(T, K, D):
+    rows_ND, positions_TK, _, _ = _operands(T, K, D, torch.bfloat16)
+    got = token_rows.gathered_sum(rows_ND, positions_TK, out_dtype=torch.float32)
+    expected = token_rows.gathered_sum_reference(rows_ND, positions_TK, out_dtype=torch.float32)
+    magnitudes = token_rows.gathered_sum_reference(rows_ND.abs(), positions_TK, out_dtype=torch.float32)
+    _assert_agree(got, expected, magnitudes, K, "gathered_sum into float32")
+
+
+@needs_cuda
+@pytest.mark.parametrize("T,K,D", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_scaled_scatter_and_dots_agree_with_the_reference(T, K, D, dtype):
     rows_ND, positions_TK, weights_TK, grad_TD = _operands(T, K, D, dtype)
@@ -76,3 +86,25 @@ def test_cuda_scaled_scatter_and_dots_agree_with_the_reference(T, K, D, dtype):
 def test_cuda_float32_takes_the_references():
     rows_ND, positions_TK, _, _ = _operands(4, 2, 8, torch.float32)
     assert not token_rows._fused_applies(rows_ND, positions_TK)
+
+
+@needs_cuda
+def test_cuda_compiled_callers_run_the_fused_kernels(monkeypatch):
+    """Traced by torch.compile, the combine and its backward call the Triton kernels (as custom
+    ops) and give the eager results bit for bit."""
+    rows_ND, positions_TK, weights_TK, grad_TD = _operands(257, 8, 2048, torch.bfloat16)
+    calls = []
+    for name in ("_gathered_sum_fused", "_scaled_scatter_and_dots_fused"):
+        kernel = getattr(token_rows, name)
+        monkeypatch.setattr(token_rows, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
+
+    def both(rows, positions, weights, grad):
+        return (token_rows.gathered_sum(rows, positions, weights), token_rows.gathered_sum(rows, positions, out_dtype=torch.float32),
+                *token_rows.scaled_scatter_and_dots(grad, rows, positions, weights))
+
+    eager = both(rows_ND, positions_TK, weights_TK, grad_TD)
+    calls.clear()
+    compiled = torch.compile(both, fullgraph=True)(rows_ND, positions_TK, weights_TK, grad_TD)
+    assert sorted(calls) == ["_gathered_sum_fused", "_gathered_sum_fused", "_scaled_scatter_and_dots_fused"]
+    for got, expected in zip(compiled, eager, strict=True):
+        assert torch.equal(got, expected)
