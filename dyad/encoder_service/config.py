@@ -89,6 +89,11 @@ class EncoderConfig:
     def mlp_dim(self) -> int:
         return self.mlp_hidden or int(self.dim * self.mlp_ratio)
 
+    @property
+    def tp_split(self) -> dict[str, int]:
+        """The widths tensor parallelism splits (the projector's hidden: out_dim)."""
+        return {"heads": self.heads, "mlp_dim": self.mlp_dim, "out_dim": self.out_dim}
+
 
 @dataclass(kw_only=True)
 class Qwen3VLVisionConfig:
@@ -147,3 +152,8 @@ class Qwen3VLVisionConfig:
     def merged_dim(self) -> int:
         """Width of one merged token before a merger's MLP."""
         return self.dim * self.spatial_merge**2
+
+    @property
+    def tp_split(self) -> dict[str, int]:
+        """The widths tensor parallelism splits (the mergers' hidden: merged_dim)."""
+        return {"heads": self.heads, "mlp_hidden": self.mlp_hidden, "merged_dim": self.merged_dim}
