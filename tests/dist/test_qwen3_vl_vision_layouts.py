@@ -1,24 +1,30 @@
 """Qwen3-VL's vision tower under encoder layouts (dp × tp) reproduces the single-device tower on a
 batch of images of different patch grids: merged tokens, DeepStack features and every gradient
 gathered to full shapes (float32, 1e-5, max norm). Each dp rank runs its own images; tp splits
-the heads, the MLPs' hidden and the mergers' hidden. A layout that cannot split the tower is
-refused naming the width."""
+the heads, the MLPs' hidden and the mergers' hidden; each rank reads its pieces of the tower from
+a checkpoint of Hugging Face names (`qwen3_vl_sources`, the inverse of `qwen3_vl_tower_tensors`).
+A layout that cannot split the tower is refused naming the width."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import json
 
 import pytest
 import torch
 
+from safetensors.torch import save_file
+
 from dyad.encoder_service.config import Qwen3VLVisionConfig
+from dyad.encoder_service.hf import qwen3_vl_sources, qwen3_vl_tower_tensors
 from dyad.encoder_service.parallelize import parallelize_qwen3_vl_vision
 from dyad.encoder_service.qwen3_vl import Qwen3VLVision
+from dyad.hf_checkpoint import HFCheckpoint
 from dyad.layout import EncoderLayout, validate_encoder_layout
 from dyad.parallel.gradients import full_tensors
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.overlap import GradientReduction
+from dyad.slices import load_pieces
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import assert_tensors_close
 
@@ -42,13 +48,16 @@ def _outputs(model, pixels, grid_thw) -> torch.Tensor:
     return torch.cat([merged, *deepstack], dim=1)  # [T, (1 + levels) * O]
 
 
-def _body(rank, world_size, dp, tp):
+def _body(rank, world_size, dp, tp, checkpoint):
     layout = EncoderLayout(dp=dp, tp=tp)
     validate_encoder_layout(layout, CFG)
     groups = ProcessGroups.build(layout)
     reference = _tower()
-    model = copy.deepcopy(reference)
+    model = Qwen3VLVision(CFG)
     reduction = GradientReduction(parallelize_qwen3_vl_vision(model, groups), groups)
+    load_pieces(model, qwen3_vl_sources(HFCheckpoint(checkpoint), CFG))
+    for name, value in full_tensors(model).items():
+        assert torch.equal(value, dict(reference.named_parameters())[name]), name
     grids = torch.tensor(GRIDS)
     patches = grids.prod(1).tolist()
     images = torch.randn(sum(patches), X, generator=torch.Generator().manual_seed(1)).split(patches)
@@ -66,8 +75,10 @@ def _body(rank, world_size, dp, tp):
 
 
 @pytest.mark.parametrize("dp, tp", [(1, 2), (2, 2)])
-def test_qwen3_vl_vision_layout_matches_single_device(dp, tp):
-    run_distributed(_body, dp * tp, dp, tp)
+def test_qwen3_vl_vision_layout_matches_single_device(dp, tp, tmp_path):
+    save_file(qwen3_vl_tower_tensors(_tower().state_dict(), CFG, "model.visual."), tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl_moe"}))
+    run_distributed(_body, dp * tp, dp, tp, str(tmp_path))
 
 
 def test_a_tp_that_does_not_split_the_tower_is_refused_naming_the_width():
