@@ -12,7 +12,6 @@ import json
 
 import pytest
 import torch
-
 from safetensors.torch import save_file
 
 from dyad.encoder_service.config import Qwen3VLVisionConfig

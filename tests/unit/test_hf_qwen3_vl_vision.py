@@ -25,8 +25,8 @@ from tests.helpers.hf_models import make_norms_and_biases_matter
 from tests.helpers.parity import relative_error
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test reference (pip install -e '.[test]')")
-from transformers.models.qwen3_vl import modeling_qwen3_vl  # noqa: E402
-from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe  # noqa: E402
+from transformers.models.qwen3_vl import modeling_qwen3_vl
+from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe
 
 VISION = dict(depth=3, hidden_size=32, intermediate_size=56, num_heads=2, in_channels=3, patch_size=4,
               temporal_patch_size=2, spatial_merge_size=2, deepstack_visual_indexes=[0, 1],
