@@ -17,8 +17,9 @@ mirrors, so that a user (and dyad's tests) can compare the two directly:
     out.pooler_output, out.deepstack_features  # the merged image tokens, the DeepStack features
 
 LLM families: `dyad.llm_service.hf_config.FAMILIES`; vision towers:
-`dyad.encoder_service.hf_config.FAMILIES` and Qwen3-VL's (`QWEN3_VL_VISION`); a LLaVA (`LlavaForConditionalGeneration`) of any of
-them, its image placeholders (`image_token_index`) replaced by the projected features of its images.
+`dyad.encoder_service.hf_config.FAMILIES` and Qwen3-VL's (`QWEN3_VL_VISION`); a LLaVA
+(`LlavaForConditionalGeneration`) of any of the former, its image placeholders
+(`image_token_index`) replaced by the projected features of its images.
 """
 
 from __future__ import annotations
