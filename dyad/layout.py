@@ -182,9 +182,7 @@ def validate_llm_layout(layout: LLMLayout, llm_cfg) -> None:
 
 
 def validate_encoder_layout(layout: EncoderLayout, enc_cfg) -> None:
-    """Refuse a layout that cannot shard this encoder (an `EncoderConfig`; the projector's hidden
-    is split over tp)."""
-    section = "parallel.encoder"
-    _check_divides(section, "tp", layout.tp, "heads", enc_cfg.heads)
-    _check_divides(section, "tp", layout.tp, "mlp_dim", enc_cfg.mlp_dim)
-    _check_divides(section, "tp", layout.tp, "out_dim", enc_cfg.out_dim)
+    """Refuse a layout that cannot shard this encoder (an `EncoderConfig` or a
+    `Qwen3VLVisionConfig`: each names the widths tensor parallelism splits, `tp_split`)."""
+    for field, value in enc_cfg.tp_split.items():
+        _check_divides("parallel.encoder", "tp", layout.tp, field, value)

@@ -88,3 +88,72 @@ class EncoderConfig:
     @property
     def mlp_dim(self) -> int:
         return self.mlp_hidden or int(self.dim * self.mlp_ratio)
+
+    @property
+    def tp_split(self) -> dict[str, int]:
+        """The widths tensor parallelism splits (the projector's hidden: out_dim)."""
+        return {"heads": self.heads, "mlp_dim": self.mlp_dim, "out_dim": self.out_dim}
+
+
+@dataclass(kw_only=True)
+class Qwen3VLVisionConfig:
+    """Qwen3-VL's native-resolution vision tower (dyad/encoder_service/qwen3_vl.py; a checkpoint's
+    is `dyad.encoder_service.hf_config.qwen3_vl_vision_config`'s). Images of any patch grid: each
+    patch a `temporal_patch` x `patch_size` x `patch_size` block of `channels`, positions learned
+    on a `position_grid` square resampled to each image's grid plus a 2-D rotary in the blocks,
+    each `spatial_merge` x `spatial_merge` square of patches merged into one `out_dim` token, and
+    the blocks `deepstack_layers` name each giving one more such token set (DeepStack)."""
+
+    patch_size: int = 4
+    temporal_patch: int = 2  # frames per patch (an image is repeated to fill them)
+    channels: int = 3
+    dim: int = 64
+    depth: int = 2
+    heads: int = 4
+    mlp_hidden: int = 256
+    activation: str = "gelu_tanh"  # the blocks' MLP's: one of ACTIVATIONS (the mergers' is exact GELU)
+    norm_eps: float = 1e-6
+    position_grid: int = 8  # side of the learned square of position embeddings
+    rope_theta: float = 10000.0
+    spatial_merge: int = 2
+    out_dim: int = 64  # the LLM hidden size
+    deepstack_layers: tuple[int, ...] = (0,)  # blocks (0-based, increasing) whose output a DeepStack merger reads
+
+    def __post_init__(self):
+        positive = ("patch_size", "temporal_patch", "channels", "dim", "depth", "heads", "mlp_hidden",
+                    "position_grid", "spatial_merge", "out_dim")
+        for name in positive:
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"encoder.{name} ({value}) must be >= 1")
+        for name in ("norm_eps", "rope_theta"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"encoder.{name} ({getattr(self, name)}) must be > 0")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"encoder.activation ({self.activation!r}) must be one of {', '.join(ACTIVATIONS)}")
+        if self.dim % self.heads or (self.dim // self.heads) % 4:
+            raise ValueError(f"encoder.heads ({self.heads}) must divide encoder.dim ({self.dim}) into heads of a "
+                             f"multiple of 4 (the 2-D rotary turns pairs of each half: rows', columns')")
+        layers = list(self.deepstack_layers)
+        if layers != sorted(set(layers)) or any(not 0 <= i < self.depth for i in layers):
+            raise ValueError(f"encoder.deepstack_layers ({layers}) must be increasing block indices in "
+                             f"[0, {self.depth}) (encoder.depth: {self.depth})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    @property
+    def patch_numel(self) -> int:
+        """Values of one flattened patch: (channels, temporal_patch, patch_size, patch_size)."""
+        return self.channels * self.temporal_patch * self.patch_size**2
+
+    @property
+    def merged_dim(self) -> int:
+        """Width of one merged token before a merger's MLP."""
+        return self.dim * self.spatial_merge**2
+
+    @property
+    def tp_split(self) -> dict[str, int]:
+        """The widths tensor parallelism splits (the mergers' hidden: merged_dim)."""
+        return {"heads": self.heads, "mlp_hidden": self.mlp_hidden, "merged_dim": self.merged_dim}

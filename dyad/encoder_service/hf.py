@@ -1,25 +1,29 @@
 """Hugging Face vision towers' weights under `VisionEncoder`'s names (`encoder_sources`: read a
-rank's piece at a time; `encoder_state_dict`: whole); their config is `dyad.encoder_service.hf_config`'s. A tower's tensors are found under whatever prefix
-its checkpoint gives them (a tower alone, a SigLIP or CLIP model's `vision_model.`, a LLaVA's
-vision tower)."""
+rank's piece at a time; `encoder_state_dict`: whole), and Qwen3-VL's under `Qwen3VLVision`'s
+(`qwen3_vl_sources`, `qwen3_vl_state_dict`); their config is `dyad.encoder_service.hf_config`'s.
+A tower's tensors are found under whatever prefix its checkpoint gives them (a tower alone, a
+SigLIP or CLIP model's `vision_model.`, a LLaVA's vision tower, a Qwen3-VL's `model.visual.`).
+`tower_tensors` and `qwen3_vl_tower_tensors` are the inverses: dyad's tensors under the names."""
 
 from __future__ import annotations
 
 import torch
 
-from dyad.encoder_service.config import EncoderConfig
+from dyad.encoder_service.config import EncoderConfig, Qwen3VLVisionConfig
 from dyad.hf_checkpoint import HFCheckpoint
 from dyad.slices import Concatenated, Merged, Source
 
 _PATCH = "embeddings.patch_embedding.weight"
+_QWEN3_VL_PATCH = "patch_embed.proj.weight"
 _PROJECTOR = "multi_modal_projector.linear_1.weight"
 
 
-def tower_prefix(checkpoint: HFCheckpoint) -> str:
-    """The prefix of the checkpoint's vision tower tensors (a ValueError unless exactly one)."""
-    prefixes = sorted(name.removesuffix(_PATCH) for name in checkpoint.names if name.endswith(_PATCH))
+def tower_prefix(checkpoint: HFCheckpoint, patch: str = _PATCH) -> str:
+    """The prefix of the checkpoint's vision tower tensors, found by the name of its patch
+    embedding `patch` (a ValueError unless exactly one)."""
+    prefixes = sorted(name.removesuffix(patch) for name in checkpoint.names if name.endswith(patch))
     if len(prefixes) != 1:
-        raise ValueError(f"{checkpoint.path}: expected one vision tower ('...{_PATCH}'), found {len(prefixes)}")
+        raise ValueError(f"{checkpoint.path}: expected one vision tower ('...{patch}'), found {len(prefixes)}")
     return prefixes[0]
 
 
@@ -103,3 +107,64 @@ def tower_tensors(state: dict[str, torch.Tensor], cfg: EncoderConfig, prefix: st
         for kind in ("weight", "bias"):
             tensors[f"multi_modal_projector.{theirs}.{kind}"] = state[f"{mine}.{kind}"]
     return {name: tensor.contiguous() for name, tensor in tensors.items()}
+
+
+def _qwen3_vl_names(cfg: Qwen3VLVisionConfig) -> dict[str, str]:
+    """`Qwen3VLVision(cfg)`'s parameter names -> a Qwen3-VL tower's (unprefixed), but the patch
+    embedding's (its Conv3d weight is 5-D)."""
+    names = {"patch_embed.bias": "patch_embed.proj.bias", "pos_embed_GD": "pos_embed.weight"}
+    for i in range(cfg.depth):
+        for mine, theirs in (("attn_norm", "norm1"), ("mlp_norm", "norm2"), ("qkv", "attn.qkv"), ("proj", "attn.proj"),
+                             ("fc1", "mlp.linear_fc1"), ("fc2", "mlp.linear_fc2")):
+            names |= {f"blocks.{i}.{mine}.{kind}": f"blocks.{i}.{theirs}.{kind}" for kind in ("weight", "bias")}
+    mergers = [("merger", "merger")] + [(f"deepstack_mergers.{j}", f"deepstack_merger_list.{j}")
+                                        for j in range(len(cfg.deepstack_layers))]
+    for mine, theirs in mergers:
+        for part, hf_part in (("norm", "norm"), ("fc1", "linear_fc1"), ("fc2", "linear_fc2")):
+            names |= {f"{mine}.{part}.{kind}": f"{theirs}.{hf_part}.{kind}" for kind in ("weight", "bias")}
+    return names
+
+
+def _qwen3_vl_shapes(cfg: Qwen3VLVisionConfig) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape in a Qwen3-VL tower (unprefixed names)."""
+    D, M, E, O = cfg.dim, cfg.mlp_hidden, cfg.merged_dim, cfg.out_dim
+    shapes = {_QWEN3_VL_PATCH: (D, cfg.channels, cfg.temporal_patch, cfg.patch_size, cfg.patch_size),
+              "patch_embed.proj.bias": (D,), "pos_embed.weight": (cfg.position_grid**2, D)}
+    for i in range(cfg.depth):
+        hf = f"blocks.{i}"
+        shapes |= {f"{hf}.{norm}.{kind}": (D,) for norm in ("norm1", "norm2") for kind in ("weight", "bias")}
+        for name, out, into in (("attn.qkv", 3 * D, D), ("attn.proj", D, D), ("mlp.linear_fc1", M, D),
+                                ("mlp.linear_fc2", D, M)):
+            shapes[f"{hf}.{name}.weight"], shapes[f"{hf}.{name}.bias"] = (out, into), (out,)
+    for hf, norm in [("merger", D)] + [(f"deepstack_merger_list.{j}", E) for j in range(len(cfg.deepstack_layers))]:
+        shapes[f"{hf}.norm.weight"] = shapes[f"{hf}.norm.bias"] = (norm,)
+        shapes[f"{hf}.linear_fc1.weight"], shapes[f"{hf}.linear_fc1.bias"] = (E, E), (E,)
+        shapes[f"{hf}.linear_fc2.weight"], shapes[f"{hf}.linear_fc2.bias"] = (O, E), (O,)
+    return shapes
+
+
+def qwen3_vl_sources(checkpoint: HFCheckpoint, cfg: Qwen3VLVisionConfig, prefix: str | None = None) -> dict[str, Source]:
+    """Where each tensor of `Qwen3VLVision(cfg)`'s state dict lies in `checkpoint` (nothing read
+    yet), names and shapes checked."""
+    prefix = tower_prefix(checkpoint, _QWEN3_VL_PATCH) if prefix is None else prefix
+    shapes = _qwen3_vl_shapes(cfg)
+
+    def get(name: str) -> Source:
+        return checkpoint.stored(prefix + name, shapes[name])
+
+    # [D, C, t, p, p] flattened to [D, X], as the processor flattens a patch
+    state = {"patch_embed.weight": Merged(Merged(Merged(get(_QWEN3_VL_PATCH), 3), 2), 1)}
+    return state | {mine: get(theirs) for mine, theirs in _qwen3_vl_names(cfg).items()}
+
+
+def qwen3_vl_state_dict(checkpoint: HFCheckpoint, cfg: Qwen3VLVisionConfig, prefix: str | None = None):
+    """`Qwen3VLVision(cfg)`'s whole state dict, read from `checkpoint`."""
+    return {name: source.full() for name, source in qwen3_vl_sources(checkpoint, cfg, prefix).items()}
+
+
+def qwen3_vl_tower_tensors(state: dict[str, torch.Tensor], cfg: Qwen3VLVisionConfig, prefix: str) -> dict[str, torch.Tensor]:
+    """`Qwen3VLVision(cfg)`'s state dict under a Qwen3-VL tower's names, each prefixed by `prefix`
+    (a whole model's: `model.visual.`): the inverse of `qwen3_vl_sources`, each tensor contiguous."""
+    tensors = {_QWEN3_VL_PATCH: state["patch_embed.weight"].reshape(_qwen3_vl_shapes(cfg)[_QWEN3_VL_PATCH])}
+    tensors |= {theirs: state[mine] for mine, theirs in _qwen3_vl_names(cfg).items()}
+    return {prefix + name: tensor.contiguous() for name, tensor in tensors.items()}

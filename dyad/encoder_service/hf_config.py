@@ -8,6 +8,9 @@ output, -2: the one before), before the final norm, without the class token; loa
 (`dyad.hf.load`) it is transformers' `last_hidden_state`. A LLaVA directory's tower comes with its
 projector (two linears around an exact GELU, dyad's own projector at `encoder.spatial_merge` 1), and
 with the feature layer its config names.
+
+Qwen3-VL (`qwen3_vl_vision_config`): the native-resolution tower of a Qwen3-VL or Qwen3-VL-MoE
+model (its `vision_config`) or saved alone, dyad's `Qwen3VLVisionConfig`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from dyad.data.image_processor import ImageProcessor, read_image_processor
-from dyad.encoder_service.config import EncoderConfig
+from dyad.encoder_service.config import EncoderConfig, Qwen3VLVisionConfig
 from dyad.hf_checkpoint import adopted, read_config
 
 FAMILIES = {"siglip_vision_model": "siglip", "clip_vision_model": "clip", "siglip": "siglip", "clip": "clip"}
@@ -123,3 +126,58 @@ def image_processor(encoder: EncoderConfig) -> ImageProcessor | None:
         raise ValueError(f"data.image_size ({encoder.image_size}) must be the size encoder.from_hf's "
                          f"preprocessor_config.json prepares images at ({processor.output_size})")
     return processor
+
+
+QWEN3_VL_VISION = ("qwen3_vl_moe_vision", "qwen3_vl_vision")  # a tower saved alone
+QWEN3_VL = ("qwen3_vl_moe", "qwen3_vl")  # a whole model (and an older checkpoint's vision_config)
+
+
+def qwen3_vl_vision(hf: dict) -> dict | None:
+    """The Qwen3-VL vision config of a config.json (itself, or a whole model's `vision_config`),
+    None for another model's."""
+    if hf.get("model_type") in QWEN3_VL and "vision_config" in hf:
+        return hf["vision_config"]
+    return hf if hf.get("model_type") in QWEN3_VL_VISION + QWEN3_VL else None
+
+
+def qwen3_vl_vision_config(hf: dict) -> Qwen3VLVisionConfig:
+    """dyad's tower for a Qwen3-VL(-MoE) config.json (the whole model's or the tower's); a
+    ValueError naming the field of one dyad does not model."""
+    vision = qwen3_vl_vision(hf)
+    if vision is None:
+        raise ValueError(f"config.json model_type {hf.get('model_type')!r} is not a Qwen3-VL model or vision tower "
+                         f"({', '.join(QWEN3_VL + QWEN3_VL_VISION)})")
+    for field in ("patch_size", "temporal_patch_size"):
+        if not isinstance(vision.get(field, 16), int):
+            raise ValueError(f"config.json vision_config {field}={vision[field]!r}: dyad takes one int (square patches)")
+    act = vision.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"config.json vision_config hidden_act={act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+    rope = dict(vision.get("rope_parameters") or {})
+    if rope.pop("rope_type", "axial") != "axial" or set(rope) - {"rope_theta"}:
+        raise ValueError(f"config.json vision_config rope_parameters={vision['rope_parameters']!r} is not supported "
+                         f"(dyad's: rope_type 'axial' and a rope_theta)")
+    positions = vision.get("num_position_embeddings", 2304)
+    side = round(positions**0.5)
+    if side * side != positions:
+        raise ValueError(f"config.json vision_config num_position_embeddings={positions} must be a square "
+                         f"(a side x side grid of positions)")
+    depth, layers = vision.get("depth", 27), list(vision.get("deepstack_visual_indexes", (8, 16, 24)))
+    if layers != sorted(set(layers)) or any(not 0 <= i < depth for i in layers):
+        raise ValueError(f"config.json vision_config deepstack_visual_indexes={layers} must be increasing "
+                         f"block indices in [0, {depth}) (depth: {depth})")
+    return Qwen3VLVisionConfig(  # transformers' defaults where a config leaves a field out
+        patch_size=vision.get("patch_size", 16),
+        temporal_patch=vision.get("temporal_patch_size", 2),
+        channels=vision.get("in_channels", 3),
+        dim=vision.get("hidden_size", 1152),
+        depth=depth,
+        heads=vision.get("num_heads", 16),
+        mlp_hidden=vision.get("intermediate_size", 4304),
+        activation=_ACTIVATIONS[act],
+        position_grid=side,
+        rope_theta=rope.get("rope_theta", 10000.0),
+        spatial_merge=vision.get("spatial_merge_size", 2),
+        out_dim=vision.get("out_hidden_size", 3584),
+        deepstack_layers=tuple(layers),
+    )

@@ -12,9 +12,14 @@ mirrors, so that a user (and dyad's tests) can compare the two directly:
     whole = dyad.hf.load("path/to/a-llava")  # a tower, its projector and an MoE LLM
     whole(input_ids, pixel_values=pixel_values, attention_mask=attention_mask).logits
 
+    vision = dyad.hf.load_qwen3_vl_vision("path/to/Qwen3-VL-30B-A3B-Instruct")  # or a tower alone
+    out = vision(pixel_values, grid_thw)  # as Qwen3-VL's image processor gives them
+    out.pooler_output, out.deepstack_features  # the merged image tokens, the DeepStack features
+
 LLM families: `dyad.llm_service.hf_config.FAMILIES`; vision towers:
-`dyad.encoder_service.hf_config.FAMILIES`; a LLaVA (`LlavaForConditionalGeneration`) of any of
-them, its image placeholders (`image_token_index`) replaced by the projected features of its images.
+`dyad.encoder_service.hf_config.FAMILIES` and Qwen3-VL's (`QWEN3_VL_VISION`); a LLaVA
+(`LlavaForConditionalGeneration`) of any of the former, its image placeholders
+(`image_token_index`) replaced by the projected features of its images.
 """
 
 from __future__ import annotations
@@ -26,17 +31,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dyad.encoder_service.hf import encoder_state_dict
+from dyad.encoder_service.hf import encoder_state_dict, qwen3_vl_state_dict
 from dyad.encoder_service.hf_config import FAMILIES as VISION_FAMILIES
-from dyad.encoder_service.hf_config import encoder_config, llava_feature_layer
+from dyad.encoder_service.hf_config import QWEN3_VL_VISION, encoder_config, llava_feature_layer, qwen3_vl_vision_config
 from dyad.encoder_service.model import VisionEncoder
+from dyad.encoder_service.qwen3_vl import Qwen3VLVision
 from dyad.hf_checkpoint import HFCheckpoint
 from dyad.llm_service.hf import llm_state_dict
 from dyad.llm_service.hf_config import FAMILIES, llm_config
 from dyad.llm_service.model import MoELM
 from dyad.llm_service.moe import zero_expert_counts
 
-__all__ = ["CausalLM", "CausalLMOutput", "Llava", "VisionTower", "VisionTowerOutput", "load"]
+__all__ = [
+    "CausalLM", "CausalLMOutput", "Llava", "Qwen3VLVisionOutput", "Qwen3VLVisionTower", "VisionTower",
+    "VisionTowerOutput", "load", "load_qwen3_vl_vision",
+]
 
 
 @dataclass
@@ -122,11 +131,44 @@ class VisionTower(nn.Module):
         return VisionTowerOutput(last_hidden_state=self.model.hidden_states(pixel_values))
 
 
+@dataclass
+class Qwen3VLVisionOutput:  # transformers' names
+    last_hidden_state: torch.Tensor  # [patches, D]: the last block's output
+    pooler_output: torch.Tensor  # [tokens, out_dim]: the merged image tokens
+    deepstack_features: list[torch.Tensor]  # a [tokens, out_dim] per DeepStack layer
+
+
+class Qwen3VLVisionTower(nn.Module):
+    """A `Qwen3VLVision` (`.model`) behind transformers' Qwen3-VL vision model's forward:
+    `pixel_values` [patches, C * temporal * p * p] and `grid_thw` [images, 3], as Qwen3-VL's image
+    processor gives them (`image_grid_thw`)."""
+
+    def __init__(self, model: Qwen3VLVision):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Qwen3VLVisionOutput:
+        hidden_PD, deepstack = self.model.hidden_states(pixel_values, grid_thw)
+        return Qwen3VLVisionOutput(hidden_PD, self.model.merger(hidden_PD), deepstack)
+
+
+def load_qwen3_vl_vision(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+) -> Qwen3VLVisionTower:
+    """The vision tower of a Qwen3-VL(-MoE) directory (the whole model's or one saved alone)."""
+    checkpoint = HFCheckpoint(path)
+    cfg = qwen3_vl_vision_config(checkpoint.config)
+    with torch.device("meta"):
+        model = Qwen3VLVision(cfg)
+    model.load_state_dict(qwen3_vl_state_dict(checkpoint, cfg), assign=True, strict=True)
+    return Qwen3VLVisionTower(model.to(device=device, dtype=dtype))
+
+
 def load(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-) -> CausalLM | VisionTower | Llava:
+) -> CausalLM | VisionTower | Llava | Qwen3VLVisionTower:
     """dyad's single-device model of the Hugging Face model directory `path` (an MoE LLM, a
-    vision tower, or a LLaVA of the two), its weights read from the directory's safetensors files
+    vision tower, or a LLaVA of the two; a Qwen3-VL tower saved alone), its weights read from the directory's safetensors files
     (names and shapes checked)."""
     checkpoint = HFCheckpoint(path)
     family = checkpoint.config.get("model_type")
@@ -146,8 +188,10 @@ def load(
         state |= {name: torch.zeros(p.shape) for name, p in tower.named_parameters() if name.startswith("proj_")}
         tower.load_state_dict(state, strict=True)
         return VisionTower(tower.to(device=device, dtype=dtype))
+    if family in QWEN3_VL_VISION:
+        return load_qwen3_vl_vision(path, dtype=dtype, device=device)
     if family not in FAMILIES:
-        known = ", ".join([*FAMILIES, *sorted(VISION_FAMILIES), "llava"])
+        known = ", ".join([*FAMILIES, *sorted(VISION_FAMILIES), *QWEN3_VL_VISION, "llava"])
         raise ValueError(f"{path}: model_type {family!r} is not one dyad loads ({known})")
     return CausalLM(_llm(checkpoint).to(device=device, dtype=dtype))
 
