@@ -109,10 +109,13 @@ class Split(Source):
         self.shape = (*shape[:dim], parts, self.inner, *shape[dim + 1 :])
 
     def read(self, index: Index, device: Device = None) -> torch.Tensor:
-        outer, inner = index[self.dim], index[self.dim + 1]
-        flat = (outer.unsqueeze(1) * self.inner + inner.unsqueeze(0)).flatten()
-        value = self.source.read(index[: self.dim] + (flat,) + index[self.dim + 2 :], device)
-        return value.unflatten(self.dim, (len(outer), len(inner)))
+        # one read a part: the box of each spans only its own selection (an expert-tensor-parallel
+        # rank's columns of the gate rows, then of the up rows), not the rows between them
+        before, (outer, inner), after = index[: self.dim], index[self.dim : self.dim + 2], index[self.dim + 2 :]
+        if not len(outer):
+            return self.source.read(before + (outer,) + after, device).unflatten(self.dim, (0, len(inner)))
+        parts = [self.source.read(before + (int(o) * self.inner + inner,) + after, device) for o in outer]
+        return torch.stack(parts, self.dim)
 
 
 class Stacked(Source):
