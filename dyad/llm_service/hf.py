@@ -176,17 +176,20 @@ def multi_token_prediction_layers(checkpoint: HFCheckpoint, cfg: LLMConfig) -> l
     return sorted(i for i in layers if i >= cfg.n_layers)
 
 
-def hf_tensors(state: dict[str, torch.Tensor], cfg: LLMConfig, family: str, *, head: str = "") -> dict[str, torch.Tensor]:
+def hf_tensors(
+    state: dict[str, torch.Tensor], cfg: LLMConfig, family: str, *, head: str = "", decoder: str = "model.",
+) -> dict[str, torch.Tensor]:
     """`MoELM(cfg)`'s full state dict under `family`'s checkpoint names, each prefixed by `head`
-    (a LLaVA's "language_model."): the inverse of `llm_state_dict`, each tensor contiguous (what
-    safetensors writes)."""
+    (a LLaVA's "language_model."), the decoder's by `decoder` too (Qwen3-VL's
+    "model.language_model."): the inverse of `llm_state_dict`, each tensor contiguous (what
+    safetensors writes); fused experts as transformers 5 saves them."""
     tensors = {
-        f"{head}model.embed_tokens.weight": state["tok_embeddings.weight"],
-        f"{head}model.norm.weight": state["norm.weight"],
+        f"{head}{decoder}embed_tokens.weight": state["tok_embeddings.weight"],
+        f"{head}{decoder}norm.weight": state["norm.weight"],
         f"{head}lm_head.weight": state["output.weight"],
     }
     for i in range(cfg.n_layers):
-        hf, ours = f"{head}model.layers.{i}", f"layers.{i}"
+        hf, ours = f"{head}{decoder}layers.{i}", f"layers.{i}"
         tensors[f"{hf}.input_layernorm.weight"] = state[f"{ours}.attn_norm.weight"]
         tensors[f"{hf}.post_attention_layernorm.weight"] = state[f"{ours}.ffn_norm.weight"]
         for mine, theirs, _ in _attention_pairs(cfg):
@@ -200,10 +203,14 @@ def hf_tensors(state: dict[str, torch.Tensor], cfg: LLMConfig, family: str, *, h
         if family == "deepseek_v3":
             tensors[f"{moe}.gate.e_score_correction_bias"] = state[f"{ours}.feed_forward.expert_bias_E"]
         w13_ED2F, w2_EFD = state[f"{ours}.feed_forward.w13_ED2F"], state[f"{ours}.feed_forward.w2_EFD"]
-        for e in range(cfg.moe.num_experts):
-            tensors[f"{moe}.experts.{e}.{gate}.weight"] = w13_ED2F[e, :, 0::2].T
-            tensors[f"{moe}.experts.{e}.{up}.weight"] = w13_ED2F[e, :, 1::2].T
-            tensors[f"{moe}.experts.{e}.{down}.weight"] = w2_EFD[e].T
+        if family in FUSED_EXPERTS:  # [E, 2F, D]: each expert's gate rows, then its up rows; [E, D, F]
+            tensors[f"{moe}.experts.gate_up_proj"] = torch.cat([w13_ED2F[..., 0::2], w13_ED2F[..., 1::2]], 2).mT
+            tensors[f"{moe}.experts.down_proj"] = w2_EFD.mT
+        else:
+            for e in range(cfg.moe.num_experts):
+                tensors[f"{moe}.experts.{e}.{gate}.weight"] = w13_ED2F[e, :, 0::2].T
+                tensors[f"{moe}.experts.{e}.{up}.weight"] = w13_ED2F[e, :, 1::2].T
+                tensors[f"{moe}.experts.{e}.{down}.weight"] = w2_EFD[e].T
         if cfg.moe.shared_expert_dim:
             for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
                 tensors[f"{moe}.{_shared(family)}.{theirs}.weight"] = state[f"{ours}.feed_forward.shared_expert.{mine}.weight"]

@@ -5,7 +5,7 @@ transformers' `get_rope_index`, images of three grid sizes over two samples, one
 and the same DeepStack rows through both: logits, loss, every LLM parameter's gradient and the
 gradients of the image and DeepStack rows equal in float32 (1e-5 relative, in the max norm).
 dyad's `rope_index` is transformers' `get_rope_index`; the fused experts load from either layout
-a checkpoint may hold them in."""
+a checkpoint may hold them in, and are written back as transformers saves them."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from dyad.hf_checkpoint import HFCheckpoint
-from dyad.llm_service.hf import llm_state_dict
+from dyad.llm_service.hf import hf_tensors, llm_state_dict
 from dyad.llm_service.hf_config import llm_config
 from dyad.llm_service.model import MoELM
 from dyad.llm_service.rope_index import rope_index
@@ -212,6 +212,18 @@ def test_fused_experts_load_from_the_hub_layout_too(tmp_path):
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     for name, value in load_llm(tmp_path).state_dict().items():
         assert torch.equal(value, saved[name]), name
+
+
+def test_exported_tensors_are_what_transformers_saved(tmp_path):
+    """`hf_tensors` of the loaded language model: the checkpoint's own tensors of it, bit for bit
+    (the fused experts in transformers 5's layout)."""
+    saved_model(tmp_path)
+    ours = load_llm(tmp_path)
+    exported = hf_tensors(ours.state_dict(), ours.cfg, "qwen3_vl_moe_text", decoder="model.language_model.")
+    weights = {n: w for n, w in load_file(tmp_path / "model.safetensors").items() if not n.startswith("model.visual.")}
+    assert exported.keys() == weights.keys()
+    for name, value in weights.items():
+        assert torch.equal(exported[name], value), name
 
 
 def test_config_says_multimodal_rotary_and_the_whole_models_head(tmp_path):
