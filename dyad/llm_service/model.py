@@ -3,7 +3,7 @@
 Legend: B batch, S sequence length, D model dim, V vocab size, H query heads, G kv heads,
 Dh head dim, N spliced image tokens, T = B*S flattened tokens; MLA: Q query latent (q_lora_rank),
 C key-value latent (kv_lora_rank), Dn and R a head's features without and with rotary, Dqk = Dn + R,
-Dv a value head.
+Dv a value head. cos and sin are [S, Dh] (SDh), or [B, S, Dh] per sample under multimodal rotary.
 
 Image tokens follow LLaVA: the caller reserves placeholder tokens in input_ids and passes the flat
 indices (into B*S) of those placeholders; their token embeddings are replaced by the image
@@ -288,7 +288,8 @@ class MoELM(nn.Module):
         if not self.cfg.mrope_section:
             raise ValueError("rope_positions need a multimodal rotary embedding (llm.mrope_section)")
         if rope_positions_3BS.shape != (3, *shape):
-            raise ValueError(f"rope_positions must have shape [3, {shape[0]}, {shape[1]}], got {list(rope_positions_3BS.shape)}")
+            expected = [3, *shape]
+            raise ValueError(f"rope_positions must have shape {expected}, got {list(rope_positions_3BS.shape)}")
         return mrope_cos_sin(rope_positions_3BS, *frequencies, self.cfg.mrope_section)
 
     def _deepstack_rows(self, deepstack_embeds, image_positions_N, S: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -240,3 +240,31 @@ def test_config_says_multimodal_rotary_and_the_whole_models_head(tmp_path):
     wide = config["text_config"]["rope_parameters"] | {"mrope_section": [2, 3, 3]}
     with pytest.raises(ValueError, match=r"llm.mrope_section \(\[2, 3, 3\]\): interleaved, .* w <= 2"):
         llm_config(config | {"text_config": config["text_config"] | {"rope_parameters": wide}})
+
+
+@pytest.mark.parametrize("section, match", [
+    ("[4,2,1]", r"llm.mrope_section \(\[4, 2, 1\]\) must be three counts \(t, h, w\) >= 0 summing to half .* \(8\)"),
+    ("[4,4]", r"llm.mrope_section \(\[4, 4\]\) must be three counts"),
+    ("[2,3,3]", r"llm.mrope_section \(\[2, 3, 3\]\): interleaved, .* h must be <= 3, w <= 2"),
+    ("[1,4,3]", r"llm.mrope_section \(\[1, 4, 3\]\): interleaved, .* h must be <= 3, w <= 2"),
+])
+def test_an_mrope_section_that_does_not_fit_is_named(section, match):
+    from dyad import config as config_lib
+
+    assert config_lib.load(None, ["llm.mrope_section=[4,2,2]"]).llm.mrope_section == (4, 2, 2)  # llm.head_dim 16
+    with pytest.raises(ValueError, match=match):
+        config_lib.load(None, [f"llm.mrope_section={section}"])
+
+
+def test_rope_positions_need_an_mrope_section_and_deepstack_rows_their_places():
+    from dyad.llm_service.config import LLMConfig
+
+    model = MoELM(LLMConfig(vocab_size=VOCAB))
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"rope_positions need a multimodal rotary embedding \(llm.mrope_section\)"):
+        model(ids, rope_positions_3BS=torch.zeros(3, 1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="deepstack_embeds need image_embeds and image_positions"):
+        model(ids, deepstack_embeds=[torch.zeros(1, model.cfg.dim)])
+    rows, positions = torch.zeros(2, model.cfg.dim), torch.tensor([1, 2])
+    with pytest.raises(ValueError, match=r"deepstack_embeds must have shape \[N, 64\], got \[2, 8\]"):
+        model(ids, rows, positions, deepstack_embeds=[torch.zeros(2, 8)])
