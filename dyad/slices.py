@@ -7,9 +7,10 @@ A recipe (`Source`) has the single-device shape of one model tensor and reads an
 `device` asked for: the stored boxes go there as they are read (in the checkpoint's dtype), and the
 recipes' transposes, stacks and interleaves run there. The stored tensor (`Stored`) reads the box
 the selection spans from its memory-mapped file; the others
-(`Transposed`, `Stacked`, `Concatenated`, `Merged`) say how a model tensor is made of stored ones
-(an expert weight of one tensor per expert, a fused q/k/v of three, a patch embedding of four dims
-flattened to two) and pass each selection on to what they are made of.
+(`Transposed`, `Permuted`, `Stacked`, `Concatenated`, `Merged`, `Split`) say how a model tensor is
+made of stored ones (an expert weight of one tensor per expert, a fused q/k/v of three, a patch
+embedding of four dims flattened to two, the gate and up projections of every expert fused in one)
+and pass each selection on to what they are made of.
 
 Which piece a rank holds is its parallel counterpart's fact (`local_part`, which cuts a full
 tensor); `load_pieces` asks it by cutting index tensors (`_held_indices`) rather than values.
@@ -79,6 +80,42 @@ class Transposed(Source):
 
     def read(self, index: Index, device: Device = None) -> torch.Tensor:
         return self.source.read(index[::-1], device).T
+
+
+class Permuted(Source):
+    """A tensor stored with its dims in another order: dim i here is the stored tensor's dims[i]
+    (as `torch.permute`)."""
+
+    def __init__(self, source: Source, dims: Sequence[int]):
+        self.source, self.dims = source, tuple(dims)
+        self.shape = tuple(source.shape[d] for d in self.dims)
+
+    def read(self, index: Index, device: Device = None) -> torch.Tensor:
+        stored = [None] * len(self.dims)
+        for mine, theirs in enumerate(self.dims):
+            stored[theirs] = index[mine]
+        return self.source.read(tuple(stored), device).permute(self.dims)
+
+
+class Split(Source):
+    """Dim `dim` of a tensor seen as two, (parts, its size / parts), row-major as `unflatten`
+    does: the inverse of `Merged`."""
+
+    def __init__(self, source: Source, dim: int, parts: int):
+        self.source, self.dim = source, dim
+        shape = source.shape
+        assert shape[dim] % parts == 0, f"{parts} parts of {shape[dim]}"
+        self.inner = shape[dim] // parts
+        self.shape = (*shape[:dim], parts, self.inner, *shape[dim + 1 :])
+
+    def read(self, index: Index, device: Device = None) -> torch.Tensor:
+        # one read a part: the box of each spans only its own selection (an expert-tensor-parallel
+        # rank's columns of the gate rows, then of the up rows), not the rows between them
+        before, (outer, inner), after = index[: self.dim], index[self.dim : self.dim + 2], index[self.dim + 2 :]
+        if not len(outer):
+            return self.source.read(before + (outer,) + after, device).unflatten(self.dim, (0, len(inner)))
+        parts = [self.source.read(before + (int(o) * self.inner + inner,) + after, device) for o in outer]
+        return torch.stack(parts, self.dim)
 
 
 class Stacked(Source):

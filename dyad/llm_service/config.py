@@ -187,6 +187,10 @@ class LLMConfig:
     rope_theta: float = 10000.0
     rope_type: str = "default"  # "yarn": the frequencies and scales of llm.yarn
     yarn: YarnConfig = field(default_factory=YarnConfig)
+    # Multimodal rotary (Qwen3-VL): the rotary frequencies' counts turned by the (t, h, w)
+    # positions, interleaved (t, h, w, t, h, w, ..., the rest t) as Qwen3-VL lays them out;
+    # they sum to half the rotary features. (): one position per token (plain rotary).
+    mrope_section: tuple[int, ...] = ()
     norm_eps: float = 1e-5
     dense_ffn_dim: int = 128
     dense_layers: tuple[int, ...] = (0,)  # layers with a dense SwiGLU instead of MoE
@@ -196,6 +200,7 @@ class LLMConfig:
 
     def __post_init__(self):
         self.dense_layers = tuple(self.dense_layers)
+        self.mrope_section = tuple(self.mrope_section)
         if self.vocab_size < 0:
             raise ValueError(f"llm.vocab_size ({self.vocab_size}) must be >= 0 (0: set from the tokenizer)")
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "dense_ffn_dim", "max_seq_len"):
@@ -226,6 +231,24 @@ class LLMConfig:
         for i in self.dense_layers:
             if not 0 <= i < self.n_layers:
                 raise ValueError(f"llm.dense_layers entry ({i}) must be in [0, llm.n_layers ({self.n_layers}))")
+        if self.mrope_section:
+            self._validate_mrope()
+
+    def _validate_mrope(self):
+        """Three counts summing to the rotary frequencies, h and w each within the interleaving:
+        h turns frequencies 1, 4, 7, ... and w 2, 5, 8, ...; t the rest."""
+        section, half = self.mrope_section, self.rope_dim // 2
+        if len(section) != 3 or min(section) < 0 or sum(section) != half:
+            raise ValueError(
+                f"llm.mrope_section ({list(section)}) must be three counts (t, h, w) >= 0 summing to half the "
+                f"rotary features ({half})"
+            )
+        _, h, w = section
+        if 3 * h - 2 >= half or 3 * w - 1 >= half:
+            raise ValueError(
+                f"llm.mrope_section ({list(section)}): interleaved, h and w turn every third of the {half} "
+                f"frequencies (from the second and the third): h must be <= {(half + 1) // 3}, w <= {half // 3}"
+            )
 
     def _validate_gqa(self):
         if self.head_dim == 0:

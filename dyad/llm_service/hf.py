@@ -11,7 +11,7 @@ import torch
 from dyad.hf_checkpoint import HFCheckpoint
 from dyad.llm_service.config import LLMConfig
 from dyad.llm_service.hf_config import text_config
-from dyad.slices import Merged, Source, Stacked, Transposed
+from dyad.slices import Merged, Permuted, Source, Split, Stacked, Transposed
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ def llm_sources(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, Source]:
     and shape checked (nothing read yet)."""
     family = text_config(checkpoint.config)["model_type"]
     decoder, head = _prefixes(checkpoint)
-    D, F = cfg.dim, cfg.moe.expert_dim
+    D = cfg.dim
     skipped = multi_token_prediction_layers(checkpoint, cfg)
     if skipped:
         log.info("%s: skipping layers %s, multi-token prediction's, which the causal LM does not use",
@@ -51,19 +51,12 @@ def llm_sources(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, Source]:
             for mine, theirs, shape in (("w1", "gate_proj", (H, D)), ("w3", "up_proj", (H, D)), ("w2", "down_proj", (D, H))):
                 state[f"{ours}.feed_forward.{mine}.weight"] = get(f"{hf}.mlp.{theirs}.weight", *shape)
             continue
-        moe, (gate, up, down) = _moe_names(family, hf)
+        moe, names = _moe_names(family, hf)
         state[f"{ours}.feed_forward.router.weight"] = get(f"{moe}.gate.weight", cfg.moe.num_experts, D)
         if family == "deepseek_v3":  # aux-loss-free balancing's bias, which only selects experts
             state[f"{ours}.feed_forward.expert_bias_E"] = get(f"{moe}.gate.e_score_correction_bias", cfg.moe.num_experts)
-        w13, w2 = [], []
-        for e in range(cfg.moe.num_experts):
-            expert = f"{moe}.experts.{e}"
-            # (gate, up) column pairs interleaved, as `swiglu_pairs` reads them: [D, F, 2] -> [D, 2F]
-            pair = [Transposed(get(f"{expert}.{name}.weight", F, D)) for name in (gate, up)]
-            w13.append(Merged(Stacked(pair, dim=2), dim=1))
-            w2.append(Transposed(get(f"{expert}.{down}.weight", D, F)))
-        state[f"{ours}.feed_forward.w13_ED2F"] = Stacked(w13)
-        state[f"{ours}.feed_forward.w2_EFD"] = Stacked(w2)
+        experts = _fused_experts if family in FUSED_EXPERTS else _experts
+        state[f"{ours}.feed_forward.w13_ED2F"], state[f"{ours}.feed_forward.w2_EFD"] = experts(checkpoint, moe, names, cfg)
         if cfg.moe.shared_expert_dim:
             H = cfg.moe.shared_expert_dim
             for mine, theirs, shape in (("w1", "gate_proj", (H, D)), ("w3", "up_proj", (H, D)), ("w2", "down_proj", (D, H))):
@@ -71,6 +64,44 @@ def llm_sources(checkpoint: HFCheckpoint, cfg: LLMConfig) -> dict[str, Source]:
         if cfg.moe.shared_expert_gate:
             state[f"{ours}.feed_forward.shared_expert_gate.weight"] = get(f"{moe}.shared_expert_gate.weight", 1, D)
     return state
+
+
+# Families whose experts are stored fused, every expert's gate and up projections in one tensor
+# and their down projections in another.
+FUSED_EXPERTS = ("qwen3_vl_moe_text",)
+
+
+def _experts(checkpoint: HFCheckpoint, moe: str, names: tuple[str, str, str], cfg: LLMConfig) -> tuple[Source, Source]:
+    """(w13_ED2F, w2_EFD) of experts stored one by one, their (gate, up, down) projections `names`."""
+    D, F = cfg.dim, cfg.moe.expert_dim
+    gate, up, down = names
+    w13, w2 = [], []
+    for e in range(cfg.moe.num_experts):
+        expert = f"{moe}.experts.{e}"
+        # (gate, up) column pairs interleaved, as `swiglu_pairs` reads them: [D, F, 2] -> [D, 2F]
+        pair = [Transposed(checkpoint.stored(f"{expert}.{name}.weight", (F, D))) for name in (gate, up)]
+        w13.append(Merged(Stacked(pair, dim=2), dim=1))
+        w2.append(Transposed(checkpoint.stored(f"{expert}.{down}.weight", (D, F))))
+    return Stacked(w13), Stacked(w2)
+
+
+def _fused_experts(checkpoint: HFCheckpoint, moe: str, _: tuple[str, str, str], cfg: LLMConfig) -> tuple[Source, Source]:
+    """(w13_ED2F, w2_EFD) of fused experts: `experts.gate_up_proj` (each expert's gate rows,
+    then its up rows) and `experts.down_proj`, [E, 2F, D] and [E, D, F] as transformers 5 holds
+    and saves them, or [E, D, 2F] and [E, F, D] as the hub's checkpoints store them (what has not
+    transformers' shape is read transposed, as transformers reads it)."""
+    E, D, F = cfg.moe.num_experts, cfg.dim, cfg.moe.expert_dim
+    gate_up, down = f"{moe}.experts.gate_up_proj", f"{moe}.experts.down_proj"
+    if checkpoint.shape(gate_up) == (E, 2 * F, D):
+        pairs_EDF2 = Permuted(Split(checkpoint.stored(gate_up, (E, 2 * F, D)), 1, 2), (0, 3, 2, 1))
+    else:
+        pairs_EDF2 = Permuted(Split(checkpoint.stored(gate_up, (E, D, 2 * F)), 2, 2), (0, 1, 3, 2))
+    if checkpoint.shape(down) == (E, D, F):
+        w2_EFD = Permuted(checkpoint.stored(down, (E, D, F)), (0, 2, 1))
+    else:
+        w2_EFD = checkpoint.stored(down, (E, F, D))
+    # (gate, up) column pairs interleaved, as `swiglu_pairs` reads them: [E, D, F, 2] -> [E, D, 2F]
+    return Merged(pairs_EDF2, dim=2), w2_EFD
 
 
 def _prefixes(checkpoint: HFCheckpoint) -> tuple[str, str]:
@@ -145,17 +176,20 @@ def multi_token_prediction_layers(checkpoint: HFCheckpoint, cfg: LLMConfig) -> l
     return sorted(i for i in layers if i >= cfg.n_layers)
 
 
-def hf_tensors(state: dict[str, torch.Tensor], cfg: LLMConfig, family: str, *, head: str = "") -> dict[str, torch.Tensor]:
+def hf_tensors(
+    state: dict[str, torch.Tensor], cfg: LLMConfig, family: str, *, head: str = "", decoder: str = "model.",
+) -> dict[str, torch.Tensor]:
     """`MoELM(cfg)`'s full state dict under `family`'s checkpoint names, each prefixed by `head`
-    (a LLaVA's "language_model."): the inverse of `llm_state_dict`, each tensor contiguous (what
-    safetensors writes)."""
+    (a LLaVA's "language_model."), the decoder's by `decoder` too (Qwen3-VL's
+    "model.language_model."): the inverse of `llm_state_dict`, each tensor contiguous (what
+    safetensors writes); fused experts as transformers 5 saves them."""
     tensors = {
-        f"{head}model.embed_tokens.weight": state["tok_embeddings.weight"],
-        f"{head}model.norm.weight": state["norm.weight"],
+        f"{head}{decoder}embed_tokens.weight": state["tok_embeddings.weight"],
+        f"{head}{decoder}norm.weight": state["norm.weight"],
         f"{head}lm_head.weight": state["output.weight"],
     }
     for i in range(cfg.n_layers):
-        hf, ours = f"{head}model.layers.{i}", f"layers.{i}"
+        hf, ours = f"{head}{decoder}layers.{i}", f"layers.{i}"
         tensors[f"{hf}.input_layernorm.weight"] = state[f"{ours}.attn_norm.weight"]
         tensors[f"{hf}.post_attention_layernorm.weight"] = state[f"{ours}.ffn_norm.weight"]
         for mine, theirs, _ in _attention_pairs(cfg):
@@ -169,10 +203,14 @@ def hf_tensors(state: dict[str, torch.Tensor], cfg: LLMConfig, family: str, *, h
         if family == "deepseek_v3":
             tensors[f"{moe}.gate.e_score_correction_bias"] = state[f"{ours}.feed_forward.expert_bias_E"]
         w13_ED2F, w2_EFD = state[f"{ours}.feed_forward.w13_ED2F"], state[f"{ours}.feed_forward.w2_EFD"]
-        for e in range(cfg.moe.num_experts):
-            tensors[f"{moe}.experts.{e}.{gate}.weight"] = w13_ED2F[e, :, 0::2].T
-            tensors[f"{moe}.experts.{e}.{up}.weight"] = w13_ED2F[e, :, 1::2].T
-            tensors[f"{moe}.experts.{e}.{down}.weight"] = w2_EFD[e].T
+        if family in FUSED_EXPERTS:  # [E, 2F, D]: each expert's gate rows, then its up rows; [E, D, F]
+            tensors[f"{moe}.experts.gate_up_proj"] = torch.cat([w13_ED2F[..., 0::2], w13_ED2F[..., 1::2]], 2).mT
+            tensors[f"{moe}.experts.down_proj"] = w2_EFD.mT
+        else:
+            for e in range(cfg.moe.num_experts):
+                tensors[f"{moe}.experts.{e}.{gate}.weight"] = w13_ED2F[e, :, 0::2].T
+                tensors[f"{moe}.experts.{e}.{up}.weight"] = w13_ED2F[e, :, 1::2].T
+                tensors[f"{moe}.experts.{e}.{down}.weight"] = w2_EFD[e].T
         if cfg.moe.shared_expert_dim:
             for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
                 tensors[f"{moe}.{_shared(family)}.{theirs}.weight"] = state[f"{ours}.feed_forward.shared_expert.{mine}.weight"]

@@ -11,7 +11,10 @@ multi-token-prediction layers are not loaded). A config field that would change 
 way `MoELM` does not model (a sliding window, attention biases, tied embeddings, a scaled rotary
 embedding other than DeepSeek-V3's YaRN, another activation, quantized weights) is a ValueError
 naming it: a model is loaded exactly or not at all. Any of them loads as the language model of a
-LLaVA (`LlavaForConditionalGeneration`: its `text_config`).
+LLaVA (`LlavaForConditionalGeneration`: its `text_config`). Qwen3-VL-MoE's language model
+(`Qwen3VLMoeForConditionalGeneration`'s `text_config`, model_type `qwen3_vl_moe_text`) is
+Qwen3-MoE's decoder with multimodal rotary positions (`mrope_section`, interleaved whatever
+`mrope_interleaved` says, as transformers' class does) and top-k weights always renormalised.
 """
 
 from __future__ import annotations
@@ -22,17 +25,25 @@ from collections.abc import Callable
 from dyad.hf_checkpoint import adopted, read_config
 from dyad.llm_service.config import LLMConfig, MLAConfig, MoEConfig, YarnConfig
 
-FAMILIES = ("deepseek_v3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("deepseek_v3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text")
+# Whole models whose config.json holds the language model's as `text_config`.
+MULTIMODAL = ("llava", "qwen3_vl_moe")
+# transformers' default where a Qwen3-VL config names no mrope_section
+QWEN3_VL_MROPE_SECTION = (24, 20, 20)
 
 
 def text_config(hf: dict) -> dict:
-    """The language model's part of a config.json: itself, or a LLaVA's `text_config`."""
-    return hf["text_config"] if hf.get("model_type") == "llava" else hf
+    """The language model's part of a config.json: itself, or a multimodal model's `text_config`."""
+    return hf["text_config"] if hf.get("model_type") in MULTIMODAL else hf
 
 
 def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
-    """dyad's LLM config for a Hugging Face `config.json` of one of `FAMILIES` (or a LLaVA's)."""
-    hf = text_config(hf)
+    """dyad's LLM config for a Hugging Face `config.json` of one of `FAMILIES` (or of a
+    `MULTIMODAL` model of one)."""
+    text = text_config(hf)
+    if hf.get("model_type") == "qwen3_vl_moe":  # the head is the whole model's, tied or not by its config
+        text = text | {"tie_word_embeddings": hf.get("tie_word_embeddings", False)}
+    hf = text
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise ValueError(f"config.json model_type {family!r} is not an LLM family dyad loads ({', '.join(FAMILIES)})")
@@ -51,6 +62,8 @@ def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
         # The hub's checkpoints say num_experts; transformers 5 writes num_local_experts.
         experts, expert_dim = hf.get("num_experts", hf.get("num_local_experts")), hf["moe_intermediate_size"]
         dense_ffn_dim, norm_topk = hf["intermediate_size"], hf.get("norm_topk_prob", True)
+        if family == "qwen3_vl_moe_text":  # its router renormalises, whatever norm_topk_prob says
+            norm_topk = True
         sparse_step, dense_only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
         dense_layers = tuple(
             i for i in range(n_layers) if i in dense_only or experts == 0 or (i + 1) % sparse_step != 0
@@ -62,10 +75,11 @@ def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
         n_heads=hf["num_attention_heads"],
         n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim") or 0,
-        qk_norm={"qwen3_moe": "head", "olmoe": "projection"}.get(family, "none"),
+        qk_norm={"qwen3_moe": "head", "qwen3_vl_moe_text": "head", "olmoe": "projection"}.get(family, "none"),
         attention_bias=family == "qwen2_moe" and hf.get("qkv_bias", True),
         pad_token_id=-1 if hf.get("pad_token_id") is None else hf["pad_token_id"],
         rope_theta=_rope_theta(hf),
+        mrope_section=_mrope_section(hf) if family == "qwen3_vl_moe_text" else (),
         norm_eps=hf["rms_norm_eps"],
         dense_ffn_dim=dense_ffn_dim,
         dense_layers=dense_layers,
@@ -164,6 +178,10 @@ def _rope_theta(hf: dict) -> float:
     return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
+def _mrope_section(hf: dict) -> tuple[int, ...]:
+    return tuple(_rope_parameters(hf).get("mrope_section") or QWEN3_VL_MROPE_SECTION)
+
+
 def _refuse(hf: dict, family: str) -> None:
     """ValueError naming the first config.json field whose value `MoELM` does not model."""
     checks: list[tuple[str, Callable[[object], bool]]] = [
@@ -192,7 +210,7 @@ def _refuse(hf: dict, family: str) -> None:
 # What a checkpoint fixes: a run's llm section may repeat these, never contradict them.
 ARCHITECTURE = (
     "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "attention_bias", "pad_token_id", "rope_theta",
-    "norm_eps",
+    "mrope_section", "norm_eps",
     "dense_ffn_dim", "dense_layers", "attention", "mla", "rope_type", "yarn",
 )
 MOE_ARCHITECTURE = ("num_experts", "top_k", "expert_dim", "shared_expert_dim", "shared_expert_gate", "norm_topk_prob",

@@ -3,11 +3,13 @@
 Legend: B batch, S sequence length, D model dim, V vocab size, H query heads, G kv heads,
 Dh head dim, N spliced image tokens, T = B*S flattened tokens; MLA: Q query latent (q_lora_rank),
 C key-value latent (kv_lora_rank), Dn and R a head's features without and with rotary, Dqk = Dn + R,
-Dv a value head.
+Dv a value head. cos and sin are [S, Dh] (SDh), or [B, S, Dh] per sample under multimodal rotary.
 
 Image tokens follow LLaVA: the caller reserves placeholder tokens in input_ids and passes the flat
 indices (into B*S) of those placeholders; their token embeddings are replaced by the image
-embeddings. Sequences are right-padded, so a plain causal mask is enough.
+embeddings. Sequences are right-padded, so a plain causal mask is enough. Qwen3-VL adds to this
+its multimodal rotary positions (t, h, w per token, `rope_positions_3BS`) and DeepStack: further
+rows per image token, level i added to the residual stream after layer i.
 """
 
 
@@ -17,7 +19,14 @@ from torch import nn
 
 from dyad.llm_service.config import LLMConfig
 from dyad.llm_service.moe import MoELayer, SwiGLU
-from dyad.llm_service.rotary import apply_rotary, deinterleave, rotary_cos_sin, rotary_frequencies, yarn_mscale
+from dyad.llm_service.rotary import (
+    apply_rotary,
+    deinterleave,
+    mrope_cos_sin,
+    rotary_cos_sin,
+    rotary_frequencies,
+    yarn_mscale,
+)
 
 # DeepSeek's latent norms use RMSNorm's default epsilon, not the model's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -172,15 +181,22 @@ class DecoderBlock(nn.Module):
 def splice_image_embeds(h_BSD: torch.Tensor, image_embeds_ND: torch.Tensor, image_positions_N: torch.Tensor) -> torch.Tensor:
     """Replace the rows at flat positions (into B*S) by the image embeddings, out of place."""
     B, S, D = h_BSD.shape
-    if image_embeds_ND.dim() != 2 or image_embeds_ND.shape[1] != D:
-        raise ValueError(f"image_embeds must have shape [N, {D}], got {list(image_embeds_ND.shape)}")
-    if image_positions_N.shape != (image_embeds_ND.shape[0],):
-        raise ValueError(
-            f"image_positions shape {list(image_positions_N.shape)} does not match "
-            f"{image_embeds_ND.shape[0]} image embeddings"
-        )
+    _check_rows("image_embeds", image_embeds_ND, image_positions_N, D)
     h_TD = h_BSD.reshape(B * S, D).index_put((image_positions_N,), image_embeds_ND.to(h_BSD.dtype))
     return h_TD.view(B, S, D)
+
+
+def _check_rows(name: str, rows_ND: torch.Tensor, positions_N: torch.Tensor, D: int) -> None:
+    if rows_ND.dim() != 2 or rows_ND.shape[1] != D:
+        raise ValueError(f"{name} must have shape [N, {D}], got {list(rows_ND.shape)}")
+    if positions_N.shape != (rows_ND.shape[0],):
+        raise ValueError(f"image_positions shape {list(positions_N.shape)} does not match {rows_ND.shape[0]} {name} rows")
+
+
+def add_rows(h_BSD: torch.Tensor, rows_ND: torch.Tensor, positions_N: torch.Tensor) -> torch.Tensor:
+    """h plus the rows at flat positions (into B*S), out of place."""
+    B, S, D = h_BSD.shape
+    return h_BSD.reshape(B * S, D).index_add(0, positions_N, rows_ND.to(h_BSD.dtype)).view(B, S, D)
 
 
 class WholeSequence:
@@ -192,6 +208,11 @@ class WholeSequence:
 
     def columns(self, x_BS: torch.Tensor) -> torch.Tensor:
         return x_BS
+
+    def rows(self, rows_ND: torch.Tensor, positions_N: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows at flat positions into B*S as the stream held here adds them (`add_rows`): here,
+        all of them, where they are."""
+        return rows_ND, positions_N
 
     def gather(self, h_BSD: torch.Tensor) -> torch.Tensor:
         return h_BSD
@@ -221,11 +242,18 @@ class MoELM(nn.Module):
         *,
         position_ids_S: torch.Tensor | None = None,
         valid_BS: torch.Tensor | None = None,
+        rope_positions_3BS: torch.Tensor | None = None,
+        deepstack_embeds: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (logits_BSV, aux_loss): the sum of the MoE layers' aux losses, each already scaled
         by its coefficients. position_ids_S: the global positions of the columns held here (default
-        0..S-1; a context-parallel shard passes its own). valid_BS (True: a real token) keeps
-        padding out of the routing statistics."""
+        0..S-1; a context-parallel shard passes its own), the sequence's order that attention
+        masks by. valid_BS (True: a real token) keeps padding out of the routing statistics.
+
+        Multimodal (llm.mrope_section set): rope_positions_3BS, the (t, h, w) rotary positions
+        of the columns held here (`dyad.llm_service.rope_index`; default: position_ids_S on
+        each axis, plain rotary). deepstack_embeds: DeepStack's levels, each [N, D] at
+        image_positions as image_embeds; level i is added after layer i."""
         B, S = input_ids_BS.shape
         if S > self.cfg.max_seq_len:
             raise ValueError(f"sequence length ({S}) exceeds llm.max_seq_len ({self.cfg.max_seq_len})")
@@ -236,18 +264,45 @@ class MoELM(nn.Module):
             h_BSD = splice_image_embeds(h_BSD, image_embeds_ND, image_positions_N)
         if position_ids_S is None:
             position_ids_S = torch.arange(S, device=h_BSD.device)
-        cos_SDh, sin_SDh = rotary_cos_sin(position_ids_S, *rotary_frequencies(self.cfg, h_BSD.device))
+        cos_SDh, sin_SDh = self._cos_sin(position_ids_S, rope_positions_3BS, (B, S), h_BSD.device)
+        deepstack = self._deepstack_rows(deepstack_embeds, image_positions_N, S)
         h_BSD = self.sequence.scatter(h_BSD)
         valid_T = None if valid_BS is None else self.sequence.columns(valid_BS).reshape(-1)
         seq_ids_BS = torch.arange(B, device=h_BSD.device).unsqueeze(1).expand(B, S)
         seq_ids_T = self.sequence.columns(seq_ids_BS).reshape(-1)
         aux_loss = torch.zeros((), device=h_BSD.device, dtype=torch.float32)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h_BSD, layer_aux = layer(h_BSD, cos_SDh, sin_SDh, position_ids_S, valid_T, seq_ids_T)
             if layer_aux is not None:
                 aux_loss = aux_loss + layer_aux
+            if i < len(deepstack):
+                h_BSD = add_rows(h_BSD, *deepstack[i])
         logits_BSV = self.output(self.sequence.gather(self.norm(h_BSD)))
         return logits_BSV, aux_loss
+
+    def _cos_sin(self, position_ids_S, rope_positions_3BS, shape: tuple[int, int], device):
+        """cos and sin: [S, Dh] of the sequence positions, or [B, S, Dh] of multimodal ones."""
+        frequencies = rotary_frequencies(self.cfg, device)
+        if rope_positions_3BS is None:
+            return rotary_cos_sin(position_ids_S, *frequencies)
+        if not self.cfg.mrope_section:
+            raise ValueError("rope_positions need a multimodal rotary embedding (llm.mrope_section)")
+        if rope_positions_3BS.shape != (3, *shape):
+            expected = [3, *shape]
+            raise ValueError(f"rope_positions must have shape {expected}, got {list(rope_positions_3BS.shape)}")
+        return mrope_cos_sin(rope_positions_3BS, *frequencies, self.cfg.mrope_section)
+
+    def _deepstack_rows(self, deepstack_embeds, image_positions_N, S: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each DeepStack level's (rows, flat positions) as the residual stream here holds them."""
+        if not deepstack_embeds:
+            return []
+        if image_positions_N is None:
+            raise ValueError("deepstack_embeds need image_embeds and image_positions (their rows' places)")
+        if len(deepstack_embeds) > len(self.layers):
+            raise ValueError(f"{len(deepstack_embeds)} deepstack levels, but llm.n_layers is {len(self.layers)}")
+        for rows_ND in deepstack_embeds:
+            _check_rows("deepstack_embeds", rows_ND, image_positions_N, self.cfg.dim)
+        return [self.sequence.rows(rows_ND, image_positions_N, S) for rows_ND in deepstack_embeds]
 
     def loss_sum(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
         """Summed caption cross-entropy of the logits `forward` returned."""

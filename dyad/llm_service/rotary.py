@@ -3,6 +3,10 @@
 YaRN is transformers' `_compute_yarn_parameters` (modeling_rope_utils.py) operation for operation,
 in float32 as there, so a loaded model's cos and sin are transformers' bit for bit.
 
+Multimodal rotary (Qwen3-VL's M-RoPE) gives each token three positions (t, h, w) and turns each
+frequency by one of them (`mrope_axes`); its cos and sin are per sample, [B, S, R], where the
+plain rotary's are [S, R], shared by the batch. `apply_rotary` takes either.
+
 Legend: S positions, R rotary features of a head (Dh for GQA, qk_rope_head_dim for MLA), B batch,
 H heads.
 """
@@ -69,11 +73,34 @@ def rotary_cos_sin(positions_S: torch.Tensor, inv_freq: torch.Tensor, scale: flo
     return angles_SR.cos() * scale, angles_SR.sin() * scale
 
 
+def mrope_axes(section: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """[R/2] long: which of (t, h, w) turns each frequency. Qwen3-VL interleaves them: h turns
+    frequencies 1, 4, 7, ... (section[1] of them), w 2, 5, 8, ... (section[2]), t the others."""
+    axes = torch.zeros(sum(section), dtype=torch.long, device=device)
+    _, h, w = section
+    axes[1 : 3 * h : 3] = 1
+    axes[2 : 3 * w : 3] = 2
+    return axes
+
+
+def mrope_cos_sin(
+    positions_3BS: torch.Tensor, inv_freq: torch.Tensor, scale: float, section: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_BSR, sin_BSR in float32 of multimodal rotary positions (t, h, w per token), each
+    frequency turned by its axis's position (`mrope_axes`), times `scale`."""
+    axes = mrope_axes(section, positions_3BS.device)
+    positions_BSR2 = positions_3BS.permute(1, 2, 0)[..., axes].to(torch.float32)
+    angles = positions_BSR2 * inv_freq
+    angles_BSR = torch.cat([angles, angles], dim=-1)
+    return angles_BSR.cos() * scale, angles_BSR.sin() * scale
+
+
 def apply_rotary(x_BSHR: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> torch.Tensor:
+    """x rotated by cos and sin of [S, R] (shared by the batch) or [B, S, R] (per sample)."""
     x = x_BSHR.float()
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    cos, sin = cos_SR[:, None, :], sin_SR[:, None, :]
+    cos, sin = cos_SR.unsqueeze(-2), sin_SR.unsqueeze(-2)  # broadcast over the heads
     return (x * cos + rotated * sin).to(x_BSHR.dtype)
 
 

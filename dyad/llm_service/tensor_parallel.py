@@ -201,5 +201,17 @@ class SequenceParallel:
     def columns(self, x_BS: torch.Tensor) -> torch.Tensor:
         return own_chunk(x_BS, self.group, 1)
 
+    def rows(self, rows_ND: torch.Tensor, positions_N: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows at flat positions into B*S (every rank's the same) as this rank's part of the
+        stream adds them: its own at their flat positions into B*(S/tp), the others' as zeros at
+        position 0 (no host sync to pick them out). Their gradients are summed over the group:
+        each rank's rows get theirs whole, as the spliced image rows do."""
+        tp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        Sl = S // tp
+        b_N, s_N = positions_N // S, positions_N % S - rank * Sl
+        held_N = (s_N >= 0) & (s_N < Sl)
+        rows_ND = copy_to_group(rows_ND, self.group) * held_N.unsqueeze(1)
+        return rows_ND, torch.where(held_N, b_N * Sl + s_N, 0)
+
     def gather(self, h_BSD: torch.Tensor) -> torch.Tensor:
         return gather_from_group(h_BSD, self.group, 1)

@@ -14,6 +14,7 @@ from dyad.data import make_dataset
 from dyad.encoder_service.parallelize import parallelize_encoder
 from dyad.hf_checkpoint import HFCheckpoint
 from dyad.layout import EncoderLayout, LLMLayout
+from dyad.llm_service.hf_config import text_config
 from dyad.llm_service.parallelize import parallelize_llm
 from dyad.parallel.gradients import full_tensors, local_part, owned_parameters
 from dyad.parallel.groups import ProcessGroups
@@ -88,7 +89,7 @@ def _stored_elements(model, whole, pool, checkpoint) -> int:
         if pool == "encoder" and key.startswith(("proj_in.", "proj_out.")):
             continue
         if key in ("tok_embeddings.weight", "output.weight"):
-            mask[checkpoint.config["vocab_size"]:] = 0
+            mask[text_config(checkpoint.config)["vocab_size"]:] = 0
         count += int(local_part(module, name, mask).sum())
     # and whole, DeepSeek-V3's expert biases (buffers, on every rank)
     return count + sum(b.numel() for key, b in model.named_buffers() if key.endswith("expert_bias_E"))
@@ -96,9 +97,9 @@ def _stored_elements(model, whole, pool, checkpoint) -> int:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """A tiny Qwen3-MoE and a tiny DeepSeek-V3 of the default config's shape whose tokenizer (the
-    digits' words: 19 ids, so a tp2 split pads a row) has `GROWN` more ids than their embeddings,
-    and a tiny SigLIP tower."""
+    """A tiny Qwen3-MoE, DeepSeek-V3 and Qwen3-VL-MoE (its experts fused) of the default config's
+    shape whose tokenizer (the digits' words: 19 ids, so a tp2 split pads a row) has `GROWN` more
+    ids than their embeddings, and a tiny SigLIP tower."""
     root = tmp_path_factory.mktemp("hf")
     tokenizer = digits_tokenizer_in(root / "qwen3-moe")
     torch.manual_seed(0)
@@ -114,6 +115,18 @@ def checkpoints(tmp_path_factory):
         n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=256, tie_word_embeddings=False,
     )).save_pretrained(root / "deepseek-v3")
+    digits_tokenizer_in(root / "qwen3-vl-moe")
+    transformers.Qwen3VLMoeForConditionalGeneration(transformers.Qwen3VLMoeConfig(
+        text_config=dict(
+            vocab_size=tokenizer.vocab_size - GROWN, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=64, num_experts=4,
+            num_experts_per_tok=2, mlp_only_layers=[0], max_position_embeddings=256, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "mrope_section": [3, 3, 2]},
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64,
+                           num_position_embeddings=16, deepstack_visual_indexes=[0]),
+        tie_word_embeddings=False,
+    )).save_pretrained(root / "qwen3-vl-moe")
     transformers.SiglipVisionModel(transformers.SiglipVisionConfig(
         hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, image_size=16,
         patch_size=4, num_channels=3, vision_use_head=False,
@@ -124,7 +137,8 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("family, layout", [
     ("qwen3-moe", LLMLayout(tp=2, ep=2)), ("qwen3-moe", LLMLayout(tp=2, dp=2, etp=2, ep=2)),
     ("deepseek-v3", LLMLayout(tp=2, ep=2)),  # latent attention's heads split, its latents whole
-], ids=["qwen3-moe-tp2-ep2", "qwen3-moe-tp2-dp2-etp2-ep2", "deepseek-v3-tp2-ep2"])
+    ("qwen3-vl-moe", LLMLayout(tp=2, dp=2, etp=2, ep=2)),  # each expert's gate and up columns of one tensor
+], ids=["qwen3-moe-tp2-ep2", "qwen3-moe-tp2-dp2-etp2-ep2", "deepseek-v3-tp2-ep2", "qwen3-vl-moe-tp2-dp2-etp2-ep2"])
 def test_each_llm_rank_reads_only_its_pieces(checkpoints, family, layout):
     llm = checkpoints / family
     heads = ["llm.n_kv_heads=4"] if family == "deepseek-v3" else []  # the default config's 2: MLA's are all

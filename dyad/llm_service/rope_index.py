@@ -1,0 +1,72 @@
+"""Qwen3-VL's multimodal rotary positions of a batch (transformers' `Qwen3VLMoeModel.get_rope_index`
+for images): each token's (t, h, w), from its sample's runs of text and image tokens.
+
+Text counts on from where the sample stands, the same position on all three axes. An image's run
+of tokens (its patch grid after the spatial merge, row-major) takes t = start, h = start + row,
+w = start + column, and the sample then stands at start + max(rows, columns): an image advances
+the positions by its longer side, not by its token count. Padding (attention_mask 0) is skipped
+and sits at 0 on every axis.
+
+The LLM service owns it for now (torch, on the host, from the same inputs as transformers'
+processor gives: `mm_token_type_ids` and `image_grid_thw`); the router's planning of samples
+will use it, or a torch-free twin of it, when it packs them.
+
+Legend: B samples, S sequence, I images (in sample order, then placeholder order).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+TEXT, IMAGE = 0, 1  # mm_token_type_ids' values (transformers' processors'; 2, a video's, not taken)
+
+
+def rope_index(
+    mm_token_type_ids_BS: torch.Tensor,
+    image_grid_thw_I3: torch.Tensor | None = None,
+    attention_mask_BS: torch.Tensor | None = None,
+    *,
+    spatial_merge_size: int,
+) -> torch.Tensor:
+    """[3, B, S] long (t, h, w): the rotary positions of each token. image_grid_thw_I3: each
+    image's patch grid before the merge (as the image processor gives it), in the order of the
+    image runs of the batch; each run must hold its image's t·(h/m)·(w/m) tokens."""
+    B, S = mm_token_type_ids_BS.shape
+    positions_3BS = torch.zeros(3, B, S, dtype=torch.long)
+    grids = [] if image_grid_thw_I3 is None else [tuple(g) for g in image_grid_thw_I3.tolist()]
+    images = iter(range(len(grids)))
+    for b in range(B):
+        real_S = torch.ones(S, dtype=torch.bool) if attention_mask_BS is None else attention_mask_BS[b].bool().cpu()
+        pieces, start = [], 0
+        for kind, run in itertools.groupby(mm_token_type_ids_BS[b].cpu()[real_S].tolist()):
+            n = len(list(run))
+            if kind == TEXT:
+                pieces.append(torch.arange(start, start + n).expand(3, n))
+                start += n
+            elif kind == IMAGE:
+                i = next(images, None)
+                if i is None:
+                    raise ValueError(f"mm_token_type_ids hold more image runs than image_grid_thw's {len(grids)} images")
+                positions_3N, advance = _image_positions(start, grids[i], spatial_merge_size, n, i)
+                pieces.append(positions_3N)
+                start += advance
+            else:
+                raise ValueError(f"mm_token_type_ids value {kind}: only text (0) and images (1) are taken")
+        if pieces:
+            positions_3BS[:, b, real_S] = torch.cat(pieces, dim=1)
+    unused = next(images, None)
+    if unused is not None:
+        raise ValueError(f"image_grid_thw has {len(grids)} images, mm_token_type_ids only {unused} image runs")
+    return positions_3BS
+
+
+def _image_positions(start: int, grid: tuple[int, int, int], merge: int, n: int, i: int) -> tuple[torch.Tensor, int]:
+    """[3, n] positions of image i's run of n tokens, its grid (t, h, w) merged by `merge` along
+    h and w; and how far the image advances the sample's position."""
+    t, h, w = grid[0], grid[1] // merge, grid[2] // merge
+    if t * h * w != n:
+        raise ValueError(f"image {i}: a run of {n} image tokens, its grid {list(grid)} merged by {merge} gives {t * h * w}")
+    t_THW, h_THW, w_THW = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+    return torch.stack([t_THW, h_THW, w_THW]).reshape(3, n) + start, max(h, w)
