@@ -14,29 +14,23 @@ from PIL import Image
 from dyad.data import read_image_processor
 from dyad.data.image_processor import PatchGrid
 from dyad.data.pixels import patches
+from tests.helpers.conversations import write_images
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test reference")
 
-QWEN3_VL = {"image_processor_type": "Qwen2VLImageProcessorFast", "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128},
-            "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+QWEN3_VL = {"image_processor_type": "Qwen2VLImageProcessorFast",
+            "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128}, "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
             "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor"}
 QWEN2_VL = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": 112 * 112,
             "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "resample": 3}
-# (width, height, mode): below min_pixels, above max_pixels, in between, already a multiple of
-# patch * merge, 1:12, transparent, grey
-IMAGES = [(37, 23, "RGB"), (300, 90, "RGB"), (100, 70, "RGB"), (64, 96, "RGB"), (24, 290, "RGB"), (90, 41, "RGBA"),
-          (77, 77, "L")]
+# (width, height): below min_pixels, above max_pixels, in between, already a multiple of patch *
+# merge, 1:12; then a transparent one and a grey one
 
 
 def _files(root):
-    rng = np.random.default_rng(0)
-    files = []
-    for k, (w, h, mode) in enumerate(IMAGES):
-        channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
-        pixels = rng.integers(0, 256, (h, w, channels), dtype=np.uint8).squeeze(-1 if channels == 1 else None)
-        Image.fromarray(pixels, mode).save(root / f"{k}.png")
-        files.append(root / f"{k}.png")
-    return files
+    names = (write_images(root, [(37, 23), (300, 90), (100, 70), (64, 96), (24, 290)])
+             + write_images(root, [(90, 41)], "RGBA") + write_images(root, [(77, 77)], "L"))
+    return [root / name for name in names]
 
 
 def _processor_dir(root, config):
