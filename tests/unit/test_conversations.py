@@ -102,6 +102,7 @@ def test_records_of_both_formats_load_and_bad_ones_are_reported_with_file_and_li
         {"images": [], "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
                                     {"role": "assistant", "content": "a"}]},
         {"images": [], "caption": "a caption"},
+        {"messages": [{"role": "assistant", "content": "a"}]},
     ])
     with pytest.raises(DatasetError) as error:
         make_dataset(DataConfig(name="conversations", path=str(bad), tokenizer=str(tokenizer_path), channels=3))
@@ -109,7 +110,9 @@ def test_records_of_both_formats_load_and_bad_ones_are_reported_with_file_and_li
     for expected in (
         f"{bad}:2: invalid JSON", f"{bad}:3: message 1 must be", f"{bad}:4: 1 <image> placeholders but 2 images",
         f"{bad}:5: no assistant turn with content", f"{bad}:5: image 'missing.png' not found",
-        f"{bad}:6: chat template: Conversation roles must alternate", f"{bad}:7: a record needs 'images' and one of",
+        f"{bad}:6: chat template: Conversation roles must alternate",
+        f"{bad}:7: a record needs one of 'conversations' (LLaVA) or 'messages' (OpenAI)",
+        f"{bad}:8: a record needs 'images': its image paths, [] for none",
     ):
         assert expected in message, message
     assert f"{bad}:1:" not in message
