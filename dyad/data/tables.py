@@ -88,8 +88,8 @@ class Tables:
                 image = image.get("bytes") if image.get("bytes") is not None else image.get("path")
             if isinstance(image, bytes):
                 images.append((name, Cell(cell.table, cell.row, cell.column, k)))
-            elif isinstance(image, str):
-                images.append((name, self._root(cell.table).joinpath(image).resolve()))
+            elif isinstance(image, str):  # named by its path, as JSONL's are
+                images.append((image, self._root(cell.table).joinpath(image).resolve()))
             else:
                 problems.append(f"{name} must be bytes, a path or {{\"bytes\": ..., \"path\": ...}}")
         return RawRecord(where, record, tuple(images), tuple(problems))
