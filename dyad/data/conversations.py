@@ -1,7 +1,12 @@
-"""Image conversations from a JSONL file, rendered with the checkpoint's chat template
-(`dyad/data/chat.py`), the loss on the assistant turns only. `data.name: conversations`.
+"""Image conversations, rendered with the checkpoint's chat template (`dyad/data/chat.py`), the
+loss on the assistant turns only. `data.name: conversations`.
 
-Format: one JSON object per line, in UTF-8; blank lines are skipped. Either LLaVA's:
+The records come from `data.path` (`dyad/data/sources.py`): a JSONL file, described here;
+WebDataset tar shards, a record and its images per sample key (`dyad/data/shards.py`); or Parquet
+files or an Arrow directory, a record per row with its images in the table
+(`dyad/data/tables.py`). A record is the same in each, but for where its images are.
+
+JSONL: one JSON object per line, in UTF-8; blank lines are skipped. Either LLaVA's:
 
     {"images": ["cats/1.png"], "conversations": [
         {"from": "human", "value": "<image>\\nWhat is this?"}, {"from": "gpt", "value": "A cat."},
@@ -27,19 +32,24 @@ each image part as `<image>`).
 - "split" (optional): "train" (default) or "heldout", as in `dyad/data/jsonl.py`.
 
 Images are prepared as the vision checkpoint's image processor does where `encoder.from_hf` holds
-a preprocessor_config.json (`dyad/data/image_processor.py`), else as jsonl's. Every record is
-validated and rendered when the dataset loads; all bad records are reported together in one
-`DatasetError`, one "<file>:<line>: <problem>" per problem.
+a preprocessor_config.json (`dyad/data/image_processor.py`: at one size, `images`, or at their
+own, `patches`), else as jsonl's. Every record is validated and rendered, and every image decoded,
+when the dataset loads; all bad records are reported together in one `DatasetError`, one
+"<where>: <problem>" per problem, where is "<file>:<line>" in JSONL, "<shard>:<key>" in tar shards
+and "<file>:row <n>" in tables.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import BinaryIO
 
 import jinja2
 
 from dyad.data.chat import ChatTemplate, load_chat_template
 from dyad.data.jsonl import SPLITS, DatasetError, ImageFilesDataset, ImageTable, heldout_split, read_image
 from dyad.data.samples import DataConfig, Sample
-from dyad.data.sources import open_source
+from dyad.data.sources import RawRecord, open_source
 from dyad.data.tokenizer import IMAGE, load_tokenizer
 
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -150,26 +160,13 @@ class ConversationsDataset(ImageFilesDataset):
         self._source = open_source(cfg.path)
         self._images = ImageTable()
         samples, splits, errors = [], [], []
-        checked: dict = {}  # locator -> (height, width) or None, and its problem: each image decoded once
         for raw in self._source.records():
-            problems = list(raw.problems)
-            parsed = None
-            if raw.record is not None:
-                parsed, record_problems = parse_conversation(raw.record, len(raw.images), cfg.max_images_per_sample,
-                                                             template)
-                problems += record_problems
-            for name, locator in raw.images:
-                if locator is None:
-                    problems.append(f"image {name!r} not found")
-                elif (problem := self._checked(checked, name, locator)[1]) is not None:
-                    problems.append(problem)
+            parsed, problems = self._parse(raw, cfg.max_images_per_sample, template)
             errors += [f"{raw.where}: {p}" for p in problems]
-            if problems or parsed is None:
-                continue
-            text, spans, split = parsed
-            image_ids = tuple(self._images.add(locator, checked[locator][0]) for _, locator in raw.images)
-            samples.append(Sample(sample_id=len(samples), image_ids=image_ids, text=text, target_spans=spans))
-            splits.append(split)
+            if parsed is not None:
+                text, spans, split, image_ids = parsed
+                samples.append(Sample(sample_id=len(samples), image_ids=image_ids, text=text, target_spans=spans))
+                splits.append(split)
         if errors:
             raise DatasetError(f"{len(errors)} problem(s) in {cfg.path}:\n" + "\n".join(errors))
         if not samples:
@@ -182,10 +179,32 @@ class ConversationsDataset(ImageFilesDataset):
             channels=cfg.channels,
         )
 
-    def _checked(self, checked: dict, name: str, locator):
-        if locator not in checked:
-            checked[locator] = read_image(self._source.open(locator), name)
-        return checked[locator]
+    def _parse(self, raw: RawRecord, max_images: int, template: ChatTemplate):
+        """((text, target_spans, split, image_ids) or None, problems) for one record."""
+        problems = list(raw.problems)
+        parsed = None
+        if raw.record is not None:
+            parsed, record_problems = parse_conversation(raw.record, len(raw.images), max_images, template)
+            problems += record_problems
+        image_ids = []
+        for name, locator in raw.images:
+            image_id, problem = self._image_id(name, locator)
+            image_ids.append(image_id)
+            problems += [problem] if problem else []
+        if problems or parsed is None:
+            return None, problems
+        return (*parsed, tuple(image_ids)), []
 
-    def image_file(self, image_id: int):
+    def _image_id(self, name: str, locator) -> tuple[int | None, str | None]:
+        """The image's id in the table, decoded (validated, its size read) when first seen; or its problem."""
+        if locator is None:
+            return None, f"image {name!r} not found"
+        hw = None
+        if locator not in self._images:
+            hw, problem = read_image(self._source.open(locator), name)
+            if problem:
+                return None, problem
+        return self._images.add(locator, hw), None
+
+    def image_file(self, image_id: int) -> Path | BinaryIO:
         return self._source.open(self._images.locators[image_id])

@@ -154,8 +154,13 @@ class ImageTable:
         self.hw: list[tuple[int, int]] = []
         self._ids: dict = {}
 
-    def add(self, locator, hw: tuple[int, int]) -> int:
+    def __contains__(self, locator) -> bool:
+        return locator in self._ids
+
+    def add(self, locator, hw: tuple[int, int] | None) -> int:
+        """The id of the image at `locator`, added with its size `hw` where it is new."""
         if locator not in self._ids:
+            assert hw is not None, locator
             self._ids[locator] = len(self.locators)
             self.locators.append(locator)
             self.hw.append(hw)
