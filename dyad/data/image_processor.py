@@ -17,8 +17,8 @@ repeated over temporal_patch_size frames), rows in merge order (each merge_size 
 of patches consecutive), and `image_grid_thw` (1, grid_h, grid_w). This is what transformers'
 PIL backend (`Qwen2VLImageProcessorPil`) gives, exactly; its torchvision backend, which
 `AutoImageProcessor` picks where torchvision is installed, resizes with torch's antialiased bicubic
-instead of Pillow's, which differs by a few grey levels on resized pixels (the grids are the same,
-and so are the pixels of an image that `smart_resize` leaves at its size).
+instead of Pillow's, and resized pixels differ (Pillow rounds to 8 bits between its horizontal and
+vertical passes); the grids are the same, and so are the pixels of an image `smart_resize` keeps.
 """
 
 from __future__ import annotations

@@ -206,9 +206,6 @@ class ImageFilesDataset(MultimodalDataset):
 
 
 class JsonlDataset(ImageFilesDataset):
-    def image_file(self, image_id: int) -> Path:
-        return self._images.locators[image_id]
-
     def __init__(self, cfg: DataConfig):
         root = Path(cfg.path).parent
         records = read_records(cfg, lambda line: _parse_record(line, root, cfg.max_images_per_sample))
@@ -231,3 +228,6 @@ class JsonlDataset(ImageFilesDataset):
             image_size=cfg.image_size,
             channels=cfg.channels,
         )
+
+    def image_file(self, image_id: int) -> Path:
+        return self._images.locators[image_id]
