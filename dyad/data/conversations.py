@@ -1,7 +1,12 @@
-"""Image conversations from a JSONL file, rendered with the checkpoint's chat template
-(`dyad/data/chat.py`), the loss on the assistant turns only. `data.name: conversations`.
+"""Image conversations, rendered with the checkpoint's chat template (`dyad/data/chat.py`), the
+loss on the assistant turns only. `data.name: conversations`.
 
-Format: one JSON object per line, in UTF-8; blank lines are skipped. Either LLaVA's:
+The records come from `data.path` (`dyad/data/sources.py`): a JSONL file, described here;
+WebDataset tar shards, a record and its images per sample key (`dyad/data/shards.py`); or Parquet
+files or an Arrow directory, a record per row with its images in the table
+(`dyad/data/tables.py`). A record is the same in each, but for where its images are.
+
+JSONL: one JSON object per line, in UTF-8; blank lines are skipped. Either LLaVA's:
 
     {"images": ["cats/1.png"], "conversations": [
         {"from": "human", "value": "<image>\\nWhat is this?"}, {"from": "gpt", "value": "A cat."},
@@ -27,20 +32,24 @@ each image part as `<image>`).
 - "split" (optional): "train" (default) or "heldout", as in `dyad/data/jsonl.py`.
 
 Images are prepared as the vision checkpoint's image processor does where `encoder.from_hf` holds
-a preprocessor_config.json (`dyad/data/image_processor.py`), else as jsonl's. Every record is
-validated and rendered when the dataset loads; all bad records are reported together in one
-`DatasetError`, one "<file>:<line>: <problem>" per problem.
+a preprocessor_config.json (`dyad/data/image_processor.py`: at one size, `images`, or at their
+own, `patches`), else as jsonl's. Every record is validated and rendered, and every image decoded,
+when the dataset loads; all bad records are reported together in one `DatasetError`, one
+"<where>: <problem>" per problem, where is "<file>:<line>" in JSONL, "<shard>:<key>" in tar shards
+and "<file>:row <n>" in tables.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import BinaryIO
 
 import jinja2
 
 from dyad.data.chat import ChatTemplate, load_chat_template
-from dyad.data.jsonl import SPLITS, ImageFilesDataset, check_image, heldout_split, json_object, read_records
+from dyad.data.jsonl import SPLITS, DatasetError, ImageFilesDataset, ImageTable, heldout_split, read_image
 from dyad.data.samples import DataConfig, Sample
+from dyad.data.sources import RawRecord, open_source
 from dyad.data.tokenizer import IMAGE, load_tokenizer
 
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -101,33 +110,25 @@ def _with_placeholders(messages: list[dict], n_images: int) -> list[dict]:
     return [*messages[:first], lead, *messages[first + 1 :]]
 
 
-def parse_record(line: bytes, root: Path, max_images: int, template: ChatTemplate):
-    """Returns (record, problems); record is (image_paths, text, target_spans, split)."""
-    record, problem = json_object(line)
-    if problem:
-        return None, [problem]
+def parse_conversation(record: dict, n_images: int, max_images: int, template: ChatTemplate):
+    """Returns ((text, target_spans, split) or None, problems) for a record with `n_images` images."""
     kinds = [key for key in ("conversations", "messages") if key in record]
-    if "images" not in record or len(kinds) != 1:
-        return None, ["a record needs 'images' and one of 'conversations' (LLaVA) or 'messages' (OpenAI)"]
-    images, split = record["images"], record.get("split", "train")
+    if len(kinds) != 1:
+        return None, ["a record needs one of 'conversations' (LLaVA) or 'messages' (OpenAI)"]
+    split = record.get("split", "train")
     problems = []
-    if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
-        problems.append("'images' must be a list of strings")
-        images = []
     if split not in SPLITS:
         problems.append(f"'split' must be one of {SPLITS}, got {split!r}")
-    if len(images) > max_images:
-        problems.append(f"{len(images)} images, more than data.max_images_per_sample={max_images}")
+    if n_images > max_images:
+        problems.append(f"{n_images} images, more than data.max_images_per_sample={max_images}")
     if kinds == ["conversations"]:
         messages, message_problems = _llava_messages(record["conversations"])
-        messages = _with_placeholders(messages, len(images))
+        messages = _with_placeholders(messages, n_images)
     else:
         messages, message_problems = _openai_messages(record["messages"])
     problems += message_problems
     if not message_problems:
-        problems += _conversation_problems(messages, len(images))
-    paths = [root / name for name in images]
-    problems += [p for name, path in zip(images, paths) if (p := check_image(path, name))]
+        problems += _conversation_problems(messages, n_images)
     if problems:
         return None, problems
     try:
@@ -135,9 +136,9 @@ def parse_record(line: bytes, root: Path, max_images: int, template: ChatTemplat
         spans = template.assistant_spans(messages, text)
     except (jinja2.TemplateError, ValueError) as e:  # a template's raise_exception, or an unlocatable turn
         return None, [f"chat template: {e}"]
-    if text.count(IMAGE) != len(images):
-        return None, [f"the chat template's text has {text.count(IMAGE)} {IMAGE} placeholders, not {len(images)}"]
-    return (paths, text, tuple(spans), split), []
+    if text.count(IMAGE) != n_images:
+        return None, [f"the chat template's text has {text.count(IMAGE)} {IMAGE} placeholders, not {n_images}"]
+    return (text, tuple(spans), split), []
 
 
 def _conversation_problems(messages: list[dict], n_images: int) -> list[str]:
@@ -156,18 +157,54 @@ class ConversationsDataset(ImageFilesDataset):
     def __init__(self, cfg: DataConfig):
         tokenizer = load_tokenizer(cfg.tokenizer)
         template = load_chat_template(cfg.tokenizer, tokenizer.special_tokens)
-        root = Path(cfg.path).parent
-        records = read_records(cfg, lambda line: parse_record(line, root, cfg.max_images_per_sample, template))
-        image_index: dict[Path, int] = {}
-        samples = []
-        for i, (paths, text, spans, _) in enumerate(records):
-            image_ids = tuple(image_index.setdefault(p.resolve(), len(image_index)) for p in paths)
-            samples.append(Sample(sample_id=i, image_ids=image_ids, text=text, target_spans=spans))
-        self._image_paths = list(image_index)
+        self._source = open_source(cfg.path)
+        self._images = ImageTable()
+        samples, splits, errors = [], [], []
+        for raw in self._source.records():
+            parsed, problems = self._parse(raw, cfg.max_images_per_sample, template)
+            errors += [f"{raw.where}: {p}" for p in problems]
+            if parsed is not None:
+                text, spans, split, image_ids = parsed
+                samples.append(Sample(sample_id=len(samples), image_ids=image_ids, text=text, target_spans=spans))
+                splits.append(split)
+        if errors:
+            raise DatasetError(f"{len(errors)} problem(s) in {cfg.path}:\n" + "\n".join(errors))
+        if not samples:
+            raise ValueError(f"data.path: no records in '{cfg.path}'")
         super().__init__(
             tokenizer=tokenizer,
             samples=samples,
-            heldout_ids=heldout_split([split for *_, split in records], cfg.heldout_fraction),
+            heldout_ids=heldout_split(splits, cfg.heldout_fraction),
             image_size=cfg.image_size,
             channels=cfg.channels,
         )
+
+    def _parse(self, raw: RawRecord, max_images: int, template: ChatTemplate):
+        """((text, target_spans, split, image_ids) or None, problems) for one record."""
+        problems = list(raw.problems)
+        parsed = None
+        if raw.record is not None:
+            parsed, record_problems = parse_conversation(raw.record, len(raw.images), max_images, template)
+            problems += record_problems
+        image_ids = []
+        for name, locator in raw.images:
+            image_id, problem = self._image_id(name, locator)
+            image_ids.append(image_id)
+            problems += [problem] if problem else []
+        if problems or parsed is None:
+            return None, problems
+        return (*parsed, tuple(image_ids)), []
+
+    def _image_id(self, name: str, locator) -> tuple[int | None, str | None]:
+        """The image's id in the table, decoded (validated, its size read) when first seen; or its problem."""
+        if locator is None:
+            return None, f"image {name!r} not found"
+        hw = None
+        if locator not in self._images:
+            hw, problem = read_image(self._source.open(locator), name)
+            if problem:
+                return None, problem
+        return self._images.add(locator, hw), None
+
+    def image_file(self, image_id: int) -> Path | BinaryIO:
+        return self._source.open(self._images.locators[image_id])

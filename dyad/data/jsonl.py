@@ -24,9 +24,10 @@ reported together in one `DatasetError`, one "<file>:<line>: <problem>" per prob
 from __future__ import annotations
 
 import json
+from abc import abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 from PIL import Image
@@ -47,15 +48,16 @@ class DatasetError(ValueError):
     """Bad records in a dataset file; the message lists each one as "<file>:<line>: <problem>"."""
 
 
-def check_image(path: Path, name: str) -> str | None:
-    if not path.is_file():
-        return f"image {name!r} not found"
+def read_image(file: Path | BinaryIO, name: str) -> tuple[tuple[int, int] | None, str | None]:
+    """((height, width), None) once the image decodes, else (None, the problem)."""
+    if isinstance(file, Path) and not file.is_file():
+        return None, f"image {name!r} not found"
     try:
-        with Image.open(path) as image:
+        with Image.open(file) as image:
             image.load()
+            return (image.height, image.width), None
     except Exception as e:  # noqa: BLE001 - Pillow raises many types for corrupt files
-        return f"image {name!r} cannot be read: {e}"
-    return None
+        return None, f"image {name!r} cannot be read: {e}"
 
 
 def json_object(line: bytes) -> tuple[dict | None, str | None]:
@@ -106,8 +108,8 @@ def heldout_split(splits: list[str], fraction: float) -> list[int]:
 
 def _parse_record(
     line: bytes, root: Path, max_images: int
-) -> tuple[tuple[list[Path], str, str, str | None] | None, list[str]]:
-    """Returns (record, problems); record is (image_paths, text, split, answer)."""
+) -> tuple[tuple[list[Path], list[tuple[int, int]], str, str, str | None] | None, list[str]]:
+    """Returns (record, problems); record is (image_paths, their (height, width)s, text, split, answer)."""
     record, problem = json_object(line)
     if problem:
         return None, [problem]
@@ -138,14 +140,47 @@ def _parse_record(
     if answer is not None and not (isinstance(answer, str) and answer_ends_text(caption, answer)):
         problems.append(f"'answer' {answer!r} must be the caption's last word(s)")
     paths = [root / name for name in images]
-    problems += [p for name, path in zip(images, paths) if (p := check_image(path, name))]
-    return (paths, caption, split, answer), problems
+    sizes = [read_image(path, name) for name, path in zip(images, paths)]
+    problems += [problem for _, problem in sizes if problem]
+    return (paths, [hw for hw, _ in sizes], caption, split, answer), problems
+
+
+class ImageTable:
+    """A dataset's distinct images, each with an id (in the order first seen), its locator (a
+    path, or where a source keeps its bytes) and its stored (height, width)."""
+
+    def __init__(self):
+        self.locators: list = []
+        self.hw: list[tuple[int, int]] = []
+        self._ids: dict = {}
+
+    def __contains__(self, locator) -> bool:
+        return locator in self._ids
+
+    def add(self, locator, hw: tuple[int, int] | None) -> int:
+        """The id of the image at `locator`, added with its size `hw` where it is new."""
+        if locator not in self._ids:
+            assert hw is not None, locator
+            self._ids[locator] = len(self.locators)
+            self.locators.append(locator)
+            self.hw.append(hw)
+        return self._ids[locator]
 
 
 class ImageFilesDataset(MultimodalDataset):
-    """A dataset whose images are files (`_image_paths`, indexed by image id)."""
+    """A dataset whose images are stored: files, or bytes in tar shards or tables. Subclasses fill
+    `_images` and implement `image_file`."""
 
-    _image_paths: list[Path]
+    _images: ImageTable
+
+    @abstractmethod
+    def image_file(self, image_id: int) -> Path | BinaryIO:
+        """The image's file, or its bytes as an open binary file: what Pillow opens."""
+
+    def image_hw(self, image_id: int) -> tuple[int, int]:
+        """The image's (height, width) as stored, before any preparation (torch-free: a native-
+        resolution tower's tokens per image follow from it, `PatchGrid.image_tokens`)."""
+        return self._images.hw[image_id]
 
     def images(
         self,
@@ -155,10 +190,19 @@ class ImageFilesDataset(MultimodalDataset):
     ) -> torch.Tensor:
         from dyad.data import pixels  # torch: the services call this, the router never
 
-        paths = [self._image_paths[i] for i in image_ids]
+        files = [self.image_file(i) for i in image_ids]
         if processor is not None:
-            return pixels.prepared(paths, processor, device)
-        return pixels.decoded(paths, self.image_size, self.channels, device)
+            return pixels.prepared(files, processor, device)
+        return pixels.decoded(files, self.image_size, self.channels, device)
+
+    def patches(
+        self, image_ids: Sequence[int], processor: ImageProcessor, device: torch.device | str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The images at their native resolution, as a Qwen2-VL processor (`processor.patches`)
+        prepares them: (pixel_values [patches, C * T * p * p], image_grid_thw [len(image_ids), 3])."""
+        from dyad.data import pixels
+
+        return pixels.patches([self.image_file(i) for i in image_ids], processor, device)
 
 
 class JsonlDataset(ImageFilesDataset):
@@ -166,13 +210,12 @@ class JsonlDataset(ImageFilesDataset):
         root = Path(cfg.path).parent
         records = read_records(cfg, lambda line: _parse_record(line, root, cfg.max_images_per_sample))
 
-        image_index: dict[Path, int] = {}
+        self._images = ImageTable()
         samples = []
-        for i, (paths, text, _, answer) in enumerate(records):
-            image_ids = tuple(image_index.setdefault(p.resolve(), len(image_index)) for p in paths)
+        for i, (paths, sizes, text, _, answer) in enumerate(records):
+            image_ids = tuple(self._images.add(path.resolve(), hw) for path, hw in zip(paths, sizes))
             samples.append(Sample(sample_id=i, image_ids=image_ids, text=text, answer=answer))
-        self._image_paths: list[Path] = list(image_index)
-        heldout = heldout_split([split for _, _, split, _ in records], cfg.heldout_fraction)
+        heldout = heldout_split([split for *_, split, _ in records], cfg.heldout_fraction)
         tokenizer = (
             load_tokenizer(cfg.tokenizer)
             if cfg.tokenizer
@@ -185,3 +228,6 @@ class JsonlDataset(ImageFilesDataset):
             image_size=cfg.image_size,
             channels=cfg.channels,
         )
+
+    def image_file(self, image_id: int) -> Path:
+        return self._images.locators[image_id]

@@ -31,12 +31,16 @@ IGNORE_INDEX = -100
 DATASET_NAMES = ("digits", "jsonl", "conversations")
 FILE_DATASETS = ("jsonl", "conversations")  # read from data.path
 _DIGITS_ONLY_FIELDS = ("multi_image_fraction", "text_only_fraction")
+_CONVERSATIONS_ONLY = (".tar", ".parquet")  # data.path's suffixes only "conversations" reads
 
 
 @dataclass(kw_only=True)
 class DataConfig:
     name: str = "digits"
-    path: str | None = None  # the file of records when name is "jsonl" or "conversations"
+    # The records: for "jsonl" a JSONL file; for "conversations" a JSONL file, WebDataset .tar
+    # shards, .parquet files or a `datasets` save_to_disk directory, with brace patterns and globs
+    # ("shards/{000000..000099}.tar", "train-*.parquet"): dyad/data/sources.py.
+    path: str | None = None
     # A tokenizer.json; None = word-level over the captions. "conversations" needs one: the chat
     # template is read from its directory (tokenizer_config.json or chat_template.jinja).
     tokenizer: str | None = None
@@ -54,6 +58,9 @@ class DataConfig:
             raise ValueError(f"data.path is required when data.name is {self.name!r}")
         if self.name not in FILE_DATASETS and self.path is not None:
             raise ValueError(f"data.path is only used when data.name is one of {FILE_DATASETS}, got {self.path!r}")
+        if self.name == "jsonl" and self.path and self.path.endswith(_CONVERSATIONS_ONLY):
+            raise ValueError(f"data.path: data.name 'jsonl' reads one JSONL file, got {self.path!r}; tar shards and "
+                             "Parquet files hold data.name 'conversations'")
         if self.name == "conversations" and not self.tokenizer:
             raise ValueError("data.tokenizer is required when data.name is 'conversations': the chat template is "
                              "read from its directory")

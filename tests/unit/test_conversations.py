@@ -11,23 +11,15 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tokenizers import AddedToken, Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
 
 from dyad.data import IGNORE_INDEX, DataConfig, DatasetError, build_sequence, make_dataset, read_image_processor
 from dyad.data.chat import load_chat_template
 from dyad.data.pixels import prepared_pixels
 from dyad.data.tokenizer import load_tokenizer
+from tests.helpers.conversations import CHATML, tokenizer_dir, write_images, write_jsonl
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test reference")
 
-CHATML = (  # Qwen2.5's shape: a default system turn
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 LLAMA3 = (
     "{{ bos_token }}{% for message in messages %}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
@@ -40,28 +32,6 @@ LLAMA2 = (
     "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
     "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + ' ' + eos_token }}{% endif %}{% endfor %}"
 )
-SPECIALS = ("<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-            "<|eot_id|>", "<s>", "</s>")
-WORDS = ["system", "user", "assistant", "You", "are", "a", "helpful", "What", "is", "this", "?", "A", "cat", ".", "colour", "Grey", "INST", "/", "[", "]", "Be", "brief"]
-
-
-def _tokenizer_dir(path, template: str, bos: str = "<s>", eos: str = "</s>", jinja_file: bool = False):
-    """A word-level tokenizer.json with chat special tokens, and its tokenizer_config.json."""
-    path.mkdir()
-    vocab = {token: i for i, token in enumerate(["<unk>", *SPECIALS, *WORDS])}
-    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = Whitespace()
-    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
-    tokenizer.save(str(path / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "unk_token": "<unk>"}
-    if jinja_file:
-        (path / "chat_template.jinja").write_text(template)
-    else:
-        config["chat_template"] = template
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path / "tokenizer.json"
-
-
 CONVERSATIONS = [
     [{"role": "user", "content": "<image>\nWhat is this?"}, {"role": "assistant", "content": "A cat."}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is this?"},
@@ -74,7 +44,7 @@ CONVERSATIONS = [
     (CHATML, "<s>", "<|im_end|>", False), (LLAMA3, "<|begin_of_text|>", "<|eot_id|>", True), (LLAMA2, "<s>", "</s>", False),
 ])
 def test_the_chat_template_renders_as_transformers_apply_chat_template(tmp_path, template, bos, eos, jinja_file):
-    path = _tokenizer_dir(tmp_path / "tok", template, bos, eos, jinja_file)
+    path = tokenizer_dir(tmp_path / "tok", template, bos, eos, jinja_file)
     reference = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
     ours = load_chat_template(path, load_tokenizer(path).special_tokens)
     for messages in CONVERSATIONS:
@@ -85,26 +55,10 @@ def test_the_chat_template_renders_as_transformers_apply_chat_template(tmp_path,
             assert ours.render(messages, add_generation_prompt=prompt) == expected
 
 
-def _images(root, sizes, mode="RGB"):
-    rng = np.random.default_rng(0)
-    names = []
-    for k, (w, h) in enumerate(sizes):
-        channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
-        pixels = rng.integers(0, 256, (h, w, channels), dtype=np.uint8).squeeze(-1 if channels == 1 else None)
-        Image.fromarray(pixels, mode).save(root / f"{mode}{k}.png")
-        names.append(f"{mode}{k}.png")
-    return names
-
-
-def _write(path, records):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
-
-
 def test_assistant_turns_and_their_end_of_turn_tokens_are_the_only_targets(tmp_path):
-    tokenizer_path = _tokenizer_dir(tmp_path / "tok", CHATML)
-    (name,) = _images(tmp_path, [(5, 7)])
-    data = _write(tmp_path / "c.jsonl", [{"images": [name], "conversations": [
+    tokenizer_path = tokenizer_dir(tmp_path / "tok", CHATML)
+    (name,) = write_images(tmp_path, [(5, 7)])
+    data = write_jsonl(tmp_path / "c.jsonl", [{"images": [name], "conversations": [
         {"from": "human", "value": "What is this?"}, {"from": "gpt", "value": "A cat."},
         {"from": "human", "value": "colour?"}, {"from": "gpt", "value": "Grey."}]}])
     dataset = make_dataset(DataConfig(name="conversations", path=str(data), tokenizer=str(tokenizer_path),
@@ -126,20 +80,20 @@ def test_assistant_turns_and_their_end_of_turn_tokens_are_the_only_targets(tmp_p
 
 
 def test_records_of_both_formats_load_and_bad_ones_are_reported_with_file_and_line(tmp_path):
-    tokenizer_path = _tokenizer_dir(tmp_path / "tok", LLAMA2)
-    names = _images(tmp_path, [(4, 4), (6, 3)])
+    tokenizer_path = tokenizer_dir(tmp_path / "tok", LLAMA2)
+    names = write_images(tmp_path, [(4, 4), (6, 3)])
     good_openai = {"images": names, "messages": [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}, {"type": "image"}]},
         {"role": "assistant", "content": "A cat."}]}
     good_llava = {"images": [names[0]], "conversations": [{"from": "human", "value": "What?"},
                                                           {"from": "gpt", "value": "A cat."}], "split": "heldout"}
-    data = _write(tmp_path / "c.jsonl", [good_openai, good_llava])
+    data = write_jsonl(tmp_path / "c.jsonl", [good_openai, good_llava])
     dataset = make_dataset(DataConfig(name="conversations", path=str(data), tokenizer=str(tokenizer_path), channels=3))
     assert dataset.sample(0).text == "<s>[INST] <image>\nWhat is this?\n<image> [/INST] A cat. </s>"
     assert dataset.sample(1).text == "<s>[INST] <image>\nWhat? [/INST] A cat. </s>"  # LLaVA's leading placeholder
     assert dataset.heldout_ids == [1]
 
-    bad = _write(tmp_path / "bad.jsonl", [
+    bad = write_jsonl(tmp_path / "bad.jsonl", [
         good_llava,
         "{not json",
         {"images": [], "messages": [{"role": "robot", "content": "hi"}]},
@@ -148,6 +102,7 @@ def test_records_of_both_formats_load_and_bad_ones_are_reported_with_file_and_li
         {"images": [], "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
                                     {"role": "assistant", "content": "a"}]},
         {"images": [], "caption": "a caption"},
+        {"messages": [{"role": "assistant", "content": "a"}]},
     ])
     with pytest.raises(DatasetError) as error:
         make_dataset(DataConfig(name="conversations", path=str(bad), tokenizer=str(tokenizer_path), channels=3))
@@ -155,7 +110,9 @@ def test_records_of_both_formats_load_and_bad_ones_are_reported_with_file_and_li
     for expected in (
         f"{bad}:2: invalid JSON", f"{bad}:3: message 1 must be", f"{bad}:4: 1 <image> placeholders but 2 images",
         f"{bad}:5: no assistant turn with content", f"{bad}:5: image 'missing.png' not found",
-        f"{bad}:6: chat template: Conversation roles must alternate", f"{bad}:7: a record needs 'images' and one of",
+        f"{bad}:6: chat template: Conversation roles must alternate",
+        f"{bad}:7: a record needs one of 'conversations' (LLaVA) or 'messages' (OpenAI)",
+        f"{bad}:8: a record needs 'images': its image paths, [] for none",
     ):
         assert expected in message, message
     assert f"{bad}:1:" not in message
@@ -164,9 +121,9 @@ def test_records_of_both_formats_load_and_bad_ones_are_reported_with_file_and_li
 def test_conversations_need_a_tokenizer_with_a_chat_template(tmp_path):
     with pytest.raises(ValueError, match="data.tokenizer is required when data.name is 'conversations'"):
         DataConfig(name="conversations", path="c.jsonl")
-    path = _tokenizer_dir(tmp_path / "tok", CHATML)
+    path = tokenizer_dir(tmp_path / "tok", CHATML)
     (tmp_path / "tok" / "tokenizer_config.json").write_text("{}")
-    data = _write(tmp_path / "c.jsonl", [{"images": [], "messages": [{"role": "assistant", "content": "hi"}]}])
+    data = write_jsonl(tmp_path / "c.jsonl", [{"images": [], "messages": [{"role": "assistant", "content": "hi"}]}])
     with pytest.raises(ValueError, match="data.tokenizer: no chat template in"):
         make_dataset(DataConfig(name="conversations", path=str(data), tokenizer=str(path)))
 
@@ -185,8 +142,8 @@ def test_images_are_prepared_as_transformers_image_processor_prepares_them(tmp_p
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(config))
     processor = read_image_processor(tmp_path)
     expected_processor = getattr(transformers, reference)(**{k: v for k, v in config.items() if k != "image_processor_type"})
-    names = (_images(tmp_path, [(37, 23), (16, 50), (24, 24)]) + _images(tmp_path, [(30, 9)], "RGBA")
-             + _images(tmp_path, [(11, 13)], "L"))
+    names = (write_images(tmp_path, [(37, 23), (16, 50), (24, 24)]) + write_images(tmp_path, [(30, 9)], "RGBA")
+             + write_images(tmp_path, [(11, 13)], "L"))
     for name in names:
         with Image.open(tmp_path / name) as image:
             ours = prepared_pixels(image, processor)
@@ -197,8 +154,8 @@ def test_images_are_prepared_as_transformers_image_processor_prepares_them(tmp_p
 
 def test_a_file_dataset_prepares_its_images_with_the_processor(tmp_path):
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(SIGLIP))
-    names = _images(tmp_path, [(37, 23), (16, 50)])
-    data = _write(tmp_path / "d.jsonl", [{"images": names, "caption": "a b"}, {"images": [], "caption": "c"}])
+    names = write_images(tmp_path, [(37, 23), (16, 50)])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"images": names, "caption": "a b"}, {"images": [], "caption": "c"}])
     dataset = make_dataset(DataConfig(name="jsonl", path=str(data), channels=3, image_size=24))
     processor = read_image_processor(tmp_path)
     images_NCHW = dataset.images([0, 1], processor=processor)
@@ -221,7 +178,7 @@ def test_two_reference_steps_of_a_pretrained_llm_on_conversations(tmp_path):
     from dyad import config as config_lib
     from dyad.app.reference import ReferenceTrainer
 
-    tokenizer_path = _tokenizer_dir(tmp_path / "ckpt", CHATML)
+    tokenizer_path = tokenizer_dir(tmp_path / "ckpt", CHATML)
     vocab_size = load_tokenizer(tokenizer_path).vocab_size
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
@@ -229,11 +186,11 @@ def test_two_reference_steps_of_a_pretrained_llm_on_conversations(tmp_path):
         head_dim=16, intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
         max_position_embeddings=128, router_aux_loss_coef=0.0, tie_word_embeddings=False,
     )).save_pretrained(tmp_path / "ckpt")
-    names = _images(tmp_path, [(5 + k, 9 - k) for k in range(8)])
+    names = write_images(tmp_path, [(5 + k, 9 - k) for k in range(8)])
     records = [{"images": [name], "conversations": [{"from": "human", "value": "<image>\nWhat is this?"},
                                                     {"from": "gpt", "value": "A cat." if k % 2 else "Grey."}]}
                for k, name in enumerate(names)]
-    data = _write(tmp_path / "c.jsonl", records)
+    data = write_jsonl(tmp_path / "c.jsonl", records)
     (tmp_path / "run.yaml").write_text(RUN.replace("DATA", str(data)).replace("TOKENIZER", str(tokenizer_path))
                                        .replace("CHECKPOINT", str(tmp_path / "ckpt")))
     config = config_lib.load(tmp_path / "run.yaml", [])

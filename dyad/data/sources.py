@@ -1,0 +1,108 @@
+"""Where conversation records come from (`data.path`, for `data.name: conversations`), chosen by
+what the path names:
+
+- a JSONL file: one record per line, images as paths beside it (`JsonlRecords`, below);
+- `.tar` files: WebDataset shards, a record and its images per sample key (`dyad/data/shards.py`);
+- `.parquet` files, or a directory `datasets.Dataset.save_to_disk` wrote: a record per row, images
+  as bytes in the table or as paths (`dyad/data/tables.py`, through the `datasets` library).
+
+`data.path` may be a brace pattern (`shards/train-{000000..000099}.tar`, `{a,b}.parquet`) and
+a glob (`train-*.parquet`); each expansion's matches are taken sorted, in the order of the
+expansions. Records are numbered in that order, which is what makes sample ids stable across
+loads of the same files: the sampler's exactly-once resume relies on it.
+
+A source yields a `RawRecord` per record: the JSON object, its images' locators (hashable: the same
+image once in the dataset's image table) and the problems found reading it, named by `where`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+from glob import glob, has_magic
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+from braceexpand import braceexpand
+
+from dyad.data.jsonl import json_object
+
+FIELD = "data.path"
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    where: str  # how a problem names the record: "<file>:<line>", "<shard>:<key>", "<file>:row <n>"
+    record: dict | None  # None where it could not be read (`problems` say why)
+    # (the name a problem calls it, its locator; None where it is missing), in placeholder order
+    images: tuple[tuple[str, Hashable | None], ...] = ()
+    problems: tuple[str, ...] = ()
+
+
+class RecordSource(Protocol):
+    def records(self) -> Iterator[RawRecord]:
+        """Every record, in the order that numbers the samples."""
+
+    def open(self, locator: Hashable) -> Path | BinaryIO:
+        """An image's file, or its bytes as an open binary file: what Pillow opens."""
+
+
+def expand(pattern: str) -> list[Path]:
+    """The files `pattern` names: itself where it exists, else its brace expansions, each globbed
+    (matches sorted); a ValueError naming data.path where one names nothing."""
+    if Path(pattern).exists():
+        return [Path(pattern)]
+    files: dict[Path, None] = {}  # ordered, without repeats
+    for expansion in braceexpand(pattern):
+        matches = sorted(glob(expansion)) if has_magic(expansion) else [expansion] if Path(expansion).exists() else []
+        if not matches:
+            raise ValueError(f"{FIELD}: no file matches '{expansion}'" if expansion != pattern else
+                             f"{FIELD}: file not found: '{pattern}'")
+        files.update(dict.fromkeys(Path(m) for m in matches))
+    return list(files)
+
+
+def open_source(pattern: str) -> RecordSource:
+    """The source of `data.path`'s records, by what it names (the module docstring)."""
+    files = expand(pattern)
+    suffixes = {f.suffix if f.is_file() else "a directory" for f in files}
+    if suffixes == {".tar"}:
+        from dyad.data.shards import TarShards
+
+        return TarShards(files)
+    if suffixes == {".parquet"} or (len(files) == 1 and files[0].is_dir()):
+        from dyad.data.tables import Tables
+
+        return Tables(files)
+    if len(files) == 1:
+        return JsonlRecords(files[0])
+    raise ValueError(f"{FIELD}: '{pattern}' names {len(files)} files, not all .tar shards nor all .parquet files "
+                     f"({', '.join(sorted(suffixes))}); one JSONL file, tar shards or Parquet files are read")
+
+
+class JsonlRecords:
+    """One JSON object per line, in UTF-8 (blank lines skipped); "images" (required): image paths,
+    relative to the file's directory or absolute."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def records(self) -> Iterator[RawRecord]:
+        # Bytes: a line that is not UTF-8 is one record's problem, named by its line.
+        for line_no, line in enumerate(self.path.read_bytes().splitlines(), start=1):
+            if line.strip():
+                yield self._record(f"{self.path}:{line_no}", line)
+
+    def _record(self, where: str, line: bytes) -> RawRecord:
+        record, problem = json_object(line)
+        if problem:
+            return RawRecord(where, None, problems=(problem,))
+        images = record.get("images")
+        if images is None:
+            return RawRecord(where, record, problems=("a record needs 'images': its image paths, [] for none",))
+        if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+            return RawRecord(where, record, problems=("'images' must be a list of strings",))
+        return RawRecord(where, record, tuple((name, (self.path.parent / name).resolve()) for name in images))
+
+    def open(self, locator: Path) -> Path:
+        return locator
