@@ -26,6 +26,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         ("ucx_message_cost.py", ["--iters", "2", "--variants", "perftest,dyad,ucxx-thread-polling+header+hop+event"]),
         ("llm_step.py", ["--iters", "2"]),
         ("hf_load.py", ["--repeats", "1"]),
+        ("vision_tower.py", ["--iters", "2"]),
         ("expert_gemms.py", ["--iters", "2"]),
         ("e2e_hetero.py", []),
         ("e2e_hetero.py", ["--set", "train.overlap_grad_reduce=false"]),

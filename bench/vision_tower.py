@@ -1,0 +1,90 @@
+"""Qwen3-VL's native-resolution vision tower, forward + backward on a batch of images of mixed
+sizes: dyad's `Qwen3VLVision` (dyad/encoder_service/qwen3_vl.py: one packed sequence, each image
+attending only to itself through flash attention's variable-length kernel) against transformers'
+own `Qwen3VLMoeVisionModel` (its "sdpa" attention) with the same weights, timed in turn. bf16
+weights and inputs; the upstream gradient a random [tokens, out] per output (merged tokens and
+every DeepStack feature).
+
+The tower is Qwen3-VL-30B-A3B's (depth 27, 1152 wide, 16 heads, MLP 4304, patch 16, 2x2 merge,
+DeepStack after blocks 8, 16 and 24, out 2048; ~0.6 B parameters), random weights saved with
+transformers and loaded by `dyad.hf.load`. Images: a skewed mix of sizes (`SIZES`, in patches),
+as a conversation dataset at native resolution gives them.
+
+    python bench/vision_tower.py --out $OUT/vision_tower.json      # on a GPU host
+    python bench/vision_tower.py --toy                              # CPU, tiny, float32 (CI)
+
+Tokens/s counts the patches the tower attends over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+from moe_layer import time_interleaved  # beside this script
+from run_info import bench_device, run_header, write_json  # beside this script
+
+import dyad.hf
+
+TOWER = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
+             temporal_patch_size=2, spatial_merge_size=2, deepstack_visual_indexes=[8, 16, 24],
+             num_position_embeddings=2304, out_hidden_size=2048, hidden_act="gelu_pytorch_tanh")
+TOY = dict(TOWER, depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4,
+           deepstack_visual_indexes=[0], num_position_embeddings=16, out_hidden_size=24)
+# (rows, columns) of patches: thumbnails, screenshots, photos, documents; 18,112 patches in all
+SIZES = [(16, 16)] * 8 + [(32, 24), (24, 32), (32, 32), (48, 36), (40, 56), (64, 48), (28, 40), (20, 80), (72, 52)]
+TOY_SIZES = [(4, 4), (4, 8), (8, 6)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--toy", action="store_true")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    from transformers import Qwen3VLMoeVisionConfig
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+
+    device = bench_device(args.toy)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shape, sizes = (TOWER, SIZES) if device == "cuda" else (TOY, TOY_SIZES)
+    torch.manual_seed(0)
+    config = Qwen3VLMoeVisionConfig(**shape)
+    config._attn_implementation = "sdpa"
+    theirs = Qwen3VLMoeVisionModel(config).to(dtype)
+    with tempfile.TemporaryDirectory() as directory:
+        theirs.save_pretrained(directory)
+        ours = dyad.hf.load(directory, dtype=dtype, device=device)
+    theirs = theirs.to(device)
+    grid_thw = torch.tensor([(1, h, w) for h, w in sizes], device=device)
+    patches = int(grid_thw.prod(1).sum())
+    X = shape["in_channels"] * shape["temporal_patch_size"] * shape["patch_size"] ** 2
+    pixels = torch.randn(patches, X, device=device, dtype=dtype)
+    tokens = patches // shape["spatial_merge_size"] ** 2
+    upstream = [torch.randn(tokens, shape["out_hidden_size"], device=device, dtype=dtype)
+                for _ in range(1 + len(shape["deepstack_visual_indexes"]))]
+
+    def backward(merged, deepstack):
+        sum((x.float() * u.float()).sum() for x, u in zip([merged, *deepstack], upstream, strict=True)).backward()
+
+    def step_ours():
+        out = ours(pixels, grid_thw)
+        backward(out.pooler_output, out.deepstack_features)
+
+    def step_theirs():
+        out = theirs(pixels, grid_thw=grid_thw)
+        backward(out.pooler_output, out.deepstack_features)
+
+    ms = time_interleaved({"dyad": step_ours, "transformers": step_theirs}, args.iters, device)
+    result = {**run_header(device), "tower": shape, "images": len(sizes), "patches": patches,
+              "parameters": sum(p.numel() for p in theirs.parameters()),
+              "ms": ms, "patches_per_s": {name: patches / t * 1e3 for name, t in ms.items()}}
+    result["speedup"] = ms["transformers"] / ms["dyad"]
+    print(f"{len(sizes)} images, {patches} patches, {result['parameters'] / 1e9:.2f} B parameters: "
+          f"dyad {ms['dyad']:.1f} ms, transformers {ms['transformers']:.1f} ms fwd+bwd: {result['speedup']:.2f}x")
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
