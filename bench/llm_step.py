@@ -107,6 +107,7 @@ VARIANTS = {  # the global batch is microbatches x sequences sequences of 4,096 
     "bf16-1mb-recompute": Variant(1, recompute=True),
     "bf16-2mb-x4-compiled-recompute": Variant(2, sequences=4, compiled_blocks=True, recompute=True),
     "bf16-1mb-x8-compiled-recompute": Variant(1, sequences=8, compiled_blocks=True, recompute=True),
+    "bf16-1mb-x8-compiled-working-weights": Variant(1, sequences=8, compiled_blocks=True, working_weights=True),
     "fp8-8mb": Variant(8, fp8="eager"),
     "fp8c-8mb": Variant(8, fp8="compiled"),
 }

@@ -30,6 +30,7 @@ from torch import nn
 from dyad.kernels.master_weights import MASTER_ATTRIBUTE as _MASTER
 from dyad.kernels.master_weights import WORKING_ATTRIBUTE as _WORKING
 from dyad.kernels.master_weights import master_of
+from dyad.kernels.widen import add_widened_, widened
 from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)  # modules whose `weight` a matmul reads
@@ -94,9 +95,9 @@ def _cast_matrices(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
 def _adder_into(master: nn.Parameter):
     def add_into_master(working: nn.Parameter) -> None:
         if master.grad is None:
-            master.grad = working.grad.to(master.dtype)
+            master.grad = widened(working.grad)
         else:
-            master.grad.add_(working.grad)
+            add_widened_(master.grad, working.grad)
         working.grad = None
 
     return add_into_master
