@@ -146,6 +146,6 @@ def _step(config, dataset, spec: StepSpec, plan: BoundaryPlan) -> list[str]:
             lines.append(f"    {sends}")
     lines.append(
         f"  boundary: {plan.bytes_forward / 2**20:,.1f} MiB to the LLM, {plan.bytes_backward / 2**20:,.1f} MiB of "
-        f"gradient back; encoder imbalance {plan.encoder_imbalance:.2f} (max / mean patches per encoder dp rank)"
+        f"gradient back; encoder imbalance {plan.encoder_imbalance:.2f} (max / mean cost per encoder dp rank)"
     )
     return lines

@@ -4,8 +4,10 @@ output rows go to which LLM rank, for every microbatch of a step.
 A pure function of plain data (no torch, no sockets), so the router plans and tests check it
 without a pool. Two independent decisions:
 
-1. Encoder work. Images (not microbatches) are spread over the encoder dp groups by patches:
-   per microbatch, longest first onto the group with the least patches so far in the step.
+1. Encoder work. Images (not microbatches) are spread over the encoder dp groups by cost
+   (`image_cost` of their tokens: `dyad.router.encoder_cost`, a tower's multiply-adds; by default
+   the tokens): per microbatch, costliest first onto the group with the least cost so far in the
+   step.
    A group's output for a microbatch ("source rows") is its images' rows in global order.
 2. Delivery. An LLM rank gets only the image rows whose sequence position falls in its
    context-parallel shard (`dyad.sequence_shards`, as `shard_microbatch` lays them out). Only tp
@@ -21,7 +23,7 @@ A transfer maps source rows to local rows with `Segment(src_row, dst_row, length
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -120,8 +122,9 @@ class BoundaryPlan:
     encoder_work: tuple[EncoderWork, ...]  # by microbatch, then encoder dp rank
     transfers: tuple[Transfer, ...]  # by microbatch, then src_rank, then dst_rank
     local_rows: tuple[LocalRows, ...]  # by microbatch, then llm_rank
-    encoder_patches: tuple[int, ...]  # per encoder dp group: its patches over the whole step
-    encoder_imbalance: float  # max / mean of encoder_patches; 1.0 when even (and for no images)
+    encoder_patches: tuple[int, ...]  # per encoder dp group: its image rows over the whole step
+    encoder_imbalance: float  # max / mean of the groups' cost; 1.0 when even (and for no images)
+    encoder_cost: tuple[float, ...] = ()  # per encoder dp group: its images' cost over the step
 
     @property
     def row_bytes(self) -> int:
@@ -151,13 +154,18 @@ def plan_boundary(
     llm: LLMLayout,
     hidden: int,
     element_size: int,
+    image_cost: Callable[[int], float] = float,
 ) -> BoundaryPlan:
+    """`image_cost(tokens)`: what an image of that many rows costs its encoder group."""
     _check_inputs(microbatches, llm, hidden, element_size)
-    patches = [0] * encoder.dp  # carried over the step's microbatches, in the order given
+    patches = [0] * encoder.dp
+    costs = [0.0] * encoder.dp  # carried over the step's microbatches, in the order given
     work, transfers, local_rows = [], [], []
     for mb in microbatches:
         tokens = [image.tokens for sample in mb.samples for image in sample.images]
-        group_of = _assign_images(tokens, patches)
+        group_of = _assign_images([image_cost(t) for t in tokens], costs)
+        for image, group in enumerate(group_of):
+            patches[group] += tokens[image]
         work += _encoder_work(mb, group_of, encoder.dp)
         mb_transfers, mb_rows = _deliver(mb, group_of, encoder, llm)
         transfers += mb_transfers
@@ -169,19 +177,20 @@ def plan_boundary(
         transfers=tuple(transfers),
         local_rows=tuple(local_rows),
         encoder_patches=tuple(patches),
-        encoder_imbalance=_imbalance(patches),
+        encoder_imbalance=_imbalance(costs),
+        encoder_cost=tuple(costs),
     )
 
 
-def _assign_images(tokens: list[int], patches: list[int]) -> list[int]:
-    """Longest first onto the least-loaded group (ties: lower global image index, then lower
-    group); `patches` is updated in place. List scheduling bounds every group's step total by
-    mean + (1 - 1/groups) · largest image, whatever came before."""
-    group_of = [0] * len(tokens)
-    for image in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
-        group = min(range(len(patches)), key=lambda g: (patches[g], g))
+def _assign_images(costs: list[float], loads: list[float]) -> list[int]:
+    """Costliest first onto the least-loaded group (ties: lower global image index, then lower
+    group); `loads` is updated in place. List scheduling bounds every group's step total by
+    mean + (1 - 1/groups) · costliest image, whatever came before."""
+    group_of = [0] * len(costs)
+    for image in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        group = min(range(len(loads)), key=lambda g: (loads[g], g))
         group_of[image] = group
-        patches[group] += tokens[image]
+        loads[group] += costs[image]
     return group_of
 
 
@@ -247,9 +256,9 @@ def _append(segments: list[Segment], new: Segment) -> None:
     segments.append(new)
 
 
-def _imbalance(patches: list[int]) -> float:
-    total = sum(patches)
-    return 1.0 if total == 0 else max(patches) * len(patches) / total
+def _imbalance(loads: list[float]) -> float:
+    total = sum(loads)
+    return 1.0 if total == 0 else max(loads) * len(loads) / total
 
 
 def _check_inputs(microbatches, llm, hidden, element_size) -> None:

@@ -12,6 +12,7 @@ from functools import cached_property, lru_cache
 from dyad.config import RunConfig
 from dyad.data import build_sequence
 from dyad.router.boundary import BoundaryPlan, ImageSlot, PlannedMicrobatch, PlannedSample, plan_boundary
+from dyad.router.encoder_cost import image_cost
 from dyad.router.sampler import Cursor, EpochSampler, split_microbatches
 from dyad.router.schedule import lr_at
 from dyad.wire import pb
@@ -109,6 +110,7 @@ class StepPlanner:
             llm=self._config.parallel.llm,
             hidden=self._config.llm.dim,
             element_size=4 if self._config.train.dtype == "float32" else 2,
+            image_cost=image_cost(self._config.encoder),
         )
 
     def _plan_sample(self, sample_id: int) -> PlannedSample:
