@@ -17,9 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import dyad.hf
 from dyad.encoder_service.hf import qwen3_vl_state_dict
-from dyad.hf_checkpoint import HFCheckpoint
-from dyad.llm_service.hf import llm_state_dict
-from tests.helpers.hf_models import make_norms_and_biases_matter
+from tests.helpers.hf_models import gradients_under_dyad_names, make_norms_and_biases_matter
 from tests.helpers.parity import relative_error
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test reference (pip install -e '.[test]')")
@@ -98,17 +96,6 @@ def _assert_close(what: str, got: torch.Tensor, want: torch.Tensor) -> float:
     return error
 
 
-def grads_under_dyad_names(reference, ours, path) -> dict[str, torch.Tensor]:
-    """transformers' gradients saved as a checkpoint of its own names, read under dyad's."""
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
-    reference.save_pretrained(path)
-    checkpoint = HFCheckpoint(path)
-    state = {f"encoder.{k}": v for k, v in qwen3_vl_state_dict(checkpoint, ours.encoder.cfg).items()}
-    return state | {f"llm.{k}": v for k, v in llm_state_dict(checkpoint, ours.llm.cfg).items()}
-
-
 @pytest.mark.parametrize("family", MODELS)
 def test_logits_loss_and_gradients_match_transformers(family, tmp_path):
     reference = saved_model(tmp_path / "model", family)
@@ -122,7 +109,7 @@ def test_logits_loss_and_gradients_match_transformers(family, tmp_path):
 
     expected.loss.backward()
     got.loss.backward()
-    grads = grads_under_dyad_names(reference, ours, tmp_path / "grads")
+    grads = gradients_under_dyad_names(reference, ours, tmp_path / "grads", qwen3_vl_state_dict)
     named = dict(ours.named_parameters())
     assert grads.keys() == named.keys()
     for name, expected_grad in grads.items():
