@@ -12,6 +12,10 @@ mirrors, so that a user (and dyad's tests) can compare the two directly:
     whole = dyad.hf.load("path/to/a-llava")  # a tower, its projector and an MoE LLM
     whole(input_ids, pixel_values=pixel_values, attention_mask=attention_mask).logits
 
+    qwen = dyad.hf.load("path/to/Qwen3-VL-30B-A3B-Instruct")  # as Qwen3VLMoeForConditionalGeneration
+    qwen(input_ids, attention_mask, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+         mm_token_type_ids=mm_token_type_ids, labels=labels).loss  # what its processor returns
+
     vision = dyad.hf.load_qwen3_vl_vision("path/to/Qwen3-VL-30B-A3B-Instruct")  # or a tower alone
     out = vision(pixel_values, grid_thw)  # as Qwen3-VL's image processor gives them
     out.pooler_output, out.deepstack_features  # the merged image tokens, the DeepStack features
@@ -19,7 +23,9 @@ mirrors, so that a user (and dyad's tests) can compare the two directly:
 LLM families: `dyad.llm_service.hf_config.FAMILIES`; vision towers:
 `dyad.encoder_service.hf_config.FAMILIES` and Qwen3-VL's (`QWEN3_VL_VISION`); a LLaVA
 (`LlavaForConditionalGeneration`) of any of the former, its image placeholders
-(`image_token_index`) replaced by the projected features of its images.
+(`image_token_index`) replaced by the projected features of its images; a whole Qwen3-VL-MoE
+(`Qwen3VLMoeForConditionalGeneration`) or Qwen3-VL (`Qwen3VLForConditionalGeneration`, its
+decoder dense), written back by `qwen3_vl_to_hf`.
 """
 
 from __future__ import annotations
@@ -31,20 +37,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dyad.encoder_service.hf import encoder_state_dict, qwen3_vl_state_dict
+from dyad.encoder_service.config import Qwen3VLVisionConfig
+from dyad.encoder_service.hf import encoder_state_dict, qwen3_vl_state_dict, qwen3_vl_tower_tensors
 from dyad.encoder_service.hf_config import FAMILIES as VISION_FAMILIES
-from dyad.encoder_service.hf_config import QWEN3_VL_VISION, encoder_config, llava_feature_layer, qwen3_vl_vision_config
+from dyad.encoder_service.hf_config import (
+    QWEN3_VL,
+    QWEN3_VL_VISION,
+    encoder_config,
+    llava_feature_layer,
+    qwen3_vl_vision_config,
+)
 from dyad.encoder_service.model import VisionEncoder
 from dyad.encoder_service.qwen3_vl import Qwen3VLVision
 from dyad.hf_checkpoint import HFCheckpoint
-from dyad.llm_service.hf import llm_state_dict
-from dyad.llm_service.hf_config import FAMILIES, llm_config
+from dyad.llm_service.config import LLMConfig
+from dyad.llm_service.hf import hf_tensors, llm_state_dict
+from dyad.llm_service.hf_config import FAMILIES, exported_config, llm_config, text_config
 from dyad.llm_service.model import MoELM
 from dyad.llm_service.moe import zero_expert_counts
+from dyad.llm_service.rope_index import IMAGE, rope_index
 
 __all__ = [
-    "CausalLM", "CausalLMOutput", "Llava", "Qwen3VLVisionOutput", "Qwen3VLVisionTower", "VisionTower",
-    "VisionTowerOutput", "load", "load_qwen3_vl_vision",
+    "CausalLM", "CausalLMOutput", "Llava", "Qwen3VL", "Qwen3VLVisionOutput", "Qwen3VLVisionTower", "VisionTower",
+    "VisionTowerOutput", "load", "load_qwen3_vl_vision", "qwen3_vl_to_hf",
 ]
 
 
@@ -107,10 +122,58 @@ class Llava(nn.Module):
         if pixel_values is not None:
             rows_ND = self.encoder(pixel_values.to(self.encoder.patch_embed.weight.dtype)).flatten(0, 1)
             positions_N = placeholders_N
-        if len(placeholders_N) != (0 if rows_ND is None else len(rows_ND)):
-            raise ValueError(f"input_ids hold {len(placeholders_N)} image placeholders (id {self.image_token_id}), "
-                             f"the images give {0 if rows_ND is None else len(rows_ND)} rows")
+        _check_placeholders(placeholders_N, rows_ND, self.image_token_id)
         logits_BSV, _ = self.llm(input_ids, rows_ND, positions_N, valid_BS=_valid(attention_mask))
+        return _output(logits_BSV, labels)
+
+
+def _check_placeholders(placeholders_N: torch.Tensor, rows_ND: torch.Tensor | None, image_token_id: int) -> None:
+    """A ValueError unless there is one image row for each placeholder."""
+    rows = 0 if rows_ND is None else len(rows_ND)
+    if len(placeholders_N) != rows:
+        raise ValueError(f"input_ids hold {len(placeholders_N)} image placeholders (id {image_token_id}), "
+                         f"the images give {rows} rows")
+
+
+class Qwen3VL(nn.Module):
+    """A `Qwen3VLVision` (`.encoder`) and a `MoELM` (`.llm`) behind transformers'
+    `Qwen3VLMoeForConditionalGeneration` forward for images (and `Qwen3VLForConditionalGeneration`'s):
+    the merged tokens of the images, in order, replace the `image_token_id` placeholders of
+    `input_ids`, each DeepStack level is added at the same places after its LLM layer, and the
+    multimodal rotary positions are `rope_index`'s of `mm_token_type_ids` and `image_grid_thw`
+    (which images need, as transformers needs them; without images every axis counts the
+    sequence). The loss is the shifted cross-entropy alone, as transformers' unless its config
+    says `output_router_logits`."""
+
+    def __init__(self, encoder: Qwen3VLVision, llm: MoELM, image_token_id: int):
+        super().__init__()
+        self.encoder, self.llm, self.image_token_id = encoder, llm, image_token_id
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        valid_BS = _valid(attention_mask)
+        placeholders_BS = input_ids == self.image_token_id
+        placeholders_N = placeholders_BS.flatten().nonzero().flatten()
+        rows_ND = positions_N = positions_3BS = deepstack = None
+        if (pixel_values is None) != (image_grid_thw is None):
+            raise ValueError("pixel_values and image_grid_thw must be given together")
+        if pixel_values is not None:
+            if mm_token_type_ids is None:
+                raise ValueError("images need mm_token_type_ids (the processor returns them with input_ids): "
+                                 "the multimodal rotary positions come from them")
+            if not torch.equal((mm_token_type_ids == IMAGE).to(placeholders_BS.device), placeholders_BS):
+                raise ValueError(f"mm_token_type_ids must mark as images ({IMAGE}) exactly the image placeholders "
+                                 f"(input_ids == {self.image_token_id})")
+            rows_ND, deepstack = self.encoder(pixel_values, image_grid_thw)
+            positions_N = placeholders_N
+            positions_3BS = rope_index(mm_token_type_ids, image_grid_thw, attention_mask,
+                                       spatial_merge_size=self.encoder.cfg.spatial_merge).to(input_ids.device)
+        _check_placeholders(placeholders_N, rows_ND, self.image_token_id)
+        logits_BSV, _ = self.llm(input_ids, rows_ND, positions_N, valid_BS=valid_BS, rope_positions_3BS=positions_3BS,
+                                 deepstack_embeds=deepstack)
         return _output(logits_BSV, labels)
 
 
@@ -156,20 +219,39 @@ def load_qwen3_vl_vision(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
 ) -> Qwen3VLVisionTower:
     """The vision tower of a Qwen3-VL(-MoE) directory (the whole model's or one saved alone)."""
-    checkpoint = HFCheckpoint(path)
+    return Qwen3VLVisionTower(_qwen3_vl_vision(HFCheckpoint(path)).to(device=device, dtype=dtype))
+
+
+def _qwen3_vl_vision(checkpoint: HFCheckpoint) -> Qwen3VLVision:
     cfg = qwen3_vl_vision_config(checkpoint.config)
     with torch.device("meta"):
         model = Qwen3VLVision(cfg)
     model.load_state_dict(qwen3_vl_state_dict(checkpoint, cfg), assign=True, strict=True)
-    return Qwen3VLVisionTower(model.to(device=device, dtype=dtype))
+    return model
+
+
+def qwen3_vl_to_hf(
+    encoder_state: dict[str, torch.Tensor], encoder_cfg: Qwen3VLVisionConfig,
+    llm_state: dict[str, torch.Tensor], llm_cfg: LLMConfig, source: dict,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """A whole Qwen3-VL(-MoE)'s Hugging Face tensors and config.json from dyad's state dicts (a
+    `Qwen3VL`'s `.encoder` and `.llm`): the tower under `model.visual.`, the language model
+    under `model.language_model.` (fused experts as transformers 5 saves them), its head as
+    `lm_head.weight`, never tied (dyad loads no tied head); the config `source`'s (the
+    config.json of the checkpoint the model came from) with `llm_cfg`'s vocabulary. What
+    transformers' `from_pretrained` loads and computes dyad's logits with."""
+    text = text_config(source)
+    tensors = qwen3_vl_tower_tensors(encoder_state, encoder_cfg, "model.visual.")
+    tensors |= hf_tensors(llm_state, llm_cfg, text["model_type"], decoder="model.language_model.")
+    return tensors, source | {"text_config": exported_config(text, llm_cfg), "tie_word_embeddings": False}
 
 
 def load(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-) -> CausalLM | VisionTower | Llava | Qwen3VLVisionTower:
+) -> CausalLM | VisionTower | Llava | Qwen3VL | Qwen3VLVisionTower:
     """dyad's single-device model of the Hugging Face model directory `path` (an MoE LLM, a
-    vision tower, or a LLaVA of the two; a Qwen3-VL tower saved alone), its weights read from the directory's safetensors files
-    (names and shapes checked)."""
+    vision tower, or a LLaVA of the two; a whole Qwen3-VL(-MoE), or its tower saved alone), its
+    weights read from the directory's safetensors files (names and shapes checked)."""
     checkpoint = HFCheckpoint(path)
     family = checkpoint.config.get("model_type")
     if family == "llava":
@@ -188,10 +270,13 @@ def load(
         state |= {name: torch.zeros(p.shape) for name, p in tower.named_parameters() if name.startswith("proj_")}
         tower.load_state_dict(state, strict=True)
         return VisionTower(tower.to(device=device, dtype=dtype))
+    if family in QWEN3_VL:
+        model = Qwen3VL(_qwen3_vl_vision(checkpoint), _llm(checkpoint), checkpoint.config["image_token_id"])
+        return model.to(device=device, dtype=dtype)
     if family in QWEN3_VL_VISION:
         return load_qwen3_vl_vision(path, dtype=dtype, device=device)
     if family not in FAMILIES:
-        known = ", ".join([*FAMILIES, *sorted(VISION_FAMILIES), *QWEN3_VL_VISION, "llava"])
+        known = ", ".join([*FAMILIES, *sorted(VISION_FAMILIES), *QWEN3_VL_VISION, *QWEN3_VL, "llava"])
         raise ValueError(f"{path}: model_type {family!r} is not one dyad loads ({known})")
     return CausalLM(_llm(checkpoint).to(device=device, dtype=dtype))
 

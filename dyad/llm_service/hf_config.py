@@ -14,7 +14,9 @@ naming it: a model is loaded exactly or not at all. Any of them loads as the lan
 LLaVA (`LlavaForConditionalGeneration`: its `text_config`). Qwen3-VL-MoE's language model
 (`Qwen3VLMoeForConditionalGeneration`'s `text_config`, model_type `qwen3_vl_moe_text`) is
 Qwen3-MoE's decoder with multimodal rotary positions (`mrope_section`, interleaved whatever
-`mrope_interleaved` says, as transformers' class does) and top-k weights always renormalised.
+`mrope_interleaved` says, as transformers' class does) and top-k weights always renormalised;
+the dense Qwen3-VL's (`Qwen3VLForConditionalGeneration`'s `text_config`, model_type
+`qwen3_vl_text`) is the same decoder with a SwiGLU in every layer.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from collections.abc import Callable
 from dyad.hf_checkpoint import adopted, read_config
 from dyad.llm_service.config import LLMConfig, MLAConfig, MoEConfig, YarnConfig
 
-FAMILIES = ("deepseek_v3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text")
+FAMILIES = ("deepseek_v3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "qwen3_vl_text")
+QWEN3_VL_TEXT = ("qwen3_vl_moe_text", "qwen3_vl_text")  # multimodal rotary positions
+QWEN3_VL = ("qwen3_vl_moe", "qwen3_vl")  # their whole models: the head is theirs, tied or not
 # Whole models whose config.json holds the language model's as `text_config`.
-MULTIMODAL = ("llava", "qwen3_vl_moe")
+MULTIMODAL = ("llava", *QWEN3_VL)
 # transformers' default where a Qwen3-VL config names no mrope_section
 QWEN3_VL_MROPE_SECTION = (24, 20, 20)
 
@@ -41,7 +45,7 @@ def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
     """dyad's LLM config for a Hugging Face `config.json` of one of `FAMILIES` (or of a
     `MULTIMODAL` model of one)."""
     text = text_config(hf)
-    if hf.get("model_type") == "qwen3_vl_moe":  # the head is the whole model's, tied or not by its config
+    if hf.get("model_type") in QWEN3_VL:  # the head is the whole model's, tied or not by its config
         text = text | {"tie_word_embeddings": hf.get("tie_word_embeddings", False)}
     hf = text
     family = hf.get("model_type")
@@ -51,6 +55,31 @@ def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
     if family == "deepseek_v3":
         return _deepseek_v3(hf, max_seq_len)
     n_layers = hf["num_hidden_layers"]
+    dense_layers, dense_ffn_dim, moe = _feed_forward(hf, family, n_layers)
+    return LLMConfig(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=n_layers,
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim") or 0,
+        qk_norm="head" if family in ("qwen3_moe", *QWEN3_VL_TEXT) else "projection" if family == "olmoe" else "none",
+        attention_bias=family == "qwen2_moe" and hf.get("qkv_bias", True),
+        pad_token_id=-1 if hf.get("pad_token_id") is None else hf["pad_token_id"],
+        rope_theta=_rope_theta(hf),
+        mrope_section=_mrope_section(hf) if family in QWEN3_VL_TEXT else (),
+        norm_eps=hf["rms_norm_eps"],
+        dense_ffn_dim=dense_ffn_dim,
+        dense_layers=dense_layers,
+        max_seq_len=max_seq_len or hf["max_position_embeddings"],
+        moe=moe,
+    )
+
+
+def _feed_forward(hf: dict, family: str, n_layers: int) -> tuple[tuple[int, ...], int, MoEConfig]:
+    """(the dense layers, their SwiGLU's hidden dim, the MoE layers' config) of a family but DeepSeek-V3."""
+    if family == "qwen3_vl_text":  # dense: a SwiGLU in every layer, the MoE section unused
+        return tuple(range(n_layers)), hf["intermediate_size"], MoEConfig()
     shared = hf.get("shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0
     if family == "mixtral":
         experts, expert_dim, dense_layers = hf["num_local_experts"], hf["intermediate_size"], ()
@@ -68,34 +97,17 @@ def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
         dense_layers = tuple(
             i for i in range(n_layers) if i in dense_only or experts == 0 or (i + 1) % sparse_step != 0
         )
-    return LLMConfig(
-        vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
-        n_layers=n_layers,
-        n_heads=hf["num_attention_heads"],
-        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        head_dim=hf.get("head_dim") or 0,
-        qk_norm={"qwen3_moe": "head", "qwen3_vl_moe_text": "head", "olmoe": "projection"}.get(family, "none"),
-        attention_bias=family == "qwen2_moe" and hf.get("qkv_bias", True),
-        pad_token_id=-1 if hf.get("pad_token_id") is None else hf["pad_token_id"],
-        rope_theta=_rope_theta(hf),
-        mrope_section=_mrope_section(hf) if family == "qwen3_vl_moe_text" else (),
-        norm_eps=hf["rms_norm_eps"],
-        dense_ffn_dim=dense_ffn_dim,
-        dense_layers=dense_layers,
-        max_seq_len=max_seq_len or hf["max_position_embeddings"],
-        moe=MoEConfig(
-            num_experts=experts,
-            top_k=hf["num_experts_per_tok"],
-            expert_dim=expert_dim,
-            shared_expert_dim=shared,
-            shared_expert_gate=shared > 0,
-            norm_topk_prob=norm_topk,
-            score_func="softmax",
-            # dyad's balance loss is per layer, transformers' over all layers at once: a loaded
-            # model trains with dyad's, at the checkpoint's coefficient.
-            aux_loss_coef=hf.get("router_aux_loss_coef", 0.0),
-        ),
+    return dense_layers, dense_ffn_dim, MoEConfig(
+        num_experts=experts,
+        top_k=hf["num_experts_per_tok"],
+        expert_dim=expert_dim,
+        shared_expert_dim=shared,
+        shared_expert_gate=shared > 0,
+        norm_topk_prob=norm_topk,
+        score_func="softmax",
+        # dyad's balance loss is per layer, transformers' over all layers at once: a loaded
+        # model trains with dyad's, at the checkpoint's coefficient.
+        aux_loss_coef=hf.get("router_aux_loss_coef", 0.0),
     )
 
 

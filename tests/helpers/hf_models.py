@@ -1,4 +1,5 @@
-"""What the tests against transformers do to its tiny random models before saving them."""
+"""What the tests against transformers do to its tiny random models before saving them, and how
+they read its gradients under dyad's names."""
 
 from __future__ import annotations
 
@@ -16,6 +17,22 @@ def make_norms_and_biases_matter(model: nn.Module, bias_std: float) -> nn.Module
         elif name.endswith("bias"):
             p.normal_(std=bias_std)
     return model
+
+
+def gradients_under_dyad_names(reference: nn.Module, ours: nn.Module, path, encoder_state_dict) -> dict:
+    """A whole transformers model's gradients (after its backward) saved in place of its weights,
+    a checkpoint of its own names, read under the names of dyad's whole model `ours`: its
+    `.encoder`'s by `encoder_state_dict`, its `.llm`'s. The reference's weights are lost."""
+    from dyad.hf_checkpoint import HFCheckpoint
+    from dyad.llm_service.hf import llm_state_dict
+
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+    reference.save_pretrained(path)
+    checkpoint = HFCheckpoint(path)
+    state = {f"encoder.{k}": v for k, v in encoder_state_dict(checkpoint, ours.encoder.cfg).items()}
+    return state | {f"llm.{k}": v for k, v in llm_state_dict(checkpoint, ours.llm.cfg).items()}
 
 
 def digits_tokenizer_in(path):

@@ -14,9 +14,7 @@ import torch
 
 import dyad.hf
 from dyad.encoder_service.hf import encoder_state_dict
-from dyad.hf_checkpoint import HFCheckpoint
-from dyad.llm_service.hf import llm_state_dict
-from tests.helpers.hf_models import make_norms_and_biases_matter
+from tests.helpers.hf_models import gradients_under_dyad_names, make_norms_and_biases_matter
 from tests.helpers.parity import relative_error
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test reference (pip install -e '.[test]')")
@@ -66,17 +64,6 @@ def llava_inputs():
     return dict(input_ids=input_ids, pixel_values=pixels, attention_mask=attention_mask, labels=labels)
 
 
-def grads_under_dyad_names(reference, model, path) -> dict[str, torch.Tensor]:
-    """transformers' gradients saved as a checkpoint of its own names, read under dyad's."""
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
-    reference.save_pretrained(path)
-    checkpoint = HFCheckpoint(path)
-    state = {f"encoder.{k}": v for k, v in encoder_state_dict(checkpoint, model.encoder.cfg).items()}
-    return state | {f"llm.{k}": v for k, v in llm_state_dict(checkpoint, model.llm.cfg).items()}
-
-
 @pytest.mark.parametrize("tower", TOWERS)
 def test_logits_loss_and_gradients_match_transformers(tower, tmp_path):
     reference = saved_llava(tower, tmp_path / "llava")
@@ -90,7 +77,7 @@ def test_logits_loss_and_gradients_match_transformers(tower, tmp_path):
 
     expected.loss.backward()
     got.loss.backward()
-    grads = grads_under_dyad_names(reference, ours, tmp_path / "grads")
+    grads = gradients_under_dyad_names(reference, ours, tmp_path / "grads", encoder_state_dict)
     named = dict(ours.named_parameters())
     assert set(grads) == set(named)
     for name, expected_grad in grads.items():
