@@ -33,15 +33,26 @@ LATENT_NORM_EPS = 1e-6
 
 
 class CausalAttention(nn.Module):
-    """Causal attention over the sequence held here (its positions are 0..S-1 in order). Context
-    parallelism replaces it with attention over the whole group's keys, masked by the positions
-    (`ContextParallelAttention`)."""
+    """Causal attention over the sequence held here (its positions are 0..S-1 in order); with
+    `documents_BS` (packed rows: each column's sample), each token attends only to the earlier
+    tokens of its own sample. Context parallelism replaces it with attention over the whole
+    group's keys, masked by the positions and documents (`ContextParallelAttention`)."""
 
-    def forward(self, q_BHSDh, k_BGSDh, v_BGSDh, positions_S, scale: float | None = None):
+    def forward(self, q_BHSDh, k_BGSDh, v_BGSDh, positions_S, scale: float | None = None, documents_BS=None):
         """`scale`: the softmax's (None: 1 / sqrt(the query head dim)); values may have their own head dim."""
-        return F.scaled_dot_product_attention(
-            q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True, scale=scale, enable_gqa=q_BHSDh.shape[1] != k_BGSDh.shape[1]
-        )
+        gqa = q_BHSDh.shape[1] != k_BGSDh.shape[1]
+        if documents_BS is None:
+            return F.scaled_dot_product_attention(q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True, scale=scale, enable_gqa=gqa)
+        allowed_B1SS = document_mask(positions_S, positions_S, documents_BS, documents_BS)
+        return F.scaled_dot_product_attention(q_BHSDh, k_BGSDh, v_BGSDh, attn_mask=allowed_B1SS, scale=scale, enable_gqa=gqa)
+
+
+def document_mask(q_positions_S, k_positions_S, q_documents_BS, k_documents_BS) -> torch.Tensor:
+    """[B, 1, Sq, Sk] bool: key at or before the query and of the query's document (a packed
+    row's sample; -1, padding, is its own document, so every query keeps itself)."""
+    causal_SS = k_positions_S.unsqueeze(0) <= q_positions_S.unsqueeze(1)
+    same_BSS = q_documents_BS.unsqueeze(2) == k_documents_BS.unsqueeze(1)
+    return (causal_SS & same_BSS).unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -55,7 +66,7 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = (_qk_norm(cfg, heads) for heads in (cfg.n_heads, cfg.n_kv_heads))
         self.core = CausalAttention()
 
-    def forward(self, x_BSD, cos_SDh, sin_SDh, positions_S) -> torch.Tensor:
+    def forward(self, x_BSD, cos_SDh, sin_SDh, positions_S, documents_BS=None) -> torch.Tensor:
         # Shapes come from the projections: under sequence parallelism x holds part of the
         # sequence and the projections gather the rest.
         q_BSX, k_BSX, v_BSX = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
@@ -65,7 +76,9 @@ class Attention(nn.Module):
         v_BSGDh = v_BSX.view(B, S, self.n_kv_heads, self.head_dim)
         if q_BSHDh.numel() == 0:  # cuDNN attention returns None for an empty batch (torch 2.11)
             return self.wo(q_BSHDh.reshape(B, S, self.n_heads * self.head_dim))
-        out_BHSDh = self.core(q_BSHDh.transpose(1, 2), k_BSGDh.transpose(1, 2), v_BSGDh.transpose(1, 2), positions_S)
+        out_BHSDh = self.core(
+            q_BSHDh.transpose(1, 2), k_BSGDh.transpose(1, 2), v_BSGDh.transpose(1, 2), positions_S, documents_BS=documents_BS
+        )
         return self.wo(out_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
 
@@ -99,7 +112,7 @@ class LatentAttention(nn.Module):
         self.core = CausalAttention()
         self.scale = mla_softmax_scale(cfg)
 
-    def forward(self, x_BSD, cos_SR, sin_SR, positions_S) -> torch.Tensor:
+    def forward(self, x_BSD, cos_SR, sin_SR, positions_S, documents_BS=None) -> torch.Tensor:
         # Shapes come from the head-parallel projections: under sequence parallelism x and the
         # latents hold part of the sequence, and the projections gather the rest.
         q_BSX = self.wq(x_BSD) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
@@ -115,7 +128,8 @@ class LatentAttention(nn.Module):
         if q_BSHDqk.numel() == 0:  # cuDNN attention returns None for an empty batch (torch 2.11)
             return self.wo(v_BSHDv.reshape(B, S, self.n_heads * self.v_dim))
         out_BHSDv = self.core(
-            q_BSHDqk.transpose(1, 2), k_BSHDqk.transpose(1, 2), v_BSHDv.transpose(1, 2), positions_S, scale=self.scale
+            q_BSHDqk.transpose(1, 2), k_BSHDqk.transpose(1, 2), v_BSHDv.transpose(1, 2), positions_S, scale=self.scale,
+            documents_BS=documents_BS,
         )
         return self.wo(out_BHSDv.transpose(1, 2).reshape(B, S, self.n_heads * self.v_dim))
 
@@ -167,10 +181,11 @@ class DecoderBlock(nn.Module):
         positions_S: torch.Tensor,
         valid_T: torch.Tensor | None = None,
         seq_ids_T: torch.Tensor | None = None,
+        documents_BS: torch.Tensor | None = None,
     ):
         """Returns (h_BSD, the MoE layer's scaled aux loss or None for a dense layer)."""
         B, S, D = h_BSD.shape
-        h_BSD = h_BSD + self.attention(self.attn_norm(h_BSD), cos_SDh, sin_SDh, positions_S)
+        h_BSD = h_BSD + self.attention(self.attn_norm(h_BSD), cos_SDh, sin_SDh, positions_S, documents_BS)
         x_TD = self.ffn_norm(h_BSD).reshape(B * S, D)
         if not self.is_moe:
             return h_BSD + self.feed_forward(x_TD).view(B, S, D), None
@@ -244,6 +259,8 @@ class MoELM(nn.Module):
         valid_BS: torch.Tensor | None = None,
         rope_positions_3BS: torch.Tensor | None = None,
         deepstack_embeds: list[torch.Tensor] | None = None,
+        documents_BS: torch.Tensor | None = None,
+        sample_positions_BS: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (logits_BSV, aux_loss): the sum of the MoE layers' aux losses, each already scaled
         by its coefficients. position_ids_S: the global positions of the columns held here (default
@@ -253,7 +270,13 @@ class MoELM(nn.Module):
         Multimodal (llm.mrope_section set): rope_positions_3BS, the (t, h, w) rotary positions
         of the columns held here (`dyad.llm_service.rope_index`; default: position_ids_S on
         each axis, plain rotary). deepstack_embeds: DeepStack's levels, each [N, D] at
-        image_positions as image_embeds; level i is added after layer i."""
+        image_positions as image_embeds; level i is added after layer i.
+
+        Packed rows (several samples a row): documents_BS, each column's sample (numbered across
+        the microbatch's rows, -1 on padding): a token attends only to its own sample's, and a
+        per-sequence balance loss (llm.moe.aux_loss "seq") takes each sample as its sequence;
+        sample_positions_BS, each column's position in its sample, the rotary's (restarting at
+        each sample, as the sample alone would be)."""
         B, S = input_ids_BS.shape
         if S > self.cfg.max_seq_len:
             raise ValueError(f"sequence length ({S}) exceeds llm.max_seq_len ({self.cfg.max_seq_len})")
@@ -264,15 +287,17 @@ class MoELM(nn.Module):
             h_BSD = splice_image_embeds(h_BSD, image_embeds_ND, image_positions_N)
         if position_ids_S is None:
             position_ids_S = torch.arange(S, device=h_BSD.device)
-        cos_SDh, sin_SDh = self._cos_sin(position_ids_S, rope_positions_3BS, (B, S), h_BSD.device)
+        cos_SDh, sin_SDh = self._cos_sin(position_ids_S, rope_positions_3BS, sample_positions_BS, (B, S), h_BSD.device)
         deepstack = self._deepstack_rows(deepstack_embeds, image_positions_N, S)
         h_BSD = self.sequence.scatter(h_BSD)
         valid_T = None if valid_BS is None else self.sequence.columns(valid_BS).reshape(-1)
-        seq_ids_BS = torch.arange(B, device=h_BSD.device).unsqueeze(1).expand(B, S)
+        if documents_BS is not None and documents_BS.shape != (B, S):
+            raise ValueError(f"documents must have shape {[B, S]}, got {list(documents_BS.shape)}")
+        seq_ids_BS = torch.arange(B, device=h_BSD.device).unsqueeze(1).expand(B, S) if documents_BS is None else documents_BS
         seq_ids_T = self.sequence.columns(seq_ids_BS).reshape(-1)
         aux_loss = torch.zeros((), device=h_BSD.device, dtype=torch.float32)
         for i, layer in enumerate(self.layers):
-            h_BSD, layer_aux = layer(h_BSD, cos_SDh, sin_SDh, position_ids_S, valid_T, seq_ids_T)
+            h_BSD, layer_aux = layer(h_BSD, cos_SDh, sin_SDh, position_ids_S, valid_T, seq_ids_T, documents_BS)
             if layer_aux is not None:
                 aux_loss = aux_loss + layer_aux
             if i < len(deepstack):
@@ -280,9 +305,17 @@ class MoELM(nn.Module):
         logits_BSV = self.output(self.sequence.gather(self.norm(h_BSD)))
         return logits_BSV, aux_loss
 
-    def _cos_sin(self, position_ids_S, rope_positions_3BS, shape: tuple[int, int], device):
-        """cos and sin: [S, Dh] of the sequence positions, or [B, S, Dh] of multimodal ones."""
+    def _cos_sin(self, position_ids_S, rope_positions_3BS, sample_positions_BS, shape: tuple[int, int], device):
+        """cos and sin: [S, Dh] of the sequence positions, or [B, S, Dh] of each sample's or of
+        multimodal ones."""
         frequencies = rotary_frequencies(self.cfg, device)
+        if sample_positions_BS is not None:
+            if rope_positions_3BS is not None:
+                raise ValueError("sample_positions and rope_positions are both rotary positions: give one")
+            if sample_positions_BS.shape != shape:
+                raise ValueError(f"sample_positions must have shape {list(shape)}, got {list(sample_positions_BS.shape)}")
+            cos_TDh, sin_TDh = rotary_cos_sin(sample_positions_BS.reshape(-1), *frequencies)
+            return cos_TDh.view(*shape, -1), sin_TDh.view(*shape, -1)
         if rope_positions_3BS is None:
             return rotary_cos_sin(position_ids_S, *frequencies)
         if not self.cfg.mrope_section:
