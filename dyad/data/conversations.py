@@ -48,8 +48,9 @@ import jinja2
 
 from dyad.data.chat import ChatTemplate, load_chat_template
 from dyad.data.jsonl import SPLITS, DatasetError, ImageFilesDataset, ImageTable, heldout_split, read_image
+from dyad.data.raw_records import RawRecord
 from dyad.data.samples import DataConfig, Sample
-from dyad.data.sources import RawRecord, open_source
+from dyad.data.sources import open_source
 from dyad.data.tokenizer import IMAGE, load_tokenizer
 
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dyad.data.jsonl import json_object
-from dyad.data.sources import FIELD, RawRecord
+from dyad.data.raw_records import FIELD, RawRecord
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm")
 _KEY_EXTENSION = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's `base_plus_ext`

@@ -17,34 +17,16 @@ image once in the dataset's image table) and the problems found reading it, name
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from glob import glob, has_magic
 from pathlib import Path
-from typing import BinaryIO, Protocol
 
 from braceexpand import braceexpand
 
 from dyad.data.jsonl import json_object
-
-FIELD = "data.path"
-
-
-@dataclass(frozen=True)
-class RawRecord:
-    where: str  # how a problem names the record: "<file>:<line>", "<shard>:<key>", "<file>:row <n>"
-    record: dict | None  # None where it could not be read (`problems` say why)
-    # (the name a problem calls it, its locator; None where it is missing), in placeholder order
-    images: tuple[tuple[str, Hashable | None], ...] = ()
-    problems: tuple[str, ...] = ()
-
-
-class RecordSource(Protocol):
-    def records(self) -> Iterator[RawRecord]:
-        """Every record, in the order that numbers the samples."""
-
-    def open(self, locator: Hashable) -> Path | BinaryIO:
-        """An image's file, or its bytes as an open binary file: what Pillow opens."""
+from dyad.data.raw_records import FIELD, RawRecord, RecordSource
+from dyad.data.shards import TarShards
+from dyad.data.tables import Tables
 
 
 def expand(pattern: str) -> list[Path]:
@@ -67,12 +49,8 @@ def open_source(pattern: str) -> RecordSource:
     files = expand(pattern)
     suffixes = {f.suffix if f.is_file() else "a directory" for f in files}
     if suffixes == {".tar"}:
-        from dyad.data.shards import TarShards
-
         return TarShards(files)
     if suffixes == {".parquet"} or (len(files) == 1 and files[0].is_dir()):
-        from dyad.data.tables import Tables
-
         return Tables(files)
     if len(files) == 1:
         return JsonlRecords(files[0])

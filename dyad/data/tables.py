@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from dyad.data.sources import FIELD, RawRecord
+from dyad.data.raw_records import FIELD, RawRecord
 
 RECORD_COLUMNS = ("conversations", "messages", "split")
 IMAGE_COLUMNS = ("images", "image")
