@@ -30,7 +30,7 @@ from torch import nn
 
 from dyad.encoder_service.config import Qwen3VLVisionConfig
 from dyad.encoder_service.model import activation
-from dyad.kernels.varlen_attention import varlen_attention
+from dyad.kernels.varlen_attention import segment_bounds, varlen_attention
 
 
 @dataclass
@@ -116,15 +116,16 @@ class Qwen3VLBlock(nn.Module):
         self.fc2 = nn.Linear(cfg.mlp_hidden, cfg.dim)
         self.act = activation(cfg.activation)
 
-    def attention(self, x_PD: torch.Tensor, cos_PDh: torch.Tensor, sin_PDh: torch.Tensor, lengths: list[int]):
+    def attention(self, x_PD, cos_PDh, sin_PDh, cu_seqlens_S1: torch.Tensor, longest: int):
         P = x_PD.shape[0]
         q_PADh, k_PADh, v_PADh = self.qkv(x_PD).view(P, 3, self.heads, self.head_dim).unbind(1)
         q_PADh, k_PADh = rotate(q_PADh, cos_PDh, sin_PDh), rotate(k_PADh, cos_PDh, sin_PDh)
-        out_PADh = varlen_attention(q_PADh, k_PADh, v_PADh, lengths, scale=self.head_dim**-0.5)
+        out_PADh = varlen_attention(q_PADh, k_PADh, v_PADh, cu_seqlens_S1, longest, scale=self.head_dim**-0.5)
         return self.proj(out_PADh.reshape(P, self.heads * self.head_dim))
 
-    def forward(self, x_PD, cos_PDh, sin_PDh, lengths: list[int]) -> torch.Tensor:
-        x_PD = x_PD + self.attention(self.attn_norm(x_PD), cos_PDh, sin_PDh, lengths)
+    def forward(self, x_PD, cos_PDh, sin_PDh, cu_seqlens_S1: torch.Tensor, longest: int) -> torch.Tensor:
+        """`cu_seqlens_S1`, `longest`: the attention segments (`segment_bounds`)."""
+        x_PD = x_PD + self.attention(self.attn_norm(x_PD), cos_PDh, sin_PDh, cu_seqlens_S1, longest)
         return x_PD + self.fc2(self.act(self.fc1(self.mlp_norm(x_PD))))
 
 
@@ -171,9 +172,10 @@ class Qwen3VLVision(nn.Module):
         pos_PD = (F.embedding(taps_PK, self.pos_embed_GD) * weights_PK[..., None]).sum(1)
         x_PD = x_PD + pos_PD.to(x_PD.dtype)
         cos_PDh, sin_PDh = (t.to(device) for t in rotary_cos_sin(grid, self.cfg.head_dim, self.cfg.rope_theta))
+        cu_seqlens_S1, longest = segment_bounds(grid.lengths, device)
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x_PD = block(x_PD, cos_PDh, sin_PDh, grid.lengths)
+            x_PD = block(x_PD, cos_PDh, sin_PDh, cu_seqlens_S1, longest)
             if i in self.cfg.deepstack_layers:
                 deepstack.append(self.deepstack_mergers[len(deepstack)](x_PD))
         return x_PD, deepstack

@@ -40,16 +40,25 @@ def varlen_attention_reference(
     return torch.cat(outs)
 
 
+def segment_bounds(lengths: Sequence[int], device: torch.device | str) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens_S1: [n + 1] int32 segment starts and the end, on `device`; the longest segment)
+    of consecutive segments of `lengths` rows: what `varlen_attention` takes. Built once a batch;
+    a tensor, which a compiled caller's graph can take as a dynamic input (a list of lengths is a
+    constant of the graph dynamo traces: each new set of image sizes recompiled it)."""
+    cu_seqlens_S1 = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(device, torch.int32)
+    return cu_seqlens_S1, max(lengths, default=0)
+
+
 def varlen_attention(
-    q_RADh: torch.Tensor, k_RADh: torch.Tensor, v_RADh: torch.Tensor, lengths: Sequence[int], *, scale: float,
+    q_RADh: torch.Tensor, k_RADh: torch.Tensor, v_RADh: torch.Tensor, cu_seqlens_S1: torch.Tensor, longest: int,
+    *, scale: float,
 ) -> torch.Tensor:
-    """`varlen_attention_reference`'s result; flash attention's kernel where it applies."""
-    if not _flash_applies(q_RADh, lengths):
-        return varlen_attention_reference(q_RADh, k_RADh, v_RADh, lengths, scale=scale)
-    cu_seqlens = torch.tensor([0, *lengths], device=q_RADh.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    longest = max(lengths)
-    return varlen_attn(q_RADh, k_RADh, v_RADh, cu_seqlens, cu_seqlens, longest, longest, scale=scale)
+    """`varlen_attention_reference`'s result over the segments `segment_bounds` describes; flash
+    attention's kernel where it applies."""
+    if not _flash_applies(q_RADh, cu_seqlens_S1):
+        return varlen_attention_reference(q_RADh, k_RADh, v_RADh, cu_seqlens_S1.diff().tolist(), scale=scale)
+    return varlen_attn(q_RADh, k_RADh, v_RADh, cu_seqlens_S1, cu_seqlens_S1, longest, longest, scale=scale)
 
 
-def _flash_applies(q_RADh: torch.Tensor, lengths: Sequence[int]) -> bool:
-    return varlen_attn is not None and q_RADh.is_cuda and q_RADh.dtype in _DTYPES and len(lengths) > 0
+def _flash_applies(q_RADh: torch.Tensor, cu_seqlens_S1: torch.Tensor) -> bool:
+    return varlen_attn is not None and q_RADh.is_cuda and q_RADh.dtype in _DTYPES and cu_seqlens_S1.numel() > 1
