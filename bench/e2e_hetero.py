@@ -36,7 +36,7 @@ from pathlib import Path
 
 from dyad import config as config_lib
 from dyad.app.jobs import run_job
-from dyad.data import make_dataset
+from dyad.data import FixedTokens, make_dataset
 
 COMMON = [
     "train.device=cuda",
@@ -153,7 +153,7 @@ def summarize(config, records: list[dict], gpus: int, skip: int, profiled: int |
     for metrics in records[skip:]:
         if metrics["step"] == profiled:
             continue
-        shapes = [dataset.shape(s, resolved.encoder.tokens_per_image) for s in samples[metrics["step"]]]
+        shapes = [dataset.shape(s, FixedTokens(resolved.encoder.tokens_per_image)) for s in samples[metrics["step"]]]
         images = sum(shape.n_images for shape in shapes)
         mean_seq = statistics.mean(shape.seq_len for shape in shapes)
         flops = images * encoder_flops_per_image(resolved.encoder) + metrics["tokens"] * llm_flops_per_token(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dyad.data import ImageTokens
 from dyad.router import estimate
 from dyad.router.boundary import BoundaryPlan
 from dyad.router.steps import StepPlanner, StepSpec
@@ -23,24 +24,32 @@ def describe(config, dataset, source: str) -> str:
     spec = planner.next(0)
     plan = planner.boundary_plan(spec)
     lines = [f"dyad train --dry-run: {source} resolved and checked as a run is; nothing started", ""]
-    lines += _models(config)
+    lines += _models(config, plan)
     lines += ["", *_layouts(config)]
-    lines += ["", *_memory(config, dataset, spec, plan)]
+    lines += ["", *_memory(config, dataset, planner.image_tokens, spec, plan)]
     lines += ["", *_step(config, dataset, spec, plan)]
     return "\n".join(lines)
 
 
-def _models(config) -> list[str]:
+def _models(config, plan: BoundaryPlan) -> list[str]:
     llm, layout = config.llm, config.parallel.llm
     llm_parts = estimate.llm_parts(llm, layout)
-    tower = estimate.total(estimate.encoder_tower_parts(config.encoder, config.parallel.encoder))
-    projector = estimate.total(estimate.projector_parts(config.encoder, config.parallel.encoder))
+    encoder, encoder_layout = config.encoder, config.parallel.encoder
+    tower = estimate.total(estimate.encoder_tower_parts(encoder, encoder_layout)
+                           + estimate.held_parts(encoder, encoder_layout))
+    projector = estimate.total(estimate.projector_parts(encoder, encoder_layout))
     sparse = llm.n_layers - len(llm.dense_layers)
+    if encoder.native is None:
+        images = f"{encoder.depth} blocks, {encoder.tokens_per_image} tokens per {encoder.image_size}px image"
+    else:
+        tokens = [image.tokens for work in plan.encoder_work for image in work.images] or [0]
+        images = (f"{encoder.native.depth} blocks, native resolution: {min(tokens):,} to {max(tokens):,} tokens "
+                  "per image in step 0; its DeepStack mergers held")
     return [
         "models",
-        f"  encoder {tower + projector:>15,} parameters: vision tower {tower:,} ({config.encoder.depth} blocks, "
-        f"{config.encoder.tokens_per_image} tokens per {config.encoder.image_size}px image), projector {projector:,}"
-        + (f"  [{config.encoder.from_hf}]" if config.encoder.from_hf else ""),
+        f"  encoder {tower + projector:>15,} parameters: vision tower {tower:,} ({images}), "
+        f"{'patch merger' if encoder.native else 'projector'} {projector:,}"
+        + (f"  [{encoder.from_hf}]" if encoder.from_hf else ""),
         f"  llm     {estimate.total(llm_parts):>15,} parameters, {estimate.per_token(llm_parts):,} per token "
         f"(top {llm.moe.top_k} of {llm.moe.num_experts} experts in {sparse} of {llm.n_layers} layers), "
         f"vocabulary {llm.vocab_size:,}" + (f"  [{llm.from_hf}]" if llm.from_hf else ""),
@@ -73,24 +82,22 @@ def _gpus(parallel) -> str:
             "parallel.<pool>_devices keeps the pools apart (unset, rank r of each pool takes GPU r % count)")
 
 
-def _memory(config, dataset, spec: StepSpec, plan: BoundaryPlan) -> list[str]:
+def _memory(config, dataset, image_tokens: ImageTokens, spec: StepSpec, plan: BoundaryPlan) -> list[str]:
     train = config.train
     element_size = estimate.ELEMENT_SIZE[train.dtype]
     enc, enc_layout, llm, llm_layout = config.encoder, config.parallel.encoder, config.llm, config.parallel.llm
     tower = estimate.encoder_tower_parts(enc, enc_layout)
     projector = estimate.projector_parts(enc, enc_layout)
+    held_by_encoder = estimate.per_rank(tower + projector + estimate.held_parts(enc, enc_layout))
     llm_parts = estimate.llm_parts(llm, llm_layout)
     frozen = set(train.freeze)
     enc_trained = 0 if "encoder" in frozen else estimate.per_rank(projector) + (
         0 if "vision_tower" in frozen else estimate.per_rank(tower))
-    images = 0 if "encoder" in frozen else estimate.encoder_images_in_flight(
-        plan, _rounds(spec), config.boundary.prefetch_depth)
+    in_flight, activations = _encoder_in_flight(config, spec, plan)
     encoder = estimate.state_memory(
-        estimate.per_rank(tower + projector), enc_trained, working_weights=train.working_weights,
-        activations=estimate.encoder_activations(enc, enc_layout, images, element_size=element_size,
-                                                 recompute="encoder" in train.recompute),
+        held_by_encoder, enc_trained, working_weights=train.working_weights, activations=activations,
     )
-    tokens = estimate.llm_tokens_per_rank(_microbatch_shapes(config, dataset, spec), llm_layout)
+    tokens = estimate.llm_tokens_per_rank(_microbatch_shapes(dataset, image_tokens, spec), llm_layout)
     held = estimate.per_rank(llm_parts)
     llm_memory = estimate.state_memory(
         held, 0 if "llm" in frozen else held, working_weights=train.working_weights,
@@ -100,9 +107,9 @@ def _memory(config, dataset, spec: StepSpec, plan: BoundaryPlan) -> list[str]:
     header = f"  {'':8}{'parameters':>15} {'weights':>8} {'grads':>8} {'AdamW':>8} {'activ.':>8} {'total':>8}"
     return [
         (f"memory per rank, GiB (an estimate: float32 weights, gradients and AdamW moments; activations at "
-        f"{train.dtype} of {tokens:,} tokens per LLM rank, {images} images in flight per encoder rank)"),
+        f"{train.dtype} of {tokens:,} tokens per LLM rank, {in_flight} in flight per encoder rank)"),
         header,
-        _memory_row("encoder", estimate.per_rank(tower + projector), encoder),
+        _memory_row("encoder", held_by_encoder, encoder),
         _memory_row("llm", held, llm_memory),
     ]
 
@@ -122,10 +129,26 @@ def _rounds(spec: StepSpec) -> list[int]:
     return rounds
 
 
-def _microbatch_shapes(config, dataset, spec: StepSpec) -> list[tuple[int, int]]:
-    tokens_per_image = config.encoder.tokens_per_image
+def _encoder_in_flight(config, spec: StepSpec, plan: BoundaryPlan) -> tuple[str, int]:
+    """What an encoder rank holds activations for at once, in words, and their bytes: images of
+    a fixed-resolution tower, image tokens of a native one (none when the encoder is frozen)."""
+    enc, layout, train = config.encoder, config.parallel.encoder, config.train
+    held = "encoder" in train.freeze
+    element_size, recompute = estimate.ELEMENT_SIZE[train.dtype], "encoder" in train.recompute
+    depth = config.boundary.prefetch_depth
+    if enc.native is None:
+        images = 0 if held else estimate.encoder_images_in_flight(plan, _rounds(spec), depth)
+        activations = estimate.encoder_activations(enc, layout, images, element_size=element_size, recompute=recompute)
+        return f"{images} images", activations
+    tokens = 0 if held else estimate.encoder_tokens_in_flight(plan, _rounds(spec), depth)
+    activations = estimate.native_activations(enc.native, layout, tokens, element_size=element_size,
+                                              recompute=recompute)
+    return f"{tokens:,} image tokens", activations
+
+
+def _microbatch_shapes(dataset, image_tokens: ImageTokens, spec: StepSpec) -> list[tuple[int, int]]:
     return [
-        (len(ids), max(dataset.shape(s, tokens_per_image).seq_len for s in ids)) for ids in spec.microbatches
+        (len(ids), max(dataset.shape(s, image_tokens).seq_len for s in ids)) for ids in spec.microbatches
     ]
 
 

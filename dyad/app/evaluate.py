@@ -13,7 +13,7 @@ from dyad.checkpoint import load_pool_state
 from dyad.config import RunConfig
 from dyad.data import build_prompt
 from dyad.data.batch import collate
-from dyad.encoder_service.hf_config import image_processor
+from dyad.encoder_service.hf_config import image_processor, image_tokens
 from dyad.encoder_service.step import encode_rows
 from dyad.llm_service.model import greedy_next_token
 from dyad.llm_service.step import microbatch_loss, whole_microbatch
@@ -45,9 +45,9 @@ def heldout_loss(config: RunConfig, dataset, encoder, llm) -> tuple[float, int]:
     encoder.eval()
     llm.eval()
     device = config.train.device
+    tokens = image_tokens(config.encoder, dataset)
     batches = [
-        collate(dataset.tokenizer, [dataset.sample(i) for i in dataset.heldout_ids[start : start + _EVAL_BATCH]],
-                config.encoder.tokens_per_image)
+        collate(dataset.tokenizer, [dataset.sample(i) for i in dataset.heldout_ids[start : start + _EVAL_BATCH]], tokens)
         for start in range(0, len(dataset.heldout_ids), _EVAL_BATCH)
     ]
     targets = sum(batch.n_targets for batch in batches)
@@ -69,8 +69,8 @@ def heldout_loss(config: RunConfig, dataset, encoder, llm) -> tuple[float, int]:
 
 def _decode_matches(config, dataset, encoder, llm, samples) -> torch.Tensor:
     device = config.train.device
-    tokens_per_image = config.encoder.tokens_per_image
-    prompts = [build_prompt(dataset.tokenizer, s, tokens_per_image) for s in samples]
+    tokens = image_tokens(config.encoder, dataset)
+    prompts = [build_prompt(dataset.tokenizer, s, tokens) for s in samples]
     answer_len = max(len(answer) for _, _, answer in prompts)
     S = max(len(ids) for ids, _, _ in prompts) + answer_len
     input_ids_BS = torch.full((len(samples), S), dataset.tokenizer.pad_id, dtype=torch.long)

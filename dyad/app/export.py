@@ -31,8 +31,10 @@ _SOURCE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation
 
 
 def llava_shaped(config: RunConfig) -> bool:
-    """Whether the run is a LLaVA: a pretrained tower, its projector LLaVA's, a pretrained LLM."""
-    return bool(config.encoder.from_hf and config.llm.from_hf) and config.encoder.spatial_merge == 1
+    """Whether the run is a LLaVA: a pretrained fixed-resolution tower, its projector LLaVA's, a
+    pretrained LLM. (A native-resolution Qwen3-VL tower's run exports its LLM alone, as yet.)"""
+    encoder = config.encoder
+    return bool(encoder.from_hf and config.llm.from_hf) and encoder.native is None and encoder.spatial_merge == 1
 
 
 def export_llm(config: RunConfig, checkpoint: Path, out: Path) -> list[Path]:

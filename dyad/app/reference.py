@@ -36,7 +36,7 @@ class ReferenceTrainer:
         lm = aux = 0.0
         for sample_ids in spec.microbatches:
             samples = [self.dataset.sample(s) for s in sample_ids]
-            batch = collate(self.dataset.tokenizer, samples, self.config.encoder.tokens_per_image)
+            batch = collate(self.dataset.tokenizer, samples, self.planner.image_tokens)
             batch = batch.to(self.config.train.device)
             local = whole_microbatch(batch, self.dataset.tokenizer.pad_id)
             with compute_context(self.config):

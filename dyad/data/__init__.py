@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dyad.data.conversations import ConversationsDataset
 from dyad.data.digits import DigitsDataset
 from dyad.data.image_processor import ImageProcessor, read_image_processor
+from dyad.data.image_tokens import FixedTokens, ImageTokens, NativeTokens
 from dyad.data.jsonl import DatasetError, JsonlDataset
 from dyad.data.samples import (
     DATASET_NAMES,
@@ -42,9 +43,12 @@ __all__ = [
     "DataConfig",
     "DatasetError",
     "DigitsDataset",
+    "FixedTokens",
     "ImageProcessor",
+    "ImageTokens",
     "JsonlDataset",
     "MultimodalDataset",
+    "NativeTokens",
     "Sample",
     "SampleShape",
     "TextTokenizer",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dyad.data.image_tokens import ImageTokens
 from dyad.data.samples import IGNORE_INDEX, Sample, build_sequence
 from dyad.data.tokenizer import TextTokenizer
 
@@ -35,11 +36,12 @@ class Batch:
         )
 
 
-def collate(tokenizer: TextTokenizer, samples: Sequence[Sample], tokens_per_image: int) -> Batch:
+def collate(tokenizer: TextTokenizer, samples: Sequence[Sample], image_tokens: ImageTokens) -> Batch:
     """Right-pads the samples' sequences into one batch. Row k of the encoder output for
-    `image_ids` (flattened to [n_images * tokens_per_image, D]) belongs at `image_positions[k]`."""
+    `image_ids` (each image's `image_tokens` rows, one image after another: [N, D]) belongs at
+    `image_positions[k]`."""
     assert samples, "collate needs at least one sample"
-    sequences = [build_sequence(tokenizer, s, tokens_per_image) for s in samples]
+    sequences = [build_sequence(tokenizer, s, image_tokens) for s in samples]
     S = max(len(ids) for ids, _, _ in sequences)
     input_ids_BS = torch.full((len(samples), S), tokenizer.pad_id, dtype=torch.long)
     targets_BS = torch.full((len(samples), S), IGNORE_INDEX, dtype=torch.long)

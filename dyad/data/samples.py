@@ -2,15 +2,15 @@
 what the two services read images from; `dyad/data/batch.py` makes their batches.
 
 A sample is text with `<image>` placeholders plus the ids of its images in the dataset's image
-table. `build_sequence` expands each placeholder into `tokens_per_image` image tokens (LLaVA-style)
-and marks the loss targets. A caption's sequence is [bos] + its tokens + [eos], and every text
+table. `build_sequence` expands each placeholder into its image's tokens (LLaVA-style), as many
+as `image_tokens` says that image gives (`dyad/data/image_tokens.py`), and marks the loss targets. A caption's sequence is [bos] + its tokens + [eos], and every text
 token after bos is a target (eos included). A conversation's text is rendered by the checkpoint's
 chat template (`dyad/data/chat.py`), which places its own special tokens: its sequence is the
 text's tokens alone, and its targets are the tokens overlapping `Sample.target_spans` (the
 assistant turns, with the end-of-turn token the template emits after each).
 
-Shape legend: B batch rows, S padded sequence length, N image-token rows (n_images *
-tokens_per_image, flattened over the batch), C channels, H = W = image_size.
+Shape legend: B batch rows, S padded sequence length, N image-token rows (the tokens of every
+image of the batch), C channels, H = W = image_size.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dyad.data.image_tokens import ImageTokens
 from dyad.data.tokenizer import IMAGE, TextTokenizer
 
 if TYPE_CHECKING:
@@ -140,14 +141,19 @@ class SampleShape:
     n_targets: int  # positions with a loss target (a caption's: every text token after bos, and eos)
 
 
-def _expand_images(
-    tokenizer: TextTokenizer, text_ids: list[int], tokens_per_image: int
-) -> list[int]:
-    assert tokens_per_image >= 1, tokens_per_image
+def _expand_images(tokenizer: TextTokenizer, text_ids: list[int], image_counts: list[int]) -> list[int]:
+    """`text_ids` with its k-th image id repeated image_counts[k] times."""
+    counts = iter(image_counts)
     ids = []
     for token in text_ids:
-        ids.extend([token] * (tokens_per_image if token == tokenizer.image_id else 1))
+        ids.extend([token] * (next(counts) if token == tokenizer.image_id else 1))
     return ids
+
+
+def _image_counts(sample: Sample, image_tokens: ImageTokens) -> list[int]:
+    counts = [image_tokens(image_id) for image_id in sample.image_ids]
+    assert all(count >= 1 for count in counts), (sample.sample_id, counts)
+    return counts
 
 
 def _text_targets(tokenizer: TextTokenizer, sample: Sample) -> tuple[list[int], list[bool]]:
@@ -165,19 +171,20 @@ def _text_targets(tokenizer: TextTokenizer, sample: Sample) -> tuple[list[int], 
 
 
 def build_sequence(
-    tokenizer: TextTokenizer, sample: Sample, tokens_per_image: int
+    tokenizer: TextTokenizer, sample: Sample, image_tokens: ImageTokens
 ) -> tuple[list[int], list[int], list[int]]:
     """Returns (input_ids, targets, image_positions) for one sample.
 
     input_ids = the text's ids (a caption's between bos and eos) with each <image> expanded to
-    tokens_per_image image ids; targets[i] = input_ids[i + 1] where that token is a target (see the
+    as many image ids as `image_tokens` gives its image; targets[i] = input_ids[i + 1] where that token is a target (see the
     module docstring), else IGNORE_INDEX; image_positions = the indices of image tokens in input_ids.
     """
     text_ids, is_target = _text_targets(tokenizer, sample)
     assert text_ids.count(tokenizer.image_id) == len(sample.image_ids), sample
+    counts = iter(_image_counts(sample, image_tokens))
     ids, predicted = [], []  # predicted[i]: whether input_ids[i] is a target
     for token, target in zip(text_ids, is_target):
-        copies = tokens_per_image if token == tokenizer.image_id else 1
+        copies = next(counts) if token == tokenizer.image_id else 1
         ids.extend([token] * copies)
         predicted.extend([target] * copies)
     targets = [nxt if target else IGNORE_INDEX for nxt, target in zip(ids[1:], predicted[1:])] + [IGNORE_INDEX]
@@ -186,7 +193,7 @@ def build_sequence(
 
 
 def build_prompt(
-    tokenizer: TextTokenizer, sample: Sample, tokens_per_image: int
+    tokenizer: TextTokenizer, sample: Sample, image_tokens: ImageTokens
 ) -> tuple[list[int], list[int], list[int]]:
     """For caption-accuracy eval: (input_ids, image_positions, answer_ids), where input_ids is
     [bos] + the expanded prompt_text and answer_ids are the answer's tokens as they appear in the
@@ -200,19 +207,19 @@ def build_prompt(
             f"sample {sample.sample_id}: the tokenizer merges the answer {sample.answer!r} "
             "into the prompt, so the prompt is not a token prefix of the caption"
         )
-    ids = _expand_images(tokenizer, [tokenizer.bos_id, *prompt_ids], tokens_per_image)
+    ids = _expand_images(tokenizer, [tokenizer.bos_id, *prompt_ids], _image_counts(sample, image_tokens))
     image_positions = [i for i, token in enumerate(ids) if token == tokenizer.image_id]
     return ids, image_positions, full_ids[len(prompt_ids) :]
 
 
-def answer_targets(tokenizer: TextTokenizer, sample: Sample, tokens_per_image: int) -> range:
+def answer_targets(tokenizer: TextTokenizer, sample: Sample, image_tokens: ImageTokens) -> range:
     """The positions of `build_sequence`'s sequence whose targets are the answer's tokens (empty
     where the sample has no answer). Every one of them is the model's argmax exactly when greedy
     decoding from the prompt (`build_prompt`) produces the answer: until the first miss both
     see the same tokens."""
     if sample.answer is None:
         return range(0)
-    prompt_ids, _, answer_ids = build_prompt(tokenizer, sample, tokens_per_image)
+    prompt_ids, _, answer_ids = build_prompt(tokenizer, sample, image_tokens)
     return range(len(prompt_ids) - 1, len(prompt_ids) - 1 + len(answer_ids))
 
 
@@ -245,17 +252,16 @@ class MultimodalDataset(ABC):
     def sample(self, i: int) -> Sample:
         return self._samples[i]
 
-    def shape(self, i: int, tokens_per_image: int) -> SampleShape:
+    def shape(self, i: int, image_tokens: ImageTokens) -> SampleShape:
         sample = self._samples[i]
         if i not in self._n_text_tokens:
             text_ids, is_target = _text_targets(self.tokenizer, sample)
             self._n_text_tokens[i] = (len(text_ids) - len(sample.image_ids), sum(is_target))
         n_text, n_targets = self._n_text_tokens[i]
-        n_images = len(sample.image_ids)
         return SampleShape(
             sample_id=i,
-            n_images=n_images,
-            seq_len=n_text + n_images * tokens_per_image,
+            n_images=len(sample.image_ids),
+            seq_len=n_text + sum(_image_counts(sample, image_tokens)),
             n_targets=n_targets,
         )
 

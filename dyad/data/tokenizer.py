@@ -3,7 +3,7 @@ the data pipeline relies on.
 
 `<image>` is a special (added) token, so it is matched before pre-tokenization and always encodes
 to exactly one id (`image_id`), whatever the model (WordLevel, BPE, ...). `build_sequence` later
-expands that one id into `tokens_per_image` copies.
+expands that one id into as many copies as its image gives tokens.
 """
 
 from __future__ import annotations

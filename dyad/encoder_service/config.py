@@ -2,6 +2,8 @@
 with errors naming the field. A plain dataclass without torch: the router and the CLI read and
 check configs without loading the model code."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")  # exact GELU; SigLIP's tanh form; CLIP's x*sigmoid(1.702x)
@@ -11,8 +13,13 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")  # exact GELU; SigLIP's tanh f
 class EncoderConfig:
     # A Hugging Face vision tower (SigLIP, CLIP; alone, or a SigLIP/CLIP/LLaVA model's) whose
     # architecture and weights the encoder starts from (dyad/encoder_service/hf_config.py), the
-    # projector drawn from the run's seed; "": dyad's own, from the fields below.
+    # projector drawn from the run's seed; or a Qwen3-VL(-MoE) model or its tower alone, a
+    # native-resolution tower (`native`); "": dyad's own, from the fields below.
     from_hf: str = ""
+    # A native-resolution tower: resolved from a Qwen3-VL `from_hf` (its config.json), never set
+    # by hand. It replaces the fixed-resolution ViT the fields below describe: each image is
+    # encoded at its own size and gives its own number of tokens (dyad/data/image_tokens.py).
+    native: Qwen3VLVisionConfig | None = None
     feature_layer: int = -2  # with from_hf: the block whose output the LLM gets (LLaVA's: -2, the one before the last)
     image_size: int = 16
     patch_size: int = 4
@@ -77,7 +84,7 @@ class EncoderConfig:
 
     @property
     def tokens_per_image(self) -> int:
-        """Rows per image the LLM receives."""
+        """Rows per image the LLM receives (a native tower's differ by image: dyad/data/image_tokens.py)."""
         return (self.patch_grid // self.spatial_merge) ** 2
 
     @property

@@ -10,7 +10,9 @@ projector (two linears around an exact GELU, dyad's own projector at `encoder.sp
 with the feature layer its config names.
 
 Qwen3-VL (`qwen3_vl_vision_config`): the native-resolution tower of a Qwen3-VL or Qwen3-VL-MoE
-model (its `vision_config`) or saved alone, dyad's `Qwen3VLVisionConfig`.
+model (its `vision_config`) or saved alone, dyad's `Qwen3VLVisionConfig`; in a run, the encoder's
+`native` tower (`native_tower`), its images prepared by the checkpoint's Qwen2-VL processor, each
+giving its own number of tokens (`image_tokens`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from dyad.data.image_processor import ImageProcessor, read_image_processor
+from dyad.data.image_tokens import FixedTokens, ImageTokens, NativeTokens
 from dyad.encoder_service.config import EncoderConfig, Qwen3VLVisionConfig
 from dyad.hf_checkpoint import adopted, read_config
 
@@ -120,12 +123,40 @@ def pretrained(encoder: EncoderConfig, *, image_size: int, channels: int) -> Enc
 def image_processor(encoder: EncoderConfig) -> ImageProcessor | None:
     """How the `encoder.from_hf` checkpoint's image processor prepares images (its
     preprocessor_config.json), None without one (the dataset's own preparation); a ValueError
-    where it prepares images of another size than the encoder's."""
+    where it prepares images of another size than the encoder's, or, for a native-resolution
+    tower, where there is none or it cuts patches other than the tower's."""
     processor = read_image_processor(encoder.from_hf) if encoder.from_hf else None
+    if encoder.native is not None:
+        return _native_processor(encoder.from_hf, processor, encoder.native)
+    if processor is not None and processor.patches is not None:
+        raise ValueError(f"encoder.from_hf: {encoder.from_hf}'s preprocessor_config.json prepares images at their "
+                         f"own size (a Qwen2-VL processor), its tower takes one size ({encoder.image_size})")
     if processor is not None and processor.output_size != (encoder.image_size, encoder.image_size):
         raise ValueError(f"data.image_size ({encoder.image_size}) must be the size encoder.from_hf's "
                          f"preprocessor_config.json prepares images at ({processor.output_size})")
     return processor
+
+
+def _native_processor(directory: str, processor: ImageProcessor | None, tower: Qwen3VLVisionConfig) -> ImageProcessor:
+    if processor is None or processor.patches is None:
+        raise ValueError(f"encoder.from_hf: {directory} needs the preprocessor_config.json of a native-resolution "
+                         f"processor (Qwen2VLImageProcessor): it says how each image is resized and cut into patches")
+    grid = processor.patches
+    for field, theirs, ours in (("patch_size", grid.patch_size, tower.patch_size),
+                                ("temporal_patch_size", grid.temporal_patch_size, tower.temporal_patch),
+                                ("merge_size", grid.merge_size, tower.spatial_merge)):
+        if theirs != ours:
+            raise ValueError(f"encoder.from_hf: preprocessor_config.json {field}={theirs} is not the tower's "
+                             f"({ours}, config.json)")
+    return processor
+
+
+def image_tokens(encoder: EncoderConfig, dataset) -> ImageTokens:
+    """How many LLM tokens each image of `dataset` gives the (resolved) encoder: a native tower
+    each its own, its processor's for the image's stored size; else `encoder.tokens_per_image`."""
+    if encoder.native is None:
+        return FixedTokens(encoder.tokens_per_image)
+    return NativeTokens(image_processor(encoder).patches, dataset.image_hw)
 
 
 QWEN3_VL_VISION = ("qwen3_vl_moe_vision", "qwen3_vl_vision")  # a tower saved alone
@@ -181,3 +212,25 @@ def qwen3_vl_vision_config(hf: dict) -> Qwen3VLVisionConfig:
         out_dim=vision.get("out_hidden_size", 3584),
         deepstack_layers=tuple(layers),
     )
+
+
+def native_tower(encoder: EncoderConfig, *, channels: int) -> Qwen3VLVisionConfig | None:
+    """The native-resolution tower of `encoder.from_hf` (a Qwen3-VL(-MoE) model, or its tower
+    alone); None for a fixed-resolution one. A ValueError where the run's `encoder.native`
+    contradicts it, or the data's channels are not the tower's."""
+    hf = read_config(encoder.from_hf, "encoder.from_hf") if encoder.from_hf else {}
+    if qwen3_vl_vision(hf) is None:
+        if encoder.native is not None:
+            raise ValueError("encoder.native is resolved from encoder.from_hf (a Qwen3-VL model or vision tower), "
+                             "never set by hand: leave it unset")
+        return None
+    try:
+        derived = qwen3_vl_vision_config(hf)
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"encoder.from_hf: {encoder.from_hf}/config.json lacks or misstates {error}") from None
+    if encoder.native is not None and encoder.native != derived:
+        raise ValueError(f"encoder.native={encoder.native!r} contradicts encoder.from_hf's tower ({derived!r}): "
+                         "leave it unset")
+    if channels != derived.channels:
+        raise ValueError(f"data.channels ({channels}) must be the tower's ({derived.channels}, encoder.from_hf)")
+    return derived

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from dyad.encoder_service.config import EncoderConfig
-from dyad.encoder_service.hf_config import image_processor, pretrained
+from dyad.data.samples import FILE_DATASETS
+from dyad.encoder_service.config import EncoderConfig, Qwen3VLVisionConfig
+from dyad.encoder_service.hf_config import image_processor, native_tower, pretrained
 from dyad.layout import EncoderLayout, validate_encoder_layout
 from dyad.pools import PoolType
 
@@ -14,6 +15,9 @@ def _resolve(run, vocab_size: int | None) -> EncoderConfig:
     """Its rows are the LLM's input width, its images the dataset's (a pretrained tower's
     architecture its own: `encoder.from_hf`); an image's rows must fit in
     one LLM sequence (refused here, before any worker allocates an image that large)."""
+    native = native_tower(run.encoder, channels=run.data.channels)
+    if native is not None:
+        return _resolve_native(run, native)
     encoder = run.encoder
     if encoder.from_hf:  # its architecture is the tower's
         encoder = pretrained(encoder, image_size=run.data.image_size, channels=run.data.channels)
@@ -28,6 +32,21 @@ def _resolve(run, vocab_size: int | None) -> EncoderConfig:
             f"holds (llm.max_seq_len: {run.llm.max_seq_len})"
         )
     validate_encoder_layout(run.parallel.encoder, encoder)
+    return encoder
+
+
+def _resolve_native(run, native: Qwen3VLVisionConfig) -> EncoderConfig:
+    """A native-resolution tower's merger writes the LLM's image rows (no projector of dyad's own
+    between them), and it reads each image at its stored size: from files."""
+    if native.out_dim != run.llm.dim:
+        raise ValueError(f"llm.dim ({run.llm.dim}) must be the out_hidden_size of encoder.from_hf's tower "
+                         f"({native.out_dim}): its merger writes the LLM's image rows")
+    if run.data.name not in FILE_DATASETS:
+        raise ValueError(f"data.name ({run.data.name!r}) must be one of {FILE_DATASETS} with a native-resolution "
+                         "tower (encoder.from_hf): it reads each image file at its own size")
+    encoder = dataclasses.replace(run.encoder, native=native, out_dim=run.llm.dim, channels=run.data.channels)
+    image_processor(encoder)  # the checkpoint's processor cuts the tower's patches
+    validate_encoder_layout(run.parallel.encoder, native)
     return encoder
 
 

@@ -12,7 +12,14 @@ from dyad.data import ImageProcessor
 
 def encode_rows(model: nn.Module, dataset, image_ids: Sequence[int], device,
                 processor: ImageProcessor | None = None) -> torch.Tensor:
-    """Encoder output for `image_ids` as boundary rows [n_images * tokens_per_image, D],
-    in the order the LLM splices them; `processor`: the tower's (`hf_config.image_processor`)."""
+    """Encoder output for `image_ids` as boundary rows [N, D]: each image's tokens, one image
+    after another, in the order the LLM splices them; `processor`: the tower's
+    (`hf_config.image_processor`). A native-resolution processor's images (`processor.patches`)
+    go through the tower as one packed sequence, each at its own size; only its merged tokens
+    cross the boundary (its DeepStack features do not yet)."""
+    if processor is not None and processor.patches is not None:
+        pixel_values_PX, grid_thw_N3 = dataset.patches(list(image_ids), processor, device)
+        merged_ND, _deepstack = model(pixel_values_PX, grid_thw_N3)
+        return merged_ND
     images_NCHW = dataset.images(list(image_ids), device=device, processor=processor)
     return model(images_NCHW).flatten(0, 1)

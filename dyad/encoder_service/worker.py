@@ -13,22 +13,30 @@ behind a gradient another lane cannot produce yet.
 
 An evaluation encodes and sends the held-out batches' images the same way, forward only; so does
 a step of a frozen encoder (`train.freeze: [encoder]`), which gets no gradient back.
+
+The model is dyad's fixed-resolution ViT with its projector (SigLIP, CLIP, LLaVA towers), or a
+Qwen3-VL native-resolution tower (`encoder.native`), whose merger is its projector: `Tower` says
+how each is built, loaded, parallelized and held.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from dyad.encoder_service.hf import encoder_sources
+from dyad.encoder_service.config import EncoderConfig
+from dyad.encoder_service.hf import encoder_sources, qwen3_vl_sources
 from dyad.encoder_service.hf_config import image_processor
 from dyad.encoder_service.model import VisionEncoder
-from dyad.encoder_service.parallelize import parallelize_encoder
+from dyad.encoder_service.parallelize import parallelize_encoder, parallelize_qwen3_vl_vision
+from dyad.encoder_service.qwen3_vl import Qwen3VLVision
 from dyad.encoder_service.step import encode_rows
 from dyad.exposed_wait import ExposedWait
 from dyad.hf_checkpoint import HFCheckpoint
@@ -37,6 +45,33 @@ from dyad.service import PoolService, boundary_dtype, compute_context, transfer_
 from dyad.slices import load_pieces
 from dyad.transport import Direction, MessageTag, Phase
 from dyad.wire import pb
+
+
+@dataclass(frozen=True)
+class Tower:
+    """A kind of encoder model, as the worker builds, loads, parallelizes and holds it."""
+
+    model: Callable[[EncoderConfig], nn.Module]  # the single-device model
+    sources: Callable  # (an HFCheckpoint, the encoder config) -> where its tensors lie (dyad.slices)
+    parallelize: Callable  # (the model, the pool's groups) -> its GradientPlan
+    projector: tuple[str, ...]  # its parameters that train under train.freeze "vision_tower"
+    # Held whatever train.freeze says: nothing reads them yet (a gradient of zeros would still
+    # decay their weights). Qwen3-VL's DeepStack mergers, until their features cross the boundary.
+    held: tuple[str, ...] = ()
+
+
+VIT = Tower(VisionEncoder, encoder_sources, parallelize_encoder, projector=("proj_in.", "proj_out."))
+QWEN3_VL = Tower(
+    lambda encoder: Qwen3VLVision(encoder.native),
+    lambda checkpoint, encoder: qwen3_vl_sources(checkpoint, encoder.native),
+    parallelize_qwen3_vl_vision,
+    projector=("merger.",),
+    held=("deepstack_mergers.",),
+)
+
+
+def tower(encoder: EncoderConfig) -> Tower:
+    return VIT if encoder.native is None else QWEN3_VL
 
 
 @dataclass
@@ -55,22 +90,25 @@ class EncoderWorker(PoolService):
         return image_processor(self.config.encoder)
 
     @staticmethod
-    def single_device_model(config) -> VisionEncoder:
-        return VisionEncoder(config.encoder)
+    def single_device_model(config) -> nn.Module:
+        return tower(config.encoder).model(config.encoder)
 
     @staticmethod
-    def load_pretrained(model: VisionEncoder, config) -> None:
-        """The `encoder.from_hf` tower's weights (up to its feature layer); the projector keeps
-        its drawn values."""
+    def load_pretrained(model: nn.Module, config) -> None:
+        """The `encoder.from_hf` tower's weights (a ViT's up to its feature layer, its projector
+        keeping its drawn values unless a LLaVA's comes with it)."""
         if config.encoder.from_hf:
-            load_pieces(model, encoder_sources(HFCheckpoint(config.encoder.from_hf), config.encoder))
+            sources = tower(config.encoder).sources(HFCheckpoint(config.encoder.from_hf), config.encoder)
+            load_pieces(model, sources)
 
     @staticmethod
-    def freeze(model: VisionEncoder, config) -> None:
-        """train.freeze "encoder": every parameter; "vision_tower": all but the projector's."""
-        held = config.train.freeze
+    def freeze(model: nn.Module, config) -> None:
+        """train.freeze "encoder": every parameter; "vision_tower": all but the projector's; and
+        the tower's `held` parts always."""
+        held, kind = config.train.freeze, tower(config.encoder)
         for name, param in model.named_parameters():
-            if "encoder" in held or ("vision_tower" in held and not name.startswith(("proj_in.", "proj_out."))):
+            if ("encoder" in held or ("vision_tower" in held and not name.startswith(kind.projector))
+                    or name.startswith(kind.held)):
                 param.requires_grad_(False)
 
     @property
@@ -79,7 +117,7 @@ class EncoderWorker(PoolService):
         return "encoder" in self.config.train.freeze
 
     def parallelize(self, model, groups):
-        return parallelize_encoder(model, groups)
+        return tower(self.config.encoder).parallelize(model, groups)
 
     @property
     def talks_to_llm(self) -> bool:

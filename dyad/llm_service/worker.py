@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dyad.data import answer_targets
+from dyad.data import ImageTokens, answer_targets
 from dyad.data.batch import collate
 from dyad.exposed_wait import ExposedWait
 from dyad.hf_checkpoint import HFCheckpoint
@@ -143,14 +143,14 @@ class LLMWorker(PoolService):
         lm_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         answers: dict[int, list[int]] = {}
         received = 0
-        tokens_per_image = self.config.encoder.tokens_per_image
         for batch in command.batches:
             arrivals = self._post_receives(batch, Phase.EVAL)
             ours = self._microbatches_of_this_lane(batch)
             for microbatch, local, rows_NlD, mine in self._inputs(batch, ours, arrivals, ExposedWait(self.device)):
                 received += sum(arrival.buffer_ND.nbytes for arrival in mine)
+                image_tokens = planned_image_tokens(batch.plan, microbatch.index)
                 spans = [
-                    answer_targets(self.dataset.tokenizer, self.dataset.sample(s), tokens_per_image)
+                    answer_targets(self.dataset.tokenizer, self.dataset.sample(s), image_tokens)
                     for s in microbatch.sample_ids
                 ]
                 spans_B2 = torch.tensor([[span.start, span.stop] for span in spans], device=self.device)
@@ -182,7 +182,7 @@ class LLMWorker(PoolService):
         local_rows = {r.microbatch: r.rows for r in command.plan.local_rows if r.llm_rank == self.rank}
         for microbatch in ours:
             samples = [self.dataset.sample(s) for s in microbatch.sample_ids]
-            batch = collate(self.dataset.tokenizer, samples, command.plan.tokens_per_image)
+            batch = collate(self.dataset.tokenizer, samples, planned_image_tokens(command.plan, microbatch.index))
             local = shard_microbatch(  # on the CPU: no index work waits for the GPU
                 batch,
                 pad_id=self.dataset.tokenizer.pad_id,
@@ -239,3 +239,13 @@ class LLMWorker(PoolService):
             buffer_ND = pack(grad_NlD, arrival.segments.reversed())
             sends.append((self.transport.send(peer, tag, buffer_ND), buffer_ND.nbytes))
         return sends
+
+
+def planned_image_tokens(plan: pb.BoundaryPlan, microbatch: int) -> ImageTokens:
+    """Each image of `microbatch`'s tokens, as the plan's encoder work gives them."""
+    tokens = {
+        image_id: count
+        for work in plan.encoder_work if work.microbatch == microbatch
+        for image_id, count in zip(work.image_ids, work.image_tokens, strict=True)
+    }
+    return tokens.__getitem__

@@ -583,10 +583,7 @@ class RunDriver:
         this step."""
         started = time.perf_counter()
         batches = self.planner.heldout_batches
-        tokens_per_image = self.config.encoder.tokens_per_image
-        command = pb.EvalCommand(
-            step=self.step, batches=[step_command(spec, plan, tokens_per_image) for spec, plan in batches]
-        )
+        command = pb.EvalCommand(step=self.step, batches=[step_command(spec, plan) for spec, plan in batches])
         self.run.send(pb.WorkerCommand(evaluate=command))
         step = self.step
         results = self._collect(
@@ -595,7 +592,7 @@ class RunDriver:
         )
         specs = [spec for spec, _ in batches]
         metrics = evaluation_metrics(
-            step, specs, results.values(), answer_lengths(self.dataset, specs, tokens_per_image),
+            step, specs, results.values(), answer_lengths(self.dataset, specs, self.planner.image_tokens),
             seconds=time.perf_counter() - started,
         )
         log.info("run %s: step %d held-out loss %.4f, accuracy %.3f (%.1fs)",
@@ -606,7 +603,7 @@ class RunDriver:
         started = time.perf_counter()
         spec = self.planner.next(step)
         plan = self.planner.boundary_plan(spec)
-        self.run.send(pb.WorkerCommand(step=step_command(spec, plan, self.config.encoder.tokens_per_image)))
+        self.run.send(pb.WorkerCommand(step=step_command(spec, plan)))
         return SentStep(spec, plan, started)
 
     def _may_send_ahead(self, step: int) -> bool:

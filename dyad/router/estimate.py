@@ -2,8 +2,8 @@
 without torch (`dyad train --dry-run` prints it): parameters (total, per token, per rank) and an
 estimate of each rank's memory.
 
-Parameters are counted part by part from the same shapes `VisionEncoder` and `MoELM` build (a
-test checks the counts against the models and against transformers'), and each part is held
+Parameters are counted part by part from the same shapes `VisionEncoder`, `Qwen3VLVision` and
+`MoELM` build (a test checks the counts against the models and against transformers'), and each part is held
 whole or cut over the ranks that split it: tensor parallelism (tp) the attention's and dense
 FFNs' linears, the vocabulary and the projector; expert parallelism (ep x etp) the experts; data
 parallelism replicates everything (dyad keeps no optimizer state sharded over dp).
@@ -20,7 +20,8 @@ Memory per rank, in bytes, an estimate:
 
 Legend: V vocabulary, D LLM dim, L layers, H query heads, G kv heads, Dh head dim, E experts,
 k top_k, F expert hidden, Fd dense FFN hidden, Fs shared expert hidden; encoder: d dim, n blocks,
-m MLP hidden, X patch (channels * patch_size**2), P positions, Q merged dim, O out_dim (= D).
+m MLP hidden, X patch (channels * patch_size**2), P positions, Q merged dim, O out_dim (= D);
+a native tower's (`encoder.native`): the same, and G learned positions, s spatial merge.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dyad.encoder_service.config import EncoderConfig
+from dyad.encoder_service.config import EncoderConfig, Qwen3VLVisionConfig
 from dyad.layout import EncoderLayout, LLMLayout
 from dyad.llm_service.config import LLMConfig
 from dyad.router.boundary import BoundaryPlan
@@ -96,7 +97,10 @@ def llm_parts(llm: LLMConfig, layout: LLMLayout) -> list[Part]:
 
 
 def encoder_tower_parts(encoder: EncoderConfig, layout: EncoderLayout) -> list[Part]:
-    """The vision tower of `VisionEncoder` (a resolved `encoder`) on one rank of `layout`."""
+    """The vision tower of `VisionEncoder` (a resolved `encoder`), or of `Qwen3VLVision` (its
+    `native`), on one rank of `layout`."""
+    if encoder.native is not None:
+        return _native_tower_parts(encoder.native, layout)
     d, n, m, tp = encoder.dim, encoder.depth, encoder.mlp_dim, layout.tp
     X = encoder.channels * encoder.patch_size**2
     # qkv (weight, bias), proj's weight, fc1 (weight, bias), fc2's weight: cut over tp; the row-
@@ -114,9 +118,43 @@ def encoder_tower_parts(encoder: EncoderConfig, layout: EncoderLayout) -> list[P
 
 
 def projector_parts(encoder: EncoderConfig, layout: EncoderLayout) -> list[Part]:
-    """proj_in (column-parallel) and proj_out (row-parallel: its bias whole)."""
+    """proj_in (column-parallel) and proj_out (row-parallel: its bias whole); a native tower's
+    patch merger."""
+    if encoder.native is not None:
+        return _merger_parts("merger", encoder.native, layout, norm=encoder.native.dim)
     Q, O = encoder.merged_dim, encoder.out_dim
     return [Part("projector (tp)", Q * O + O + O * O, layout.tp), Part("projector (whole)", O)]
+
+
+def held_parts(encoder: EncoderConfig, layout: EncoderLayout) -> list[Part]:
+    """What the encoder holds untrained whatever train.freeze says: a native tower's DeepStack
+    mergers, whose features do not cross the boundary yet."""
+    if encoder.native is None:
+        return []
+    native, levels = encoder.native, len(encoder.native.deepstack_layers)
+    merger = _merger_parts("DeepStack mergers", native, layout, norm=native.merged_dim)
+    return [Part(part.name, levels * part.count, part.split) for part in merger if levels]
+
+
+def _native_tower_parts(native: Qwen3VLVisionConfig, layout: EncoderLayout) -> list[Part]:
+    """`Qwen3VLVision`'s patch embedding, positions and blocks (the blocks as a ViT's, every
+    projection with a bias)."""
+    d, m, tp = native.dim, native.mlp_hidden, layout.tp
+    cut = 3 * d * d + 3 * d + d * d + d * m + m + m * d
+    whole = 2 * 2 * d + d + d
+    return [
+        Part("patch embedding", native.patch_numel * d + d),
+        Part("positions", native.position_grid**2 * d),
+        Part("blocks (tp)", native.depth * cut, tp),
+        Part("blocks (whole)", native.depth * whole),
+    ]
+
+
+def _merger_parts(name: str, native: Qwen3VLVisionConfig, layout: EncoderLayout, *, norm: int) -> list[Part]:
+    """A patch merger: its LayerNorm (of `norm` values) and fc2's bias whole, fc1 (column-parallel)
+    and fc2's weight (row-parallel) cut over tp."""
+    Q, O = native.merged_dim, native.out_dim
+    return [Part(f"{name} (tp)", Q * Q + Q + O * Q, layout.tp), Part(f"{name} (whole)", 2 * norm + O)]
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -173,11 +211,25 @@ def encoder_activations(encoder: EncoderConfig, layout: EncoderLayout, images: i
     output (4d / tp), the MLP's hidden before and after its activation (2m / tp); with recompute
     each block's input (d) and one block's tensors. Per image token sent: the projector's input
     and its hidden before and after the GELU (Q + 2·O / tp)."""
-    d, tp = encoder.dim, layout.tp
-    block = 4 * d + (4 * d + 2 * encoder.mlp_dim) // tp
-    kept = d * encoder.depth + block if recompute else block * encoder.depth
-    projector = encoder.tokens_per_image * (encoder.merged_dim + 2 * encoder.out_dim // tp)
+    kept = _kept_per_position(encoder.dim, encoder.mlp_dim, encoder.depth, layout.tp, recompute)
+    projector = encoder.tokens_per_image * (encoder.merged_dim + 2 * encoder.out_dim // layout.tp)
     return images * (encoder.positions * kept + projector) * element_size
+
+
+def native_activations(native: Qwen3VLVisionConfig, layout: EncoderLayout, tokens: int, *, element_size: int,
+                       recompute: bool) -> int:
+    """Bytes one encoder rank of a native tower keeps for the backward pass of `tokens` merged
+    image tokens in flight, s² patches each: per patch and block as `encoder_activations` counts
+    a position; per token the merger's normalized input and its hidden before and after the GELU
+    (Q + 2·Q / tp)."""
+    kept = _kept_per_position(native.dim, native.mlp_hidden, native.depth, layout.tp, recompute)
+    merger = native.merged_dim + 2 * native.merged_dim // layout.tp
+    return tokens * (native.spatial_merge**2 * kept + merger) * element_size
+
+
+def _kept_per_position(d: int, mlp: int, depth: int, tp: int, recompute: bool) -> int:
+    block = 4 * d + (4 * d + 2 * mlp) // tp
+    return d * depth + block if recompute else block * depth
 
 
 # ---- what the step's plan puts on a rank -------------------------------------------------------
@@ -193,10 +245,20 @@ def encoder_images_in_flight(plan: BoundaryPlan, rounds: Sequence[int], depth: i
     """The most images one encoder rank holds activations for: the work of `depth` consecutive
     rounds (`rounds[microbatch]`: its index in its LLM data-parallel lane), which the encoder
     encodes before the oldest one's gradient returns."""
+    return _in_flight(plan, rounds, depth, lambda work: len(work.images))
+
+
+def encoder_tokens_in_flight(plan: BoundaryPlan, rounds: Sequence[int], depth: int) -> int:
+    """The most image tokens (their rows) one encoder rank holds activations for, as
+    `encoder_images_in_flight` counts images: what sizes a native tower's work."""
+    return _in_flight(plan, rounds, depth, lambda work: work.rows)
+
+
+def _in_flight(plan: BoundaryPlan, rounds: Sequence[int], depth: int, size) -> int:
     per_rank_round: dict[tuple[int, int], int] = {}
     for work in plan.encoder_work:
         key = (work.encoder_dp_rank, rounds[work.microbatch])
-        per_rank_round[key] = per_rank_round.get(key, 0) + len(work.images)
+        per_rank_round[key] = per_rank_round.get(key, 0) + size(work)
     return max(
         (sum(per_rank_round.get((rank, first + r), 0) for r in range(depth)) for rank, first in per_rank_round),
         default=0,

@@ -9,17 +9,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from dyad.data import answer_targets
+from dyad.data import ImageTokens, answer_targets
 from dyad.router.steps import StepSpec
 from dyad.wire import pb
 
 
-def answer_lengths(dataset, specs: Iterable[StepSpec], tokens_per_image: int) -> dict[int, int]:
+def answer_lengths(dataset, specs: Iterable[StepSpec], image_tokens: ImageTokens) -> dict[int, int]:
     """Sample id -> its answer's token count, for the evaluated samples that have an answer."""
     lengths = {}
     for spec in specs:
         for sample_id in (s for microbatch in spec.microbatches for s in microbatch):
-            span = answer_targets(dataset.tokenizer, dataset.sample(sample_id), tokens_per_image)
+            span = answer_targets(dataset.tokenizer, dataset.sample(sample_id), image_tokens)
             if span:
                 lengths[sample_id] = len(span)
     return lengths

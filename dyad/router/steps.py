@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 from dyad.config import RunConfig
-from dyad.data import build_sequence
+from dyad.data import ImageTokens, build_sequence
+from dyad.encoder_service.hf_config import image_tokens
 from dyad.router.boundary import BoundaryPlan, ImageSlot, PlannedMicrobatch, PlannedSample, plan_boundary
 from dyad.router.encoder_cost import image_cost
 from dyad.router.sampler import Cursor, EpochSampler, split_microbatches
@@ -32,7 +33,7 @@ class StepPlanner:
     def __init__(self, config: RunConfig, dataset, cursor: Cursor = Cursor()):
         self._config = config
         self._dataset = dataset
-        self._tokens_per_image = config.encoder.tokens_per_image
+        self.image_tokens: ImageTokens = image_tokens(config.encoder, dataset)
         self._sampler = EpochSampler(dataset.train_ids, config.seed, cursor)
         self._planned_sample = lru_cache(maxsize=None)(self._plan_sample)
 
@@ -44,7 +45,7 @@ class StepPlanner:
         train = self._config.train
         dp = self._config.parallel.llm.dp
         sample_ids = self._sampler.next_batch(train.global_batch)
-        shapes = [self._dataset.shape(s, self._tokens_per_image) for s in sample_ids]
+        shapes = [self._dataset.shape(s, self.image_tokens) for s in sample_ids]
         target_tokens = sum(shape.n_targets for shape in shapes)
         if target_tokens == 0:
             raise ValueError(f"step {step}: the global batch has no target tokens to learn from")
@@ -82,7 +83,7 @@ class StepPlanner:
         chunks = [ids[start : start + train.global_batch] for start in range(0, len(ids), train.global_batch)]
         if len(chunks) > 1 and len(chunks[-1]) < dp:
             chunks[-2:] = [chunks[-2] + chunks[-1]]
-        target_tokens = sum(self._dataset.shape(s, self._tokens_per_image).n_targets for s in ids)
+        target_tokens = sum(self._dataset.shape(s, self.image_tokens).n_targets for s in ids)
         if target_tokens == 0:
             raise ValueError("the held-out split has no target tokens to evaluate")
         batches = []
@@ -94,7 +95,7 @@ class StepPlanner:
                 llm_dp_ranks=tuple(i // per_lane for i in range(per_lane * dp)),
                 lr=0.0,
                 target_tokens=target_tokens,
-                tokens=sum(self._dataset.shape(s, self._tokens_per_image).seq_len for s in chunk),
+                tokens=sum(self._dataset.shape(s, self.image_tokens).seq_len for s in chunk),
             )
             batches.append((spec, self.boundary_plan(spec)))
         return tuple(batches)
@@ -116,32 +117,31 @@ class StepPlanner:
     def _plan_sample(self, sample_id: int) -> PlannedSample:
         """The sample's sequence length and where each image's tokens sit in it."""
         sample = self._dataset.sample(sample_id)
-        ids, _, positions = build_sequence(self._dataset.tokenizer, sample, self._tokens_per_image)
-        starts = positions[:: self._tokens_per_image]
-        slots = tuple(
-            ImageSlot(image_id, self._tokens_per_image, start)
-            for image_id, start in zip(sample.image_ids, starts)
-        )
-        return PlannedSample(sample_id, len(ids), slots)
+        ids, _, positions = build_sequence(self._dataset.tokenizer, sample, self.image_tokens)
+        slots, first = [], 0  # `first`: the image's first token among the sample's image tokens
+        for image_id in sample.image_ids:
+            tokens = self.image_tokens(image_id)
+            slots.append(ImageSlot(image_id, tokens, positions[first]))
+            first += tokens
+        return PlannedSample(sample_id, len(ids), tuple(slots))
 
 
-def step_command(spec: StepSpec, plan: BoundaryPlan, tokens_per_image: int) -> pb.StepCommand:
+def step_command(spec: StepSpec, plan: BoundaryPlan) -> pb.StepCommand:
     return pb.StepCommand(
         step=spec.step,
         microbatches=[
             pb.Microbatch(index=i, sample_ids=list(mb), llm_dp_rank=dp_rank)
             for i, (mb, dp_rank) in enumerate(zip(spec.microbatches, spec.llm_dp_ranks))
         ],
-        plan=plan_message(plan, tokens_per_image),
+        plan=plan_message(plan),
         global_target_tokens=spec.target_tokens,
         global_microbatches=len(spec.microbatches),
         lr=spec.lr,
     )
 
 
-def plan_message(plan: BoundaryPlan, tokens_per_image: int) -> pb.BoundaryPlan:
+def plan_message(plan: BoundaryPlan) -> pb.BoundaryPlan:
     return pb.BoundaryPlan(
-        tokens_per_image=tokens_per_image,
         hidden=plan.hidden,
         transfers=[
             pb.Transfer(
@@ -159,7 +159,8 @@ def plan_message(plan: BoundaryPlan, tokens_per_image: int) -> pb.BoundaryPlan:
                 encoder_dp_rank=w.encoder_dp_rank,
                 microbatch=w.microbatch,
                 image_ids=[image.image_id for image in w.images],
-                rows=sum(image.tokens for image in w.images),
+                image_tokens=[image.tokens for image in w.images],
+                rows=w.rows,
             )
             for w in plan.encoder_work
         ],

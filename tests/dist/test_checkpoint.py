@@ -24,7 +24,7 @@ from dyad import checkpoint
 from dyad import config as config_lib
 from dyad.checkpoint import full_pool_state, load_pool_state, pool_dir, restore_pool, save_pool, saved_ranks
 from dyad.clipping import clip_scale
-from dyad.data import make_dataset
+from dyad.data import FixedTokens, make_dataset
 from dyad.data.batch import collate
 from dyad.encoder_service.parallelize import parallelize_encoder
 from dyad.layout import EncoderLayout, LLMLayout
@@ -106,8 +106,8 @@ class _Pool:
         for _ in range(step):
             sampler.next_batch(GLOBAL_BATCH)
         microbatches = split_microbatches(sampler.next_batch(GLOBAL_BATCH), MICROBATCHES)
-        tokens_per_image = self.config.encoder.tokens_per_image
-        batches = [collate(dataset.tokenizer, [dataset.sample(s) for s in mb], tokens_per_image)
+        image_tokens = FixedTokens(self.config.encoder.tokens_per_image)
+        batches = [collate(dataset.tokenizer, [dataset.sample(s) for s in mb], image_tokens)
                    for mb in microbatches]
         targets = sum(b.n_targets for b in batches)
         total = 0.0

@@ -88,7 +88,7 @@ def _prefetch_orders(rank, world_size):
     spec = planner.next(0)
     plan = planner.boundary_plan(spec)
     assert sorted({t.microbatch for t in plan.transfers}) == list(range(MICROBATCHES))
-    command = step_command(spec, plan, config.encoder.tokens_per_image)
+    command = step_command(spec, plan)
 
     rows = [("rows", k) for k in range(MICROBATCHES)]
     gradients = [("gradient", k) for k in range(MICROBATCHES)]

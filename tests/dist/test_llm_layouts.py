@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dyad import config as config_lib
 from dyad.clipping import clip_scale
 from dyad.compile import compile_blocks
-from dyad.data import make_dataset
+from dyad.data import FixedTokens, make_dataset
 from dyad.data.batch import collate
 from dyad.layout import LLMLayout, validate_llm_layout
 from dyad.llm_service.moe import update_expert_biases
@@ -125,14 +125,14 @@ def _layout_body(rank, world_size, layout_kwargs, options, compile_backend=None)
         compile_blocks(model, backend=compile_backend)
     ref_optimizer, optimizer = torch.optim.SGD(reference.parameters()), torch.optim.SGD(model.parameters())
     sampler = EpochSampler(dataset.train_ids, seed=0)
-    tokens_per_image, D = config.encoder.tokens_per_image, config.llm.dim
+    image_tokens, D = FixedTokens(config.encoder.tokens_per_image), config.llm.dim
     dp_rank, tp_rank, cp_rank = groups.index("dp"), groups.index("tp"), groups.index("cp")
     total_microbatches = layout.dp * MICROBATCHES_PER_DP_RANK
 
     for step in range(STEPS):
         samples = sampler.next_batch(GLOBAL_BATCH)
         microbatches = split_microbatches(samples, total_microbatches)
-        batches = [collate(dataset.tokenizer, [dataset.sample(s) for s in mb], tokens_per_image)
+        batches = [collate(dataset.tokenizer, [dataset.sample(s) for s in mb], image_tokens)
                    for mb in microbatches]
         targets = sum(b.n_targets for b in batches)
         last_of_mine = max(i for i in range(len(batches)) if i // MICROBATCHES_PER_DP_RANK == dp_rank)

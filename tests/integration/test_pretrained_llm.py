@@ -22,7 +22,7 @@ from dyad.app.cli import main
 from dyad.app.jobs import run_job
 from dyad.app.verify import compare_with_reference
 from dyad.checkpoint import load_pool_state
-from dyad.data import make_dataset
+from dyad.data import FixedTokens, make_dataset
 from dyad.data.batch import collate
 from dyad.encoder_service.hf import encoder_state_dict, tower_prefix
 from dyad.encoder_service.step import encode_rows
@@ -79,7 +79,7 @@ def _transformers_loss(reference, config, step: int = 0) -> float:
     encoder = build_model(resolved, "encoder", device="cpu")
     total = 0.0
     for sample_ids in spec.microbatches:
-        batch = collate(dataset.tokenizer, [dataset.sample(s) for s in sample_ids], resolved.encoder.tokens_per_image)
+        batch = collate(dataset.tokenizer, [dataset.sample(s) for s in sample_ids], FixedTokens(resolved.encoder.tokens_per_image))
         embeds_BSD = reference.model.embed_tokens(batch.input_ids)
         B, S, D = embeds_BSD.shape
         embeds_BSD = embeds_BSD.reshape(B * S, D).index_put(
@@ -196,7 +196,7 @@ def _llava_loss(tower, llm, config) -> float:
     projector = build_model(resolved, "encoder", device="cpu")
     total = 0.0
     for sample_ids in spec.microbatches:
-        batch = collate(dataset.tokenizer, [dataset.sample(s) for s in sample_ids], resolved.encoder.tokens_per_image)
+        batch = collate(dataset.tokenizer, [dataset.sample(s) for s in sample_ids], FixedTokens(resolved.encoder.tokens_per_image))
         pixels = dataset.images(list(batch.image_ids), device="cpu")
         features = tower(pixel_values=pixels, output_hidden_states=True).hidden_states[resolved.encoder.feature_layer]
         rows = projector.proj_out(F.gelu(projector.proj_in(features))).flatten(0, 1)
@@ -254,7 +254,7 @@ def _check_llava_export(out, checkpoint, config, tower_source):
     assert torch.equal(exported.stored(f"vision_tower.vision_model.{unused}", (32, 48)).full(),
                        source.stored(tower_prefix(source) + unused, (32, 48)).full())
     reloaded = transformers.LlavaForConditionalGeneration.from_pretrained(out).eval()
-    batch = collate(dataset.tokenizer, [dataset.sample(s) for s in dataset.train_ids[:3]], resolved.encoder.tokens_per_image)
+    batch = collate(dataset.tokenizer, [dataset.sample(s) for s in dataset.train_ids[:3]], FixedTokens(resolved.encoder.tokens_per_image))
     attention_mask = (torch.arange(batch.input_ids.shape[1]) < batch.lengths[:, None]).long()
     inputs = dict(input_ids=batch.input_ids, pixel_values=dataset.images(list(batch.image_ids), device="cpu"),
                   attention_mask=attention_mask)
@@ -295,7 +295,7 @@ def _transformers_llava_loss(reference, config) -> float:
     spec = StepPlanner(resolved, dataset).next(0)
     total = 0.0
     for sample_ids in spec.microbatches:
-        batch = collate(dataset.tokenizer, [dataset.sample(s) for s in sample_ids], resolved.encoder.tokens_per_image)
+        batch = collate(dataset.tokenizer, [dataset.sample(s) for s in sample_ids], FixedTokens(resolved.encoder.tokens_per_image))
         attention_mask = (torch.arange(batch.input_ids.shape[1]) < batch.lengths[:, None]).long()
         logits = reference(input_ids=batch.input_ids, attention_mask=attention_mask,
                            pixel_values=dataset.images(list(batch.image_ids), device="cpu")).logits

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dyad.data import DataConfig, build_sequence, make_dataset
+from dyad.data import DataConfig, FixedTokens, build_sequence, make_dataset
 from dyad.data.batch import Batch, collate
 from dyad.layout import EncoderLayout, LLMLayout
 from dyad.llm_service.sharding import shard_microbatch
@@ -351,7 +351,7 @@ def digits():
 
 def planned_sample(dataset, sample_id: int, tokens_per_image: int, first_image_id: int) -> PlannedSample:
     """A sample's slots from its real sequence; image ids renumbered to be unique in the batch."""
-    ids, _, positions = build_sequence(dataset.tokenizer, dataset.sample(sample_id), tokens_per_image)
+    ids, _, positions = build_sequence(dataset.tokenizer, dataset.sample(sample_id), FixedTokens(tokens_per_image))
     starts = positions[::tokens_per_image]
     slots = tuple(ImageSlot(first_image_id + k, tokens_per_image, p) for k, p in enumerate(starts))
     return PlannedSample(sample_id, len(ids), slots)
@@ -370,7 +370,7 @@ def test_local_rows_match_shard_microbatch_on_digits(digits, tokens_per_image, c
             mb_samples.append(planned_sample(digits, s, tokens_per_image, first_image))
             first_image += len(mb_samples[-1].images)
         microbatches.append(PlannedMicrobatch(index, index % llm.dp, tuple(mb_samples)))
-        batches.append(collate(digits.tokenizer, [digits.sample(s) for s in ids], tokens_per_image))
+        batches.append(collate(digits.tokenizer, [digits.sample(s) for s in ids], FixedTokens(tokens_per_image)))
     assert any(len(s.images) > 1 for mb in microbatches for s in mb.samples)
     assert any(not s.images for mb in microbatches for s in mb.samples)
     plan = plan_of(encoder, llm, microbatches)

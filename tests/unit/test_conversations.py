@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from dyad.data import IGNORE_INDEX, DataConfig, DatasetError, build_sequence, make_dataset, read_image_processor
+from dyad.data import IGNORE_INDEX, DataConfig, DatasetError, FixedTokens, build_sequence, make_dataset, read_image_processor
 from dyad.data.chat import load_chat_template
 from dyad.data.pixels import prepared_pixels
 from dyad.data.tokenizer import load_tokenizer
@@ -68,14 +68,14 @@ def test_assistant_turns_and_their_end_of_turn_tokens_are_the_only_targets(tmp_p
                            "What is this?<|im_end|>\n<|im_start|>assistant\nA cat.<|im_end|>\n<|im_start|>user\n"
                            "colour?<|im_end|>\n<|im_start|>assistant\nGrey.<|im_end|>\n")
     tok = dataset.tokenizer
-    ids, targets, positions = build_sequence(tok, sample, tokens_per_image=3)
+    ids, targets, positions = build_sequence(tok, sample, FixedTokens(3))
     expected = [tok.encode(w)[0] for w in ("A", "cat", ".", "<|im_end|>", "Grey", ".", "<|im_end|>")]
     assert [t for t in targets if t != IGNORE_INDEX] == expected
     assert all(t == IGNORE_INDEX or t == ids[i + 1] for i, t in enumerate(targets))
     first = targets.index(expected[0])
     assert tok.decode(ids[: first + 1], skip_special_tokens=False).endswith("<|im_start|> assistant")
     assert len(positions) == 3 and ids[0] == tok.encode("<|im_start|>")[0]  # no bos of dyad's added
-    shape = dataset.shape(0, 3)
+    shape = dataset.shape(0, FixedTokens(3))
     assert (shape.seq_len, shape.n_targets) == (len(ids), len(expected))
 
 

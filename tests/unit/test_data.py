@@ -19,6 +19,7 @@ from dyad.data import (
     IGNORE_INDEX,
     DataConfig,
     DatasetError,
+    FixedTokens,
     Sample,
     build_prompt,
     build_sequence,
@@ -175,8 +176,8 @@ def test_digits_multi_image_and_text_only_samples():
 def test_shape_matches_build_sequence():
     ds = digits(multi_image_fraction=0.2, text_only_fraction=0.1)
     for k in list(range(0, len(ds), 37)):
-        ids, targets, positions = build_sequence(ds.tokenizer, ds.sample(k), 4)
-        shape = ds.shape(k, 4)
+        ids, targets, positions = build_sequence(ds.tokenizer, ds.sample(k), FixedTokens(4))
+        shape = ds.shape(k, FixedTokens(4))
         assert shape.sample_id == k and shape.n_images == len(ds.sample(k).image_ids)
         assert shape.seq_len == len(ids)
         assert shape.n_targets == sum(t != IGNORE_INDEX for t in targets)
@@ -211,14 +212,14 @@ def test_build_sequence_and_collate_by_hand(word_tokenizer):
     none = Sample(sample_id=1, image_ids=(), text="hello world")
     two = Sample(sample_id=2, image_ids=(3, 5), text="<image> <image> two dogs")
 
-    assert build_sequence(tok, none, 2) == ([1, 8, 10, 2], [8, 10, 2, -100], [])
-    assert build_sequence(tok, one, 2) == (
+    assert build_sequence(tok, none, FixedTokens(2)) == ([1, 8, 10, 2], [8, 10, 2, -100], [])
+    assert build_sequence(tok, one, FixedTokens(2)) == (
         [1, 4, 4, 5, 6, 2],
         [-100, -100, 5, 6, 2, -100],
         [1, 2],
     )
 
-    batch = collate(tok, [one, none, two], tokens_per_image=2)
+    batch = collate(tok, [one, none, two], FixedTokens(2))
     assert batch.input_ids.tolist() == [
         [1, 4, 4, 5, 6, 2, 0, 0],
         [1, 8, 10, 2, 0, 0, 0, 0],
@@ -252,9 +253,9 @@ def test_build_sequence_and_collate_by_hand(word_tokenizer):
 def test_build_prompt(word_tokenizer):
     sample = Sample(sample_id=0, image_ids=(7,), text="<image> a cat", answer="cat")
     assert sample.prompt_text == "<image> a"
-    assert build_prompt(word_tokenizer, sample, 3) == ([1, 4, 4, 4, 5], [1, 2, 3], [6])
+    assert build_prompt(word_tokenizer, sample, FixedTokens(3)) == ([1, 4, 4, 4, 5], [1, 2, 3], [6])
     with pytest.raises(ValueError, match="sample 1 has no answer"):
-        build_prompt(word_tokenizer, Sample(sample_id=1, image_ids=(), text="a cat"), 3)
+        build_prompt(word_tokenizer, Sample(sample_id=1, image_ids=(), text="a cat"), FixedTokens(3))
 
 
 def test_sample_rejects_inconsistent_fields():
@@ -313,7 +314,7 @@ def test_jsonl_loads(tmp_path):
     rgb = make_dataset(DataConfig(name="jsonl", path=path, image_size=2, channels=3)).images([1])
     assert torch.allclose(rgb[0, :, 0, 0], torch.tensor([1.0, 0.0, 0.0]))
 
-    batch = collate(ds.tokenizer, [ds.sample(k) for k in range(4)], tokens_per_image=3)
+    batch = collate(ds.tokenizer, [ds.sample(k) for k in range(4)], FixedTokens(3))
     assert batch.image_ids == (0, 1, 2, 0) and len(batch.image_positions) == 12
     assert torch.all(batch.input_ids.view(-1)[batch.image_positions] == ds.tokenizer.image_id)
 
@@ -403,10 +404,10 @@ def test_user_bpe_tokenizer_offline(tmp_path):
     assert tok.decode(tok.encode("this is the digit seven")) == "this is the digit seven"
 
     sample = ds.sample(0)
-    ids, targets, positions = build_sequence(tok, sample, 4)
+    ids, targets, positions = build_sequence(tok, sample, FixedTokens(4))
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and positions == [1, 2, 3, 4]
     assert tok.decode(ids) == sample.text.replace("<image>", "")  # specials skipped
-    prompt_ids, _, answer_ids = build_prompt(tok, sample, 4)
+    prompt_ids, _, answer_ids = build_prompt(tok, sample, FixedTokens(4))
     assert prompt_ids + answer_ids + [tok.eos_id] == ids
     assert tok.decode(answer_ids).strip() == sample.answer
 

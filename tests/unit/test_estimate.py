@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dyad.encoder_service.config import EncoderConfig
+from dyad.encoder_service.config import EncoderConfig, Qwen3VLVisionConfig
 from dyad.layout import EncoderLayout, LLMLayout
 from dyad.llm_service.config import LLMConfig, MoEConfig
 from dyad.router import estimate
@@ -42,6 +42,7 @@ def test_the_encoder_parameters_by_hand():
 def test_the_counts_are_the_models_own():
     torch = pytest.importorskip("torch")
     from dyad.encoder_service.model import VisionEncoder
+    from dyad.encoder_service.qwen3_vl import Qwen3VLVision
     from dyad.llm_service.model import MoELM
 
     qwen_like = LLMConfig(vocab_size=50, dim=16, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, qk_norm="head",
@@ -59,6 +60,13 @@ def test_the_counts_are_the_models_own():
             model = VisionEncoder(encoder)
             parts = estimate.encoder_tower_parts(encoder, EncoderLayout()) + estimate.projector_parts(encoder, EncoderLayout())
             assert estimate.total(parts) == sum(p.numel() for p in model.parameters())
+        native = EncoderConfig(native=Qwen3VLVisionConfig(dim=16, depth=3, heads=2, mlp_hidden=24, out_dim=20,
+                                                          deepstack_layers=(0, 2)))
+        model = Qwen3VLVision(native.native)
+        trained = estimate.encoder_tower_parts(native, EncoderLayout()) + estimate.projector_parts(native, EncoderLayout())
+        held = estimate.total(estimate.held_parts(native, EncoderLayout()))
+        assert held == sum(p.numel() for p in model.deepstack_mergers.parameters())
+        assert estimate.total(trained) + held == sum(p.numel() for p in model.parameters())
 
 
 def test_the_memory_by_hand():
@@ -75,6 +83,10 @@ def test_the_memory_by_hand():
     # per position and block 4*8 + (4*8 + 2*16)/2, 4 positions, 2 blocks; per token sent 8 + 2*12/2
     per_image = (4 * 2 * 64 + 4 * 20) * 4
     assert estimate.encoder_activations(ENCODER, ENCODER_LAYOUT, 3, element_size=4, recompute=False) == 3 * per_image
+    # a native tower's: per patch and block the same, 2*2 patches per token; per token the merger's 32 + 2*32/2
+    native = Qwen3VLVisionConfig(dim=8, depth=2, heads=2, mlp_hidden=16, spatial_merge=2, out_dim=12)
+    per_token = (4 * 2 * 64 + 64) * 4
+    assert estimate.native_activations(native, ENCODER_LAYOUT, 3, element_size=4, recompute=False) == 3 * per_token
 
 
 def test_what_the_plan_puts_on_a_rank():
@@ -86,3 +98,4 @@ def test_what_the_plan_puts_on_a_rank():
     assert estimate.encoder_images_in_flight(plan, rounds=[0, 1, 2], depth=2) == 5  # rank 0: rounds 1+2; rank 1: 5
     assert estimate.encoder_images_in_flight(plan, rounds=[0, 1, 2], depth=1) == 5
     assert estimate.encoder_images_in_flight(plan, rounds=[0, 0, 1], depth=1) == 5
+    assert estimate.encoder_tokens_in_flight(plan, rounds=[0, 1, 2], depth=2) == 5 * 4  # their rows

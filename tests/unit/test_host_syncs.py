@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dyad import config as config_lib
-from dyad.data import make_dataset
+from dyad.data import FixedTokens, make_dataset
 from dyad.data.batch import collate
 from dyad.kernels.host_to_device import to_device
 from dyad.llm_service.sharding import shard_microbatch
@@ -39,7 +39,7 @@ def _config_and_batch(device: str):
     dataset = make_dataset(config.data)
     config = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
     samples = [dataset.sample(s) for s in dataset.train_ids[:4]]
-    batch = collate(dataset.tokenizer, samples, config.encoder.tokens_per_image)
+    batch = collate(dataset.tokenizer, samples, FixedTokens(config.encoder.tokens_per_image))
     assert batch.image_ids, "the check needs image rows to splice"
     return config, dataset, batch
 

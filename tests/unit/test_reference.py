@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from dyad import config as config_lib
 from dyad.app.reference import ReferenceTrainer
 from dyad.app.verify import relative_error, tensor_relative_error
-from dyad.data import make_dataset
+from dyad.data import FixedTokens, make_dataset
 from dyad.data.batch import collate
 from dyad.router.steps import StepPlanner
 from dyad.service import build_model
@@ -41,7 +41,7 @@ def _stock_adamw(model, train) -> torch.optim.AdamW:
 
 def _plain_step(encoder, llm, optimizers, dataset, config, sample_ids, lr) -> float:
     samples = [dataset.sample(s) for s in sample_ids]
-    batch = collate(dataset.tokenizer, samples, config.encoder.tokens_per_image)
+    batch = collate(dataset.tokenizer, samples, FixedTokens(config.encoder.tokens_per_image))
     rows, positions = None, None
     if batch.image_ids:
         rows = encoder(dataset.images(list(batch.image_ids), device="cpu")).flatten(0, 1)

@@ -40,7 +40,7 @@ def _driver(tmp_path, *overrides, during_collect=lambda run, kind, step: None):
         during_collect(run, kind, driver.step)
         if kind == "evaluate":  # every answer checked once, all right
             specs = [spec for spec, _ in driver.planner.heldout_batches]
-            answers = answer_lengths(driver.dataset, specs, config.encoder.tokens_per_image)
+            answers = answer_lengths(driver.dataset, specs, driver.planner.image_tokens)
             checks = [pb.AnswerCheck(sample_id=s, checked=n) for s, n in answers.items()]
             return {("encoder", 0): pb.EvalResult(step=driver.step),
                     ("llm", 0): pb.EvalResult(step=driver.step, lm_loss_sum=1.0, answers=checks)}

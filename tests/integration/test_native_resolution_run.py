@@ -1,0 +1,93 @@
+"""A run whose encoder pool runs Qwen3-VL's native-resolution tower (`encoder.from_hf` at a tiny
+random Qwen3-VL-MoE saved by transformers) on conversations whose images have four sizes, each
+giving its own number of tokens: the tower starts as transformers' (its merged tokens on the
+dataset's images), and the run's losses and updated parameters match the single-process reference
+at every step under encoder dp1 -> LLM dp1 and encoder tp2 -> LLM dp2; the DeepStack mergers,
+whose features do not cross the boundary yet, are held; the held-out loss the pools report is
+the trained model's on one device."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dyad import config as config_lib
+from dyad.app.evaluate import heldout_loss, load_trained
+from dyad.app.jobs import run_job
+from dyad.app.verify import compare_with_reference
+from dyad.checkpoint import load_pool_state
+from dyad.data import make_dataset
+from dyad.encoder_service.hf import qwen3_vl_state_dict
+from dyad.encoder_service.hf_config import image_processor
+from dyad.encoder_service.step import encode_rows
+from dyad.encoder_service.worker import EncoderWorker
+from dyad.hf_checkpoint import HFCheckpoint
+from dyad.service import build_model
+from tests.helpers.native_images import native_conversations, qwen3_vl_checkpoint
+
+transformers = pytest.importorskip("transformers", reason="transformers is the test reference (pip install -e '.[test]')")
+
+TOLERANCE = 1e-5
+LAYOUTS = {
+    "enc-dp1-llm-dp1": [],
+    "enc-tp2-llm-dp2": ["parallel.encoder.tp=2", "parallel.llm.dp=2", "eval.final=true"],
+}
+
+
+def _config(tmp_path, *overrides):
+    checkpoint = tmp_path / "qwen3-vl"
+    reference = qwen3_vl_checkpoint(checkpoint)
+    data, tokenizer = native_conversations(tmp_path)
+    config = config_lib.load(None, [
+        "data.name=conversations", f"data.path={data}", f"data.tokenizer={tokenizer}", "data.channels=3",
+        f"encoder.from_hf={checkpoint}", "train.steps=3", "train.warmup_steps=1", "train.global_batch=4",
+        "train.microbatches=2", "checkpoint.interval_steps=0", "eval.final=false", *overrides,
+    ])
+    config = dataclasses.replace(config, out_dir=str(tmp_path / "run"))
+    dataset = make_dataset(config.data)
+    return config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size), dataset, reference
+
+
+@torch.no_grad()
+def test_the_encoder_starts_as_transformers_tower(tmp_path):
+    config, dataset, reference = _config(tmp_path)
+    encoder = build_model(config, "encoder", device="cpu")
+    image_ids = list(range(4))  # the four sizes
+    rows_ND = encode_rows(encoder, dataset, image_ids, "cpu", image_processor(config.encoder))
+    pixel_values, grid_thw = dataset.patches(image_ids, image_processor(config.encoder))
+    expected_ND = reference.model.visual(pixel_values, grid_thw=grid_thw).pooler_output
+    assert rows_ND.shape == expected_ND.shape == (int(grid_thw.prod(1).sum()) // 4, config.llm.dim)
+    assert float((rows_ND - expected_ND).abs().max() / expected_ND.abs().max()) <= 1e-5
+
+
+def test_what_train_freeze_holds_of_the_tower(tmp_path):
+    config, _, _ = _config(tmp_path)
+    cases = (((), ("blocks.", "merger.", "patch_embed.", "pos_embed_GD")), (("vision_tower",), ("merger.",)),
+             (("encoder",), ()))
+    for freeze, trained in cases:
+        encoder = build_model(config, "encoder", device="cpu")
+        EncoderWorker.freeze(encoder, dataclasses.replace(config, train=dataclasses.replace(config.train, freeze=freeze)))
+        for name, param in encoder.named_parameters():  # the DeepStack mergers always held
+            assert param.requires_grad == name.startswith(trained), (freeze, name)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_native_resolution_run_matches_single_process(tmp_path, layout):
+    config, dataset, _ = _config(tmp_path, *LAYOUTS[layout])
+    job = run_job(config, progress=False)
+    assert job.succeeded, job.info.message
+    comparison = compare_with_reference(config, dataset, job)
+    for step, loss, expected, error in comparison.losses:
+        assert error <= TOLERANCE, f"step {step}: {loss} vs reference {expected}"
+    assert comparison.worst_param_error <= TOLERANCE, comparison.worst_param
+
+    pretrained = qwen3_vl_state_dict(HFCheckpoint(config.encoder.from_hf), config.encoder.native)
+    trained = load_pool_state(job.final_checkpoint(), "encoder")
+    for name, value in pretrained.items():  # the tower trained, its DeepStack mergers held
+        assert torch.equal(trained[name], value) == name.startswith("deepstack_mergers."), name
+    if config.eval.final:
+        [evaluation] = job.evaluations
+        loss, _ = heldout_loss(config, dataset, *load_trained(config, job.final_checkpoint()))
+        assert evaluation["loss"] == pytest.approx(loss, rel=TOLERANCE)
