@@ -21,7 +21,10 @@ from dyad.encoder_service.config import EncoderConfig, Qwen3VLVisionConfig
 
 
 def image_cost(encoder: EncoderConfig | Qwen3VLVisionConfig) -> Callable[[int], float]:
-    """cost(tokens): the tower's forward multiply-adds for one image of that many LLM tokens."""
+    """cost(tokens): the tower's forward multiply-adds for one image of that many LLM tokens (a
+    run's native-resolution tower's where `encoder.native` holds one)."""
+    if isinstance(encoder, EncoderConfig) and encoder.native is not None:
+        encoder = encoder.native
     m = encoder.spatial_merge
     extra = int(getattr(encoder, "cls_token", False))
     D, M, depth = encoder.dim, encoder.mlp_dim if isinstance(encoder, EncoderConfig) else encoder.mlp_hidden, encoder.depth

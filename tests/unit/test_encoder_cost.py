@@ -36,6 +36,8 @@ def test_a_tower_costs_its_projections_mlp_and_attention_per_block():
     clip = EncoderConfig(image_size=336, patch_size=14, dim=1024, depth=24, heads=16, mlp_hidden=4096, cls_token=True)
     P = 24 * 24 + 1  # the class token is attended too
     assert image_cost(clip)(clip.tokens_per_image) == 24 * (P * (4 * 1024**2 + 2 * 1024 * 4096) + 2 * 1024 * P * P)
+    run_encoder = EncoderConfig(native=QWEN3_VL)  # a run's encoder section with a native tower resolved
+    assert image_cost(run_encoder)(100) == cost(100)
 
 
 def test_by_cost_a_skewed_mix_is_more_even_than_by_tokens():
