@@ -163,8 +163,14 @@ class Qwen3VLVision(nn.Module):
         x_PD, deepstack = self.hidden_states(pixel_values_PX, grid_thw_N3)
         return self.merger(x_PD), deepstack
 
-    def hidden_states(self, pixel_values_PX: torch.Tensor, grid_thw_N3: torch.Tensor):
-        """-> (the last block's output [P, D], the DeepStack features)."""
+    def merged_tokens(self, pixel_values_PX: torch.Tensor, grid_thw_N3: torch.Tensor) -> torch.Tensor:
+        """-> the merged tokens [T, O] alone, the DeepStack mergers not run (what crosses the
+        boundary while DeepStack's features do not: each level costs a merger's two matmuls)."""
+        x_PD, _ = self.hidden_states(pixel_values_PX, grid_thw_N3, deepstack=False)
+        return self.merger(x_PD)
+
+    def hidden_states(self, pixel_values_PX: torch.Tensor, grid_thw_N3: torch.Tensor, *, deepstack: bool = True):
+        """-> (the last block's output [P, D], the DeepStack features; [] without `deepstack`)."""
         grid = self._grid(pixel_values_PX, grid_thw_N3)
         device = self.pos_embed_GD.device
         x_PD = self.patch_embed(pixel_values_PX.to(device, self.patch_embed.weight.dtype))
@@ -173,12 +179,12 @@ class Qwen3VLVision(nn.Module):
         x_PD = x_PD + pos_PD.to(x_PD.dtype)
         cos_PDh, sin_PDh = (t.to(device) for t in rotary_cos_sin(grid, self.cfg.head_dim, self.cfg.rope_theta))
         cu_seqlens_S1, longest = segment_bounds(grid.lengths, device)
-        deepstack = []
+        features = []
         for i, block in enumerate(self.blocks):
             x_PD = block(x_PD, cos_PDh, sin_PDh, cu_seqlens_S1, longest)
-            if i in self.cfg.deepstack_layers:
-                deepstack.append(self.deepstack_mergers[len(deepstack)](x_PD))
-        return x_PD, deepstack
+            if deepstack and i in self.cfg.deepstack_layers:
+                features.append(self.deepstack_mergers[len(features)](x_PD))
+        return x_PD, features
 
     def _grid(self, pixel_values_PX: torch.Tensor, grid_thw_N3: torch.Tensor) -> PatchGrid:
         cfg, m = self.cfg, self.cfg.spatial_merge

@@ -19,7 +19,6 @@ def encode_rows(model: nn.Module, dataset, image_ids: Sequence[int], device,
     cross the boundary (its DeepStack features do not yet)."""
     if processor is not None and processor.patches is not None:
         pixel_values_PX, grid_thw_N3 = dataset.patches(list(image_ids), processor, device)
-        merged_ND, _deepstack = model(pixel_values_PX, grid_thw_N3)
-        return merged_ND
+        return model.merged_tokens(pixel_values_PX, grid_thw_N3)
     images_NCHW = dataset.images(list(image_ids), device=device, processor=processor)
     return model(images_NCHW).flatten(0, 1)
