@@ -31,6 +31,12 @@ class StepSpec:
 
 class StepPlanner:
     def __init__(self, config: RunConfig, dataset, cursor: Cursor = Cursor()):
+        if config.llm.mrope_section:
+            raise ValueError(
+                f"llm.mrope_section ({list(config.llm.mrope_section)}, Qwen3-VL's multimodal rotary, from "
+                "llm.from_hf) is not yet passed by a run's step: its image tokens would train at plain positions, "
+                "not the checkpoint's (dyad.hf.load computes them; docs/pretrained.md says what a run does not do yet)"
+            )
         self._config = config
         self._dataset = dataset
         self.image_tokens: ImageTokens = image_tokens(config.encoder, dataset)

@@ -102,3 +102,11 @@ def test_a_native_tower_needs_its_processor_and_image_files(tmp_path):
     config = config_lib.load(None, ["encoder.native.depth=2"])
     with pytest.raises(ValueError, match="encoder.native is resolved from encoder.from_hf"):
         config_lib.resolve(config, vocab_size=32)
+
+
+def test_qwen3_vl_s_own_llm_is_refused_until_a_run_passes_its_rotary_positions(tmp_path):
+    """Its image tokens would train at plain positions, not at the checkpoint's multimodal ones
+    (llm.from_hf at a Qwen3-VL sets llm.mrope_section, as here by hand)."""
+    config, dataset = _config(tmp_path, "llm.mrope_section=[4,2,2]")  # it loads (tests/dist/test_pretrained_pieces.py)
+    with pytest.raises(ValueError, match=r"llm.mrope_section \(\[4, 2, 2\], .* not yet passed by a run's step"):
+        StepPlanner(config, dataset)  # the router's and the reference's
