@@ -10,8 +10,6 @@ right-padded, positions from `rope_index`.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,15 +17,11 @@ import torch.distributed as dist
 from dyad.data.batch import Batch
 from dyad.layout import LLMLayout
 from dyad.llm_service.config import LLMConfig, MoEConfig
-from dyad.llm_service.model import MoELM
-from dyad.llm_service.parallelize import parallelize_llm
 from dyad.llm_service.rope_index import rope_index
 from dyad.llm_service.sharding import shard_microbatch
 from dyad.parallel.gradients import full_tensors
-from dyad.parallel.groups import ProcessGroups
-from dyad.parallel.overlap import GradientReduction
 from dyad.sequence_shards import sequence_shard
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import llm_and_parallel_twin, run_distributed
 from tests.helpers.parity import assert_close, assert_tensors_close
 
 VOCAB, IMAGE, PAD, MERGE, LEVELS = 64, 63, 0, 2, 2
@@ -82,13 +76,8 @@ def _loss(model, input_ids, valid, targets, positions_S, rope_3BS, image_positio
 
 
 def _layout_body(rank, world_size, degrees, sequence_parallel):
-    torch.manual_seed(0)
     layout = LLMLayout(**degrees)
-    groups = ProcessGroups.build(layout)
-    reference = MoELM(LLMConfig(**CFG))
-    model = copy.deepcopy(reference)
-    reduction = GradientReduction(parallelize_llm(model, groups, sequence_parallel=sequence_parallel), groups,
-                                  overlap=False)
+    groups, reference, reduction, model = llm_and_parallel_twin(LLMConfig(**CFG), degrees, sequence_parallel)
     batch, rope_3BS, boundary = _inputs()
 
     expected = [r.clone().requires_grad_(True) for r in boundary]

@@ -6,8 +6,6 @@ checked against one sample a row in tests/unit/test_packing.py."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,14 +13,10 @@ import torch.distributed as dist
 from dyad.data.batch import Batch
 from dyad.layout import LLMLayout
 from dyad.llm_service.config import LLMConfig, MoEConfig
-from dyad.llm_service.model import MoELM
-from dyad.llm_service.parallelize import parallelize_llm
 from dyad.llm_service.sharding import shard_microbatch
 from dyad.parallel.gradients import full_tensors
-from dyad.parallel.groups import ProcessGroups
-from dyad.parallel.overlap import GradientReduction
 from dyad.sequence_shards import sequence_shard
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import llm_and_parallel_twin, run_distributed
 from tests.helpers.parity import assert_close, assert_tensors_close
 
 VOCAB, PAD = 50, 0
@@ -54,13 +48,8 @@ def _inputs():
 
 
 def _body(rank, world_size, degrees, sequence_parallel):
-    torch.manual_seed(0)
     layout = LLMLayout(**degrees)
-    groups = ProcessGroups.build(layout)
-    reference = MoELM(LLMConfig(**CFG))
-    model = copy.deepcopy(reference)
-    reduction = GradientReduction(parallelize_llm(model, groups, sequence_parallel=sequence_parallel), groups,
-                                  overlap=False)
+    groups, reference, reduction, model = llm_and_parallel_twin(LLMConfig(**CFG), degrees, sequence_parallel)
     batch, documents, positions = _inputs()
     valid = documents >= 0
     logits, ref_aux = reference(batch.input_ids, valid_BS=valid, documents_BS=documents, sample_positions_BS=positions)

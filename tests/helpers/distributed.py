@@ -90,3 +90,22 @@ def _forkserver():
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)  # read when the server starts, at the first call
     return context
+
+
+def llm_and_parallel_twin(cfg, degrees: dict, sequence_parallel: bool):
+    """(groups, the single-device MoELM, its parallelized copy's GradientReduction, the copy) for
+    a spawned rank of the layout `degrees`: the same weights on every rank (seed 0)."""
+    import copy
+
+    from dyad.layout import LLMLayout
+    from dyad.llm_service.model import MoELM
+    from dyad.llm_service.parallelize import parallelize_llm
+    from dyad.parallel.groups import ProcessGroups
+    from dyad.parallel.overlap import GradientReduction
+
+    torch.manual_seed(0)
+    groups = ProcessGroups.build(LLMLayout(**degrees))
+    reference = MoELM(cfg)
+    model = copy.deepcopy(reference)
+    plan = parallelize_llm(model, groups, sequence_parallel=sequence_parallel)
+    return groups, reference, GradientReduction(plan, groups, overlap=False), model
