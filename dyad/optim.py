@@ -17,16 +17,26 @@ from dyad.kernels.fp8 import forget_quantized_after_each_step
 def build_optimizer(model: nn.Module | Iterable[nn.Parameter], train) -> torch.optim.AdamW:
     """AdamW over a model's parameters (or the parameters given); matrices decay, vectors
     (norms, biases) do not. Fused on a GPU."""
-    params = list(model.parameters() if isinstance(model, nn.Module) else model)
-    decay = [p for p in params if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in params if p.requires_grad and p.dim() < 2]
+    params = [p for p in (model.parameters() if isinstance(model, nn.Module) else model) if p.requires_grad]
+    return adamw([p for p in params if decays(p)], [p for p in params if not decays(p)], train)
+
+
+def decays(param: nn.Parameter) -> bool:
+    """Whether AdamW's weight decay applies to `param`: to matrices, not to vectors."""
+    return param.dim() >= 2
+
+
+def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], train) -> torch.optim.AdamW:
+    """AdamW at `train`'s hyperparameters over two groups: `decay` (train.weight_decay) and
+    `no_decay`, in that order (a checkpoint keeps each group's hyperparameters by its index).
+    Fused on a GPU."""
     groups = [
         {"params": decay, "weight_decay": train.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
     # On a GPU the fused kernel updates each tensor in one pass over its four float32 arrays
     # (the multi-tensor default makes several): a third of a 1B-active MoE step otherwise.
-    on_gpu = any(p.is_cuda for p in params)
+    on_gpu = any(p.is_cuda for p in [*decay, *no_decay])
     optimizer = torch.optim.AdamW(
         groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, fused=on_gpu or None
     )
@@ -77,6 +87,12 @@ def _scale_gradients(optimizer: torch.optim.Optimizer, grad_scale: float) -> Non
         )
     elif grad_scale != 1.0 and grads:
         torch._foreach_mul_(grads, grad_scale)
+
+
+def set_step_count(optimizer: torch.optim.Optimizer, tensor: torch.Tensor, step: torch.Tensor) -> None:
+    """Set AdamW's step count of `tensor` (a scalar, as a checkpoint keeps it): a fused optimizer
+    keeps it beside the tensor, the others on the CPU."""
+    optimizer.state[tensor]["step"] = step.to(tensor.device) if _is_fused(optimizer) else step
 
 
 def _is_fused(optimizer: torch.optim.Optimizer) -> bool:

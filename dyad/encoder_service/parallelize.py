@@ -41,10 +41,9 @@ def parallelize_qwen3_vl_vision(model: nn.Module, groups: ProcessGroups) -> Grad
 
 def _gradient_plan(model: nn.Module, groups: ProcessGroups) -> GradientPlan:
     plan = GradientPlan(reduce_over={"dp": list(model.parameters())})
-    first_in_dp = groups.index("dp") == 0
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
-            if first_in_dp and (is_sharded(module, name) or groups.index("tp") == 0):
+            if is_sharded(module, name) or groups.index("tp") == 0:
                 plan.counted.append(param)
     return plan
 

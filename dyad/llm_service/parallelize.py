@@ -159,16 +159,15 @@ def _apply_expert_parallel(layer: nn.Module, groups: ProcessGroups, sequence_par
 
 def _gradient_plan(model, groups, tp_sharded, token_distinct, experts) -> GradientPlan:
     plan = GradientPlan()
-    first_in_dp_cp = groups.index("dp_cp") == 0
     for param in model.parameters():
         if id(param) in experts:
-            group, counted = "edp", groups.index("edp") == 0
+            group, counted = "edp", True
         elif id(param) in token_distinct:
-            group, counted = "world", groups.index("world") == 0
+            group, counted = "world", True
         elif id(param) in tp_sharded:
-            group, counted = "dp_cp", first_in_dp_cp
-        else:
-            group, counted = "dp_cp", first_in_dp_cp and groups.index("tp") == 0
+            group, counted = "dp_cp", True
+        else:  # the same on every tp rank
+            group, counted = "dp_cp", groups.index("tp") == 0
         plan.reduce_over.setdefault(group, []).append(param)
         if counted:
             plan.counted.append(param)

@@ -32,8 +32,8 @@ from dyad.kernels.traceable import as_contiguous
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn there); torch 2.11 has
 # only the old ones.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
@@ -62,7 +62,7 @@ def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return funcol.all_gather_tensor(x.contiguous(), 0, group)
     out = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])
-    _all_gather_single(out, x.contiguous(), group=group)
+    all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -71,7 +71,7 @@ def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, group)
     out = x.new_empty(x.shape[0] // dist.get_world_size(group), *x.shape[1:])
-    _reduce_scatter_single(out, x.contiguous(), group=group)
+    reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 

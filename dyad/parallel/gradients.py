@@ -37,8 +37,10 @@ def is_sharded(module: nn.Module, name: str) -> bool:
 
 @dataclass
 class GradientPlan:
-    """Which group each parameter's gradient is summed over, and which parameters this rank
-    counts in the pool's gradient norm (each distinct value exactly once in the pool)."""
+    """Which group each parameter's gradient is summed over, and which of them this rank's group
+    counts in the pool's gradient norm: every rank of a group holds the same sum, and `counted`
+    leaves out what another group holds too (a tensor-parallel replica's), so that each distinct
+    value counts exactly once in the pool."""
 
     reduce_over: dict[str, list[nn.Parameter]] = field(default_factory=dict)
     counted: list[nn.Parameter] = field(default_factory=list)
@@ -105,10 +107,15 @@ def copy_back(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
 
 
 def pool_grad_sq_norm(plan: GradientPlan, groups: ProcessGroups, device: torch.device | None = None) -> float:
-    """Squared norm of the whole pool's gradient (float64), the same on every rank; `device`: where
-    to sum it when the plan has no parameter (a frozen pool's), default its parameters'."""
+    """Squared norm of the whole pool's gradient (float64), the same on every rank, from the sums
+    `reduce_gradients` leaves in place: the first rank of each group counts its group's.
+    `device`: where to sum it when the plan has no parameter (a frozen pool's), default its
+    parameters'."""
     device = next((p.device for params in plan.reduce_over.values() for p in params), device)
-    total = sq_norm([p.grad for p in plan.counted if p.grad is not None], device)  # a rank may count nothing
+    counted = {id(p) for p in plan.counted}
+    mine = [p.grad for name, params in plan.reduce_over.items() if groups.index(name) == 0
+            for p in params if id(p) in counted and p.grad is not None]
+    total = sq_norm(mine, device)  # a rank may count nothing
     dist.all_reduce(total, group=groups.group("world"))
     return float(total)
 

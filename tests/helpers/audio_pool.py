@@ -89,7 +89,7 @@ class AudioService(PoolService):
 
     def parallelize(self, model, groups):
         params = list(model.parameters())
-        return GradientPlan(reduce_over={"dp": params}, counted=params if groups.index("dp") == 0 else [])
+        return GradientPlan(reduce_over={"dp": params}, counted=params)
 
     def step(self, command: pb.StepCommand) -> pb.StepResult:
         self.lr = command.lr
