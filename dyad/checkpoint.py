@@ -21,6 +21,11 @@ with several threads), broadcasts it to the other ranks, and
 copies each rank's piece into its live model and AdamW state, cut by `local_part`: the inverse of
 the gather, written beside it and used by the parallel modules when they shard themselves, so
 no layout's slicing is written twice.
+
+The optimizer's state is read and written at each parameter's shape on the rank
+(`OptimizerState`): a sharded optimizer (`dyad.parallel.sharded_optimizer`) gathers its pieces
+to that shape before the tensor-parallel gather, and takes its own piece of what a restore
+gives it, so the format is the same whether and however the state was sharded.
 """
 
 from __future__ import annotations
@@ -30,12 +35,14 @@ import functools
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from dyad.byte_runs import byte_runs
+from dyad.optim import set_step_count
 from dyad.parallel.gradients import gather_full, local_part, owned_parameters
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -57,6 +64,64 @@ def _dcp():
     return dcp
 
 
+class OptimizerState(Protocol):
+    """What a checkpoint reads and writes of a pool's optimizer, at each parameter's shape on this
+    rank: a torch optimizer's whole state (`_Replicated`), or the sharded optimizer's
+    (`dyad.parallel.sharded_optimizer.ShardedOptimizer`), which gathers and cuts its pieces."""
+
+    param_groups: list[dict]
+
+    def value(self, param: nn.Parameter, what: str) -> torch.Tensor:
+        """`param`'s values ("param") or an AdamW moment (zeros where it has none yet).
+        Collective over the ranks that share the parameter's state."""
+
+    def load(self, param: nn.Parameter, what: str, full: torch.Tensor) -> None:
+        """The inverse of `value`: `full`, as `value` returns it, into place."""
+
+    def step_count(self, param: nn.Parameter) -> torch.Tensor: ...
+
+    def load_step_count(self, param: nn.Parameter, step: torch.Tensor) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+
+class _Replicated:
+    """A torch optimizer over the parameters themselves, its whole state on every rank."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+
+    def value(self, param, what):
+        if what == "param":
+            return param.detach()
+        # A parameter AdamW has not stepped yet: zero moments at step 0 is the state its first
+        # step creates, so saving them restores to the same arithmetic.
+        return self.optimizer.state.get(param, {}).get(what, torch.zeros_like(param)).detach()
+
+    @torch.no_grad()
+    def load(self, param, what, full):
+        if what == "param":
+            param.copy_(full)
+            return
+        state = self.optimizer.state[param]
+        state.setdefault(what, torch.zeros_like(param, memory_format=torch.preserve_format)).copy_(full)
+
+    def step_count(self, param):
+        return self.optimizer.state.get(param, {}).get("step", torch.zeros(())).detach()
+
+    def load_step_count(self, param, step):
+        set_step_count(self.optimizer, param, step)
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer | OptimizerState) -> OptimizerState:
+    """What the checkpoint reads of `optimizer`: a torch optimizer's state, or the state given."""
+    return _Replicated(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+
+
 def pool_dir(directory: str | Path, pool: str) -> Path:
     """Where `pool`'s DCP checkpoint lies inside the checkpoint directory."""
     return Path(directory) / pool
@@ -66,7 +131,7 @@ def save_pool(
     directory: str | Path,
     pool: str,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | OptimizerState,
     *,
     step: int,
     writer_threads: int = WRITER_THREADS,
@@ -78,7 +143,7 @@ def save_pool(
     commits the checkpoint: `dyad.router.checkpoints.commit`). Collective over the pool's default
     process group; returns the pool's checkpoint path."""
     dcp = _dcp()
-    state = _owned_full_state(model, optimizer, dist.get_rank(), dist.get_world_size())
+    state = _owned_full_state(model, optimizer_state(optimizer), dist.get_rank(), dist.get_world_size())
     state.update(_rng_states(dist.get_rank(), _device(model)))
     state["step"] = step
     path = pool_dir(directory, pool)
@@ -87,15 +152,14 @@ def save_pool(
     return path
 
 
-def full_pool_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def full_pool_state(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerState) -> dict:
     """The model's and AdamW's state under the checkpoint's keys, at full shapes, the same on
     every rank. Collective."""
-    state = dict(_full_entries(model, optimizer))
-    state.update(_hyperparameters(optimizer))
-    return state
+    state = optimizer_state(optimizer)
+    return dict(_full_entries(model, state)) | _hyperparameters(state)
 
 
-def _owned_full_state(model, optimizer, rank: int, world: int) -> dict:
+def _owned_full_state(model, optimizer: OptimizerState, rank: int, world: int) -> dict:
     """The full tensors this rank writes, in host memory: every tensor goes to the rank with the
     fewest bytes so far (the same choice on every rank). Collective."""
     turns = _TurnsByBytes(world)
@@ -107,30 +171,26 @@ def _owned_full_state(model, optimizer, rank: int, world: int) -> dict:
     return owned
 
 
-def _full_entries(model: nn.Module, optimizer: torch.optim.Optimizer):
+def _full_entries(model: nn.Module, optimizer: OptimizerState):
     """(key, full tensor) for every tensor of the checkpoint, in one order on every rank; each
     full tensor is gathered when the iteration reaches it (a collective)."""
     persistent = model.state_dict().keys()  # the expert counts, zero between steps, are not kept
     for key, module, name, param in owned_parameters(model):
-        yield f"model.{key}", gather_full(module, name, param.detach())
+        yield f"model.{key}", gather_full(module, name, optimizer.value(param, "param"))
     for key, buffer in model.named_buffers():
         if key in persistent:
             yield f"model.{key}", buffer.detach()
     for key, module, name, param in owned_parameters(model):
-        # A parameter AdamW has not stepped yet: zero moments at step 0 is the state its first
-        # step creates, so saving them restores to the same arithmetic.
-        saved = optimizer.state.get(param, {})
         for moment in MOMENTS:
-            value = saved.get(moment, torch.zeros_like(param)).detach()
-            yield f"optimizer.{key}.{moment}", gather_full(module, name, value)
-        yield f"optimizer.{key}.step", saved.get("step", torch.zeros(())).detach()
+            yield f"optimizer.{key}.{moment}", gather_full(module, name, optimizer.value(param, moment))
+        yield f"optimizer.{key}.step", optimizer.step_count(param)
 
 
 def restore_pool(
     directory: str | Path,
     pool: str,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | OptimizerState,
     *,
     batch_bytes: int = RESTORE_BATCH_BYTES,
     reader_threads: int = READER_THREADS,
@@ -144,6 +204,7 @@ def restore_pool(
     Collective over the pool's default process group. Zeroes the gradients, restores this rank's
     RNG states when the checkpoint holds them, and returns the saved step."""
     dcp = _dcp()
+    optimizer = optimizer_state(optimizer)
     path = pool_dir(directory, pool)
     with _reading(path):
         metadata = dcp.FileSystemReader(path).read_metadata()
@@ -155,9 +216,8 @@ def restore_pool(
     with _ThreadedReader(path, metadata, reader_threads) as reader:
         for batch in _batches(list(targets), stored, batch_bytes):
             for key, full in _read_once_for_all(batch, stored, turns, staging, reader):
-                module, name, destination = targets[key]
-                with torch.no_grad():
-                    destination.copy_(local_part(module, name, full))
+                module, name, load = targets[key]
+                load(local_part(module, name, full))
     staging.release()
     small = _hyperparameters(optimizer) | {f"optimizer.{key}.step": torch.zeros(()) for key, *_ in owned_parameters(model)}
     small.update({k: v for k, v in _rng_states(dist.get_rank(), _device(model)).items() if k in stored})
@@ -165,12 +225,11 @@ def restore_pool(
     with _reading(path):
         dcp.load(small, checkpoint_id=path)
     for key, _, _, param in owned_parameters(model):
-        step = small[f"optimizer.{key}.step"]  # fused AdamW keeps its step count beside the parameter
-        optimizer.state[param]["step"] = step.to(param.device) if _fused(optimizer) else step
+        optimizer.load_step_count(param, small[f"optimizer.{key}.step"])
     for index, group in enumerate(optimizer.param_groups):
         prefix = f"optimizer.param_groups.{index}."
         group.update({k.removeprefix(prefix): small[k] for k in small if k.startswith(prefix)})
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     _set_rng_states({k: v for k, v in small.items() if k.startswith("rng.")}, dist.get_rank(), _device(model))
     return int(small["step"])
 
@@ -203,21 +262,18 @@ def _check_holds(stored: dict, targets: dict, path: Path) -> None:
         )
 
 
-def _restore_targets(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """checkpoint key -> (module, attribute name, the live tensor its piece is copied into),
-    creating AdamW's state for parameters it has not stepped yet."""
+def _restore_targets(model: nn.Module, optimizer: OptimizerState) -> dict:
+    """checkpoint key -> (module, attribute name, what puts this rank's piece of it in place)."""
     persistent = model.state_dict().keys()
     targets = {}
     for key, module, name, param in owned_parameters(model):
-        targets[f"model.{key}"] = (module, name, param)
+        targets[f"model.{key}"] = (module, name, functools.partial(optimizer.load, param, "param"))
     for key, buffer in model.named_buffers():
         if key in persistent:
-            targets[f"model.{key}"] = (None, key, buffer)
+            targets[f"model.{key}"] = (None, key, buffer.copy_)
     for key, module, name, param in owned_parameters(model):
-        state = optimizer.state[param]
         for moment in MOMENTS:
-            state[moment] = state.get(moment, torch.zeros_like(param, memory_format=torch.preserve_format))
-            targets[f"optimizer.{key}.{moment}"] = (module, name, state[moment])
+            targets[f"optimizer.{key}.{moment}"] = (module, name, functools.partial(optimizer.load, param, moment))
     return targets
 
 
@@ -370,11 +426,7 @@ def _batches(keys: list[str], stored: dict, batch_bytes: int):
     return byte_runs(keys, lambda key: _stored_bytes(stored[key]), batch_bytes)
 
 
-def _fused(optimizer: torch.optim.Optimizer) -> bool:
-    return any(group.get("fused") for group in optimizer.param_groups)
-
-
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> dict:
+def _hyperparameters(optimizer: OptimizerState) -> dict:
     return {
         f"optimizer.param_groups.{index}.{k}": v
         for index, group in enumerate(optimizer.param_groups)

@@ -62,6 +62,11 @@ class TrainConfig:
     # bf16 copies of both pools' matrices, cast from their float32 master weights once per
     # optimizer step instead of at every use (dyad/working_weights.py). The same gradients.
     working_weights: bool = False
+    # Each parameter's float32 master and AdamW moments split over the ranks that hold replicas
+    # of it, its gradient reduce-scattered and its update all-gathered (ZeRO-1:
+    # dyad/parallel/sharded_optimizer.py), in a pool where some parameter has replicas; false:
+    # every rank keeps the whole state. The same updates.
+    shard_optimizer: bool = True
     # Parts that keep their weights, as training is staged (each pool type names its parts:
     # "encoder", the whole encoder pool, which then runs without autograd and gets no gradient
     # back over the boundary; "vision_tower", the encoder but its projector; "llm").

@@ -22,9 +22,10 @@ from dyad.data import make_dataset
 from dyad.init import init_parameters
 from dyad.kernels.boundary_pack import RowSegments
 from dyad.optim import apply_update, build_optimizer, skip_update
-from dyad.parallel.gradients import pool_grad_sq_norm
+from dyad.parallel.gradients import GradientPlan, pool_grad_sq_norm
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.overlap import GradientReduction
+from dyad.parallel.sharded_optimizer import ShardedOptimizer
 from dyad.pools import pool_type
 from dyad.recompute import recompute_blocks
 from dyad.transport import Transport
@@ -100,21 +101,35 @@ class PoolService(ABC):
         self.freeze(self.model, config)  # after parallelize: tensor parallelism makes new parameters
         self.gradient_plan = self.gradient_plan.trained()
         self.working_weights = WorkingWeights(self.model) if config.train.working_weights else None
-        self.reduction = GradientReduction(
-            self.gradient_plan, self.groups, overlap=config.train.overlap_grad_reduce
-        )
         if self.pool in config.train.recompute:
             recompute_blocks(self.model)
         if config.train.compile:
             compile_blocks(self.model, config.train.compile_backend)
             log_recompiles()
-        self.optimizer = build_optimizer(trained_parameters(self.model), config.train)
-        if self.working_weights:
-            self.working_weights.refresh_after_each_step(self.optimizer)
+        self._build_optimizer(config.train)
+        self.reduction = GradientReduction(
+            self.gradient_plan, self.groups, overlap=config.train.overlap_grad_reduce, into=self.shards
+        )
         self.peers: dict[tuple[int, int], str] = {}
         self.lr = config.train.lr
         self.generation = 0
         self.run_secret = b""  # the run's data-plane secret, from the router's Register reply
+
+    def _build_optimizer(self, train) -> None:
+        """`optimizer`, what steps (the parameters, or the sharded optimizer's pieces of them);
+        `optimizer_state`, what checkpoints read and write; `shards`, the sharded optimizer,
+        where train.shard_optimizer finds replicas to shard over."""
+        self.shards = None
+        if train.shard_optimizer and has_replicas(self.gradient_plan, self.groups):
+            self.shards = ShardedOptimizer(self.gradient_plan, self.groups, train)
+            self.optimizer, self.optimizer_state = self.shards.adamw, self.shards
+            over = [f"{name} {self.groups.size(name)}" for name, params in self.gradient_plan.reduce_over.items() if params]
+            log.info("optimizer state sharded over each parameter's replicas (%s): %.1f MB on this rank",
+                     ", ".join(over), self.shards.state_bytes() / 1e6)
+            return
+        self.optimizer = self.optimizer_state = build_optimizer(trained_parameters(self.model), train)
+        if self.working_weights:
+            self.working_weights.refresh_after_each_step(self.optimizer)
 
     @staticmethod
     @abstractmethod
@@ -183,7 +198,10 @@ class PoolService(ABC):
         armed by `self.reduction.arm()`, has not sent yet); the pool's squared gradient norm
         as this rank reports it (rank 0 reports the pool's, the others 0)."""
         self.reduction.finish()
-        sq_norm = pool_grad_sq_norm(self.gradient_plan, self.groups, self.device)
+        if self.shards:
+            sq_norm = self.shards.grad_sq_norm(self.device)
+        else:
+            sq_norm = pool_grad_sq_norm(self.gradient_plan, self.groups, self.device)
         return sq_norm if self.rank == 0 else 0.0
 
     def evaluate(self, command: pb.EvalCommand) -> pb.EvalResult:
@@ -207,7 +225,7 @@ class PoolService(ABC):
 
         try:
             path = save_pool(
-                command.path, self.pool, self.model, self.optimizer, step=command.step,
+                command.path, self.pool, self.model, self.optimizer_state, step=command.step,
                 sync_files=command.sync_files,
             )
         except CheckpointException as error:  # a BaseException: the worker reports Exceptions
@@ -217,13 +235,19 @@ class PoolService(ABC):
     def restore(self, path: str) -> int:
         """Load `<path>/<pool>/` into the live model and optimizer, whatever layout or pool size
         wrote it; returns the saved step. Collective over the pool."""
-        step = restore_pool(path, self.pool, self.model, self.optimizer)
-        if self.working_weights:
+        step = restore_pool(path, self.pool, self.model, self.optimizer_state)
+        if self.working_weights and not self.shards:  # the sharded optimizer loads them itself
             self.working_weights.refresh()
         return step
 
     def close(self) -> None:
         pass
+
+
+def has_replicas(plan: GradientPlan, groups: ProcessGroups) -> bool:
+    """Whether some parameter the plan trains is held whole by more than one rank: what
+    `train.shard_optimizer` shards."""
+    return any(params and groups.size(name) > 1 for name, params in plan.reduce_over.items())
 
 
 def _not_written(error, path) -> Exception:

@@ -14,7 +14,10 @@ summed in float32 in the same order (tests/integration/test_working_weights.py).
 The masters keep every other role of the parameters: the optimizer (`trained_parameters`), the
 gradient norm, the gradient reduction (`register_accumulated_hook`) and checkpoints
 (`dyad.parallel.gradients.owned_parameters`) see only them; the working weights hold no state of
-their own. The matrices chosen are the weights of Linear layers (tensor-parallel ones included)
+their own. With the optimizer sharded (`train.shard_optimizer`,
+`dyad/parallel/sharded_optimizer.py`) each rank keeps only its piece of a master's values, the
+master only its shape and gradient, and the sharded optimizer all-gathers each update straight
+into the working weights: `refresh` is not used there. The matrices chosen are the weights of Linear layers (tensor-parallel ones included)
 and the MoE layers' expert weights, except the routers', which compute in float32 with autocast
 off. `train.working_weights` applies this to both pools (`dyad/service.py`); `bench/llm_step.py`'s
 `-working-weights` variants to the LLM alone.

@@ -1,6 +1,8 @@
 """How a bf16 working weight and its float32 master name each other (`dyad.working_weights` makes
 the pairs): kernels that compute a weight's gradient accumulate it straight into the master, and
-the gradient reduction hooks a master through its working weight."""
+the gradient reduction hooks a master through its working weight. A master whose values the
+sharded optimizer keeps in pieces (`dyad.parallel.sharded_optimizer`) is `released`: its shape
+remains, for its gradient, and no values."""
 
 from __future__ import annotations
 
@@ -25,3 +27,14 @@ def register_accumulated_hook(param: nn.Parameter, hook) -> None:
         param.register_post_accumulate_grad_hook(hook)
     else:
         working.register_post_accumulate_grad_hook(lambda _: hook(param))
+
+
+def release(master: nn.Parameter) -> None:
+    """Drop a master's values, keeping its shape, dtype and device (what its gradient is
+    accumulated in and checked against): a zero-stride view of one element."""
+    master.data = torch.zeros((), dtype=master.dtype, device=master.device).expand(master.shape)
+
+
+def released(master: torch.Tensor) -> bool:
+    """Whether `master` holds no values of its own (`release`)."""
+    return master.numel() > 1 and all(stride == 0 for stride in master.stride())

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dyad.byte_runs import byte_runs
-from dyad.kernels.master_weights import master_of
+from dyad.kernels.master_weights import master_of, released
 from dyad.optim import sq_norm
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.sharded import ShardedParameters
@@ -38,9 +38,9 @@ def is_sharded(module: nn.Module, name: str) -> bool:
 @dataclass
 class GradientPlan:
     """Which group each parameter's gradient is summed over, and which of them this rank's group
-    counts in the pool's gradient norm: every rank of a group holds the same sum, and `counted`
-    leaves out what another group holds too (a tensor-parallel replica's), so that each distinct
-    value counts exactly once in the pool."""
+    counts in the pool's gradient norm: every rank of a group holds the same sum (or, with the
+    optimizer sharded, its own part of it), and `counted` leaves out what another group holds too
+    (a tensor-parallel replica's), so that each distinct value counts exactly once in the pool."""
 
     reduce_over: dict[str, list[nn.Parameter]] = field(default_factory=dict)
     counted: list[nn.Parameter] = field(default_factory=list)
@@ -125,6 +125,7 @@ def full_tensors(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Te
     under the single-device names. Collective: every rank of the pool calls it."""
     full = {}
     for key, module, name, param in owned_parameters(model):
+        assert grads or not released(param), f"{key}: its values are the sharded optimizer's (ShardedOptimizer.value)"
         value = param.grad if grads else param
         value = torch.zeros_like(param) if value is None else value.detach()
         full[key] = gather_full(module, name, value)
@@ -133,7 +134,8 @@ def full_tensors(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Te
 
 def owned_parameters(model: nn.Module):
     """(single-device key, owning module, attribute name, parameter), in registration order; for
-    a bf16 working weight (`dyad/working_weights.py`) the parameter is its float32 master."""
+    a bf16 working weight (`dyad/working_weights.py`) the parameter is its float32 master (whose
+    values, with the optimizer sharded, only the sharded optimizer has)."""
     for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
             master = master_of(param)

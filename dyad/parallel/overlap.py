@@ -18,13 +18,19 @@ groups, `tests/dist/test_overlapped_reduction.py`). What must hold for that:
 - A bucket of several gradients is summed in a flat copy and copied back; at most
   `max_copies_in_flight` such copies live at once (older ones are waited for and copied back
   first), so the extra memory stays a few buckets, not the model's gradients.
+
+With the optimizer sharded (`dyad/parallel/sharded_optimizer.py`, `into=`) the buckets are its
+own: the same parameters in the same order, each reduce-scattered from a copy (bounded as
+above) into this rank's pieces, the parameters' gradients dropped once copied.
 """
 
 from __future__ import annotations
 
 import functools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,11 +49,47 @@ from dyad.parallel.groups import ProcessGroups
 
 
 @dataclass
+class Sent:
+    """A bucket's collective in flight."""
+
+    work: dist.Work | None  # None: nothing to wait for
+    flat: torch.Tensor | None  # a copy of the bucket's gradients the collective reads, or None
+    then: Callable[[], None] = lambda: None  # once the work is done: the sums to where they go
+
+
+class Bucket(Protocol):
+    """Gradients that go over their group in one collective."""
+
+    params: list[nn.Parameter]
+
+    def send(self) -> Sent:
+        """Start the collective over the bucket's gradients, whose values are final."""
+
+
+class SummedBucket:
+    """A bucket summed in place over its group (an all-reduce)."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup):
+        self.params, self.group = params, group
+
+    def send(self) -> Sent:
+        grads = list(grads_or_zeros(self.params))
+        work, flat = start_all_reduce(grads, self.group, async_op=True)
+        return Sent(work, flat, functools.partial(copy_back, flat, grads) if flat is not None else lambda: None)
+
+
+class BucketSource(Protocol):
+    """Who else cuts the plan's groups into buckets (the sharded optimizer: its buckets
+    reduce-scatter into its shards)."""
+
+    def buckets(self, name: str) -> list[Bucket]: ...
+
+
+@dataclass
 class _Lane:
     """One group's buckets, the next one to send, and which parameters of each have reported."""
 
-    group: dist.ProcessGroup
-    buckets: list[list[nn.Parameter]]
+    buckets: list[Bucket]
     next: int = 0
     reported: list[set[int]] = field(default_factory=list)
 
@@ -58,20 +100,15 @@ class _Lane:
         self.next, self.reported = 0, [set() for _ in self.buckets]
 
     def complete(self, index: int) -> bool:
-        return len(self.reported[index]) == len(self.buckets[index])
-
-
-@dataclass
-class _Sent:
-    work: dist.Work
-    flat: torch.Tensor | None  # the summed copy of several gradients, or None: summed in place
-    grads: list[torch.Tensor]
+        return len(self.reported[index]) == len(self.buckets[index].params)
 
 
 class GradientReduction:
     """A pool's gradient reduction for one step: `arm()` before its last backward pass, then
     `finish()`. With `overlap=False` no hooks are registered and `finish()` sends every bucket
-    after the pass (`train.overlap_grad_reduce: false`)."""
+    after the pass (`train.overlap_grad_reduce: false`). The buckets sum each group's gradients
+    in place, or, given `into` (`dyad.parallel.sharded_optimizer`), are its buckets, which
+    reduce-scatter them into its shards; its groups of one rank send too."""
 
     def __init__(
         self,
@@ -80,18 +117,23 @@ class GradientReduction:
         bucket_bytes: int = BUCKET_BYTES,
         max_copies_in_flight: int = 2,
         overlap: bool = True,
+        into: BucketSource | None = None,
     ):
         self.max_copies_in_flight = max_copies_in_flight
         self.lanes: list[_Lane] = []
         self.armed = False
-        self.sent: deque[_Sent] = deque()
+        self.sent: deque[Sent] = deque()
         for name, params in plan.reduce_over.items():
-            if groups.size(name) == 1:
+            if into is not None:
+                lane = _Lane(into.buckets(name))
+            elif groups.size(name) > 1:
+                buckets = gradient_buckets(list(reversed(params)), bucket_bytes)
+                lane = _Lane([SummedBucket(bucket, groups.group(name)) for bucket in buckets])
+            else:
                 continue
-            lane = _Lane(groups.group(name), list(gradient_buckets(list(reversed(params)), bucket_bytes)))
             self.lanes.append(lane)
             for index, bucket in enumerate(lane.buckets if overlap else []):
-                for param in bucket:
+                for param in bucket.params:
                     register_accumulated_hook(param, functools.partial(self._accumulated, lane, index))
 
     def arm(self) -> None:
@@ -99,7 +141,8 @@ class GradientReduction:
         self.armed = True
 
     def finish(self) -> None:
-        """After the last backward pass: send what is left, wait for every sum, copy back."""
+        """After the last backward pass: send what is left, wait for every collective, put the
+        sums in place."""
         self.armed = False
         for lane in self.lanes:
             while lane.next < len(lane.buckets):
@@ -117,20 +160,19 @@ class GradientReduction:
             self._send(lane)
 
     def _send(self, lane: _Lane) -> None:
-        grads = list(grads_or_zeros(lane.buckets[lane.next]))
+        self.sent.append(lane.buckets[lane.next].send())
         lane.next += 1
-        work, flat = start_all_reduce(grads, lane.group, async_op=True)
-        self.sent.append(_Sent(work, flat, grads))
         while sum(sent.flat is not None for sent in self.sent) > self.max_copies_in_flight:
             self._land(self._oldest_copy())
 
-    def _oldest_copy(self) -> _Sent:
+    def _oldest_copy(self) -> Sent:
         oldest = next(sent for sent in self.sent if sent.flat is not None)
         self.sent.remove(oldest)
         return oldest
 
-    def _land(self, sent: _Sent) -> None:
-        """Wait for the sum (on CUDA: the current stream waits, not the host) and copy it back."""
-        sent.work.wait()
-        if sent.flat is not None:
-            copy_back(sent.flat, sent.grads)
+    def _land(self, sent: Sent) -> None:
+        """Wait for the collective (on CUDA: the current stream waits, not the host), then put
+        its sums in place."""
+        if sent.work is not None:
+            sent.work.wait()
+        sent.then()

@@ -1,4 +1,5 @@
-"""Pool checkpoints (`dyad.checkpoint`) restore under another layout or pool size.
+"""Pool checkpoints (`dyad.checkpoint`) restore under another layout or pool size, and with the
+optimizer sharded over the replicas (`dyad.parallel.sharded_optimizer`) or not.
 
 Each pool trains two AdamW steps under layout A, saves, and takes a third step. Then:
 - the same ranks restore the checkpoint and redo the third step: bit for bit the same loss,
@@ -34,10 +35,13 @@ from dyad.llm_service.parallelize import parallelize_llm
 from dyad.llm_service.sharding import shard_microbatch
 from dyad.llm_service.step import microbatch_loss
 from dyad.optim import apply_update, build_optimizer
-from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm, reduce_gradients
+from dyad.parallel.gradients import GradientPlan, full_tensors, pool_grad_sq_norm
 from dyad.parallel.groups import ProcessGroups
+from dyad.parallel.overlap import GradientReduction
+from dyad.parallel.sharded_optimizer import ShardedOptimizer
 from dyad.router.sampler import EpochSampler, split_microbatches
-from dyad.service import build_model
+from dyad.service import build_model, has_replicas
+from dyad.working_weights import WorkingWeights, trained_parameters
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import assert_close, assert_tensors_close
 
@@ -65,15 +69,21 @@ def _config(pool):
 
 
 class _Pool:
-    """One rank of a pool, trained the way the workers train it."""
+    """One rank of a pool, trained the way the workers train it: `shard`, the optimizer sharded
+    where some parameter has replicas, as `train.shard_optimizer` does it."""
 
-    def __init__(self, pool, layout_kwargs):
+    def __init__(self, pool, layout_kwargs, shard=False):
         self.pool = pool
         self.config, self.dataset = _config(pool)
         self.groups = ProcessGroups.build(LAYOUTS[pool](**layout_kwargs))
         self.model = build_model(self.config, pool)
         self.plan = self.parallelize(self.model)
-        self.optimizer = build_optimizer(self.model, self.config.train)
+        self.shards = None
+        if shard and has_replicas(self.plan, self.groups):
+            self.shards = ShardedOptimizer(self.plan, self.groups, self.config.train)
+        self.adamw = self.shards.adamw if self.shards else build_optimizer(self.model, self.config.train)
+        self.optimizer = self.shards or self.adamw  # what the checkpoint reads and writes
+        self.reduction = GradientReduction(self.plan, self.groups, overlap=False, into=self.shards)
 
     def parallelize(self, model):
         return PARALLELIZE[self.pool](model, self.groups)
@@ -83,9 +93,9 @@ class _Pool:
         loss = self._encoder_loss(step) if self.pool == "encoder" else self._llm_loss(step)
         if self.pool == "llm":
             update_expert_biases(self.model, group=self.groups.group("world"))
-        reduce_gradients(self.plan, self.groups)
-        sq_norm = pool_grad_sq_norm(self.plan, self.groups)
-        apply_update(self.optimizer, lr=lr, grad_scale=clip_scale(sq_norm, self.config.train.grad_clip))
+        self.reduction.finish()
+        sq_norm = self.shards.grad_sq_norm() if self.shards else pool_grad_sq_norm(self.plan, self.groups)
+        apply_update(self.adamw, lr=lr, grad_scale=clip_scale(sq_norm, self.config.train.grad_clip))
         total = torch.tensor([loss], dtype=torch.float64)
         dist.all_reduce(total)
         return float(total)
@@ -143,9 +153,9 @@ def _assert_same_state(actual: dict, expected: dict, what: str) -> None:
         assert same, f"{what}: {key} differs"
 
 
-def _save_body(rank, world_size, pool, layout_kwargs, tmp):
+def _save_body(rank, world_size, pool, layout_kwargs, tmp, shard=False):
     """Layout A: two steps, save, a third step; then restore and redo the third step."""
-    run = _Pool(pool, layout_kwargs)
+    run = _Pool(pool, layout_kwargs, shard)
     for step in range(SAVED_STEP):
         run.train_step(step)
     run.save(tmp / "checkpoint")
@@ -169,14 +179,15 @@ def _save_body(rank, world_size, pool, layout_kwargs, tmp):
     _assert_same_state(full_tensors(run.model), params, "the third step again")
 
 
-def _restore_body(rank, world_size, pool, layout_kwargs, tmp):
+def _restore_body(rank, world_size, pool, layout_kwargs, tmp, shard=False):
     """Layout B: a step of its own (so nothing matches by accident), restore (one full tensor in
     host memory at a time), the third step."""
     expected = torch.load(tmp / "expected.pt")
-    run = _Pool(pool, layout_kwargs)
+    run = _Pool(pool, layout_kwargs, shard)
     run.train_step(7, lr=3 * LR)
     assert run.restore(tmp / "checkpoint", batch_bytes=1) == SAVED_STEP
-    assert torch.equal(torch.rand(8), torch.load(tmp / f"draws-rank{rank}.pt"))
+    if rank in saved_ranks(tmp / "checkpoint", pool):  # a rank the saving pool had
+        assert torch.equal(torch.rand(8), torch.load(tmp / f"draws-rank{rank}.pt"))
     _assert_same_state(run.state(), expected["state"], f"restored under {layout_kwargs}")
     loss = run.train_step(SAVED_STEP)
     assert_close(loss, expected["loss"], "the third step's loss")
@@ -189,7 +200,7 @@ def _assert_rank_holds_its_share(run, full_state, rank, world_size):
     """While saving, a rank keeps in host memory only the full tensors it writes: about
     1/world_size of the state (within the largest tensor)."""
     sizes = [v.numel() * v.element_size() for v in full_state.values() if isinstance(v, torch.Tensor)]
-    held = checkpoint._owned_full_state(run.model, run.optimizer, rank, world_size)
+    held = checkpoint._owned_full_state(run.model, checkpoint.optimizer_state(run.optimizer), rank, world_size)
     held_bytes = sum(v.numel() * v.element_size() for v in held.values() if isinstance(v, torch.Tensor))
     assert all(v.device.type == "cpu" for v in held.values() if isinstance(v, torch.Tensor))
     assert 0 < held_bytes <= sum(sizes) / world_size + max(sizes), (held_bytes, sum(sizes))
@@ -212,9 +223,9 @@ def _assert_ranks_share_the_writing(directory, pool, ranks):
     assert max(written.values()) - min(written.values()) <= largest, written
 
 
-def _check_round_trip(tmp_path, pool, saved_under, restored_under):
+def _check_round_trip(tmp_path, pool, saved_under, restored_under, shard=False):
     saving_ranks = LAYOUTS[pool](**saved_under).world_size
-    run_distributed(_save_body, saving_ranks, pool, saved_under, tmp_path)
+    run_distributed(_save_body, saving_ranks, pool, saved_under, tmp_path, shard)
     assert saved_ranks(tmp_path / "checkpoint", pool) == list(range(saving_ranks))
     _assert_ranks_share_the_writing(tmp_path / "checkpoint", pool, saving_ranks)
     # A single process, no process group: the full model state.
@@ -223,7 +234,7 @@ def _check_round_trip(tmp_path, pool, saved_under, restored_under):
     _assert_same_state({f"model.{k}": v for k, v in state.items()},
                        {k: v for k, v in expected.items() if k.startswith("model.")}, "load_pool_state")
     for layout in restored_under:
-        run_distributed(_restore_body, LAYOUTS[pool](**layout).world_size, pool, layout, tmp_path)
+        run_distributed(_restore_body, LAYOUTS[pool](**layout).world_size, pool, layout, tmp_path, shard)
 
 
 def test_llm_checkpoint_restores_under_other_layouts(tmp_path):
@@ -234,6 +245,44 @@ def test_llm_checkpoint_restores_under_other_layouts(tmp_path):
 
 def test_encoder_checkpoint_restores_under_other_layouts(tmp_path):
     _check_round_trip(tmp_path, "encoder", dict(dp=2), [dict(tp=2), dict()])
+
+
+def test_a_sharded_optimizers_checkpoint_resumes_at_other_data_parallel_sizes(tmp_path):
+    # Saved at dp2: every parameter sharded over the two ranks. Resumed at dp4, over four; and on
+    # one rank, with nothing to shard, the optimizer replicated.
+    _check_round_trip(tmp_path, "llm", dict(dp=2), [dict(dp=4), dict()], shard=True)
+
+
+def _sharded_masters_body(rank, world_size, tmp):
+    """bf16 working weights whose float32 masters the sharded optimizer keeps in pieces: saved
+    whole, and restored (after another step) into the pieces and the working weights."""
+    groups = ProcessGroups.build(LLMLayout(dp=world_size))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    WorkingWeights(model)
+    params = trained_parameters(model)
+    plan = GradientPlan(reduce_over={"dp": params}, counted=params)
+    shards = ShardedOptimizer(plan, groups, _config("encoder")[0].train)
+    reduction = GradientReduction(plan, groups, overlap=False, into=shards)
+
+    def train_step(seed):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))).float().sum().backward()
+        reduction.finish()
+        apply_update(shards.adamw, lr=LR, grad_scale=1.0)
+
+    train_step(rank)
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in full_pool_state(model, shards).items()}
+    save_pool(tmp, "llm", model, shards, step=1)
+    train_step(10 + rank)
+    assert restore_pool(tmp, "llm", model, shards) == 1
+    _assert_same_state(full_pool_state(model, shards), saved, "restored")
+    for name, working in model.named_parameters():
+        assert torch.equal(working, saved[f"model.{name}"].to(working.dtype)), name
+
+
+def test_working_weights_masters_in_the_sharded_optimizers_pieces_round_trip(tmp_path):
+    run_distributed(_sharded_masters_body, 2, tmp_path)
 
 
 def _meta(*size, dtype=torch.float32):

@@ -6,7 +6,9 @@ The LLM is fed image embeddings directly (no encoder, no boundary), so these tes
 LLM pool's parallelism. Each rank also runs the single-device model on the whole global batch.
 The models step with plain SGD: the optimizer is elementwise and the same in every layout, and
 AdamW would amplify rounding noise in near-zero gradient entries (see tests/helpers/parity.py), which
-would blur what these tests measure: the layout's math.
+would blur what these tests measure: the layout's math. The sharded optimizer's tests step AdamW
+over each parameter's replicas against the reference's (`tests/helpers/sharding.py`): losses and
+norms every step, the first step's gradients, the parameters after the steps in the 2-norm.
 """
 
 from __future__ import annotations
@@ -28,14 +30,12 @@ from dyad.llm_service.moe import update_expert_biases
 from dyad.llm_service.parallelize import parallelize_llm
 from dyad.llm_service.sharding import shard_microbatch
 from dyad.llm_service.step import microbatch_loss, whole_microbatch
-from dyad.optim import apply_update, grad_sq_norm
-from dyad.parallel.gradients import full_tensors, pool_grad_sq_norm
 from dyad.parallel.groups import ProcessGroups
-from dyad.parallel.overlap import GradientReduction
 from dyad.router.sampler import EpochSampler, split_microbatches
 from dyad.service import build_model
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import run_distributed, run_each
 from tests.helpers.parity import assert_close, assert_tensors_close
+from tests.helpers.sharding import Stepper
 
 STEPS = 3
 MICROBATCHES_PER_DP_RANK = 2
@@ -111,7 +111,7 @@ def _layout(kwargs) -> tuple[LLMLayout, bool]:
     return LLMLayout(**degrees), kwargs.get("sp", False)
 
 
-def _layout_body(rank, world_size, layout_kwargs, options, compile_backend=None):
+def _layout_body(rank, world_size, layout_kwargs, options, compile_backend=None, shard=False):
     torch.manual_seed(0)
     layout, sequence_parallel = _layout(layout_kwargs)
     config, dataset = _config(options)
@@ -120,10 +120,9 @@ def _layout_body(rank, world_size, layout_kwargs, options, compile_backend=None)
     reference = build_model(config, "llm")
     model = copy.deepcopy(reference)
     plan = parallelize_llm(model, groups, sequence_parallel=sequence_parallel)
-    reduction = GradientReduction(plan, groups, bucket_bytes=TEST_BUCKET_BYTES)
+    stepper = Stepper(reference, model, plan, groups, config.train, shard, TEST_BUCKET_BYTES)
     if compile_backend:
         compile_blocks(model, backend=compile_backend)
-    ref_optimizer, optimizer = torch.optim.SGD(reference.parameters()), torch.optim.SGD(model.parameters())
     sampler = EpochSampler(dataset.train_ids, seed=0)
     image_tokens, D = FixedTokens(config.encoder.tokens_per_image), config.llm.dim
     dp_rank, tp_rank, cp_rank = groups.index("dp"), groups.index("tp"), groups.index("cp")
@@ -154,7 +153,7 @@ def _layout_body(rank, world_size, layout_kwargs, options, compile_backend=None)
             loss = microbatch_loss(model, local, my_rows[local.image_rows_Nl] if rows.numel() else None,
                                    global_target_tokens=targets, global_microbatches=total_microbatches)
             if index == last_of_mine:
-                reduction.arm()  # as the LLM worker does: buckets go during the last backward
+                stepper.reduction.arm()  # as the LLM worker does: buckets go during the last backward
             loss.total.backward()
             lm += float(loss.lm) if tp_rank == 0 else 0.0
             aux += float(loss.aux)
@@ -165,19 +164,15 @@ def _layout_body(rank, world_size, layout_kwargs, options, compile_backend=None)
 
         assert_close(_sum_over(lm, groups.group("world")), ref_lm, f"step {step} lm loss")
         assert_close(_sum_over(aux, groups.group("world")), ref_aux, f"step {step} aux loss")
-        reduction.finish()  # as the LLM worker does: before the biases' all-reduce over "world"
+        stepper.reduction.finish()  # as the LLM worker does: before the biases' all-reduce over "world"
         update_expert_biases(reference)
         update_expert_biases(model, group=groups.group("world"))
-        expected_grads = {n: p.grad for n, p in reference.named_parameters()}
-        assert_tensors_close(full_tensors(model, grads=True), expected_grads, f"step {step} grad")
-        ref_sq, sq = grad_sq_norm(reference.parameters()), pool_grad_sq_norm(plan, groups)
+        stepper.check_gradients(step)
+        ref_sq, sq = stepper.grad_sq_norms()
         assert_close(math.sqrt(sq), math.sqrt(ref_sq), f"step {step} grad norm")
-        lr = 0.1
-        apply_update(ref_optimizer, lr=lr, grad_scale=clip_scale(ref_sq, config.train.grad_clip))
-        apply_update(optimizer, lr=lr, grad_scale=clip_scale(sq, config.train.grad_clip))
+        stepper.update(clip_scale(ref_sq, config.train.grad_clip), clip_scale(sq, config.train.grad_clip))
 
-    expected = {n: p.detach() for n, p in reference.named_parameters()}
-    assert_tensors_close(full_tensors(model), expected, "parameters after training")
+    stepper.check_parameters()
     for (name, buffer), ref_buffer in zip(model.named_buffers(), reference.buffers()):
         assert torch.equal(buffer, ref_buffer), f"{name} differs from the reference"
 
@@ -218,3 +213,15 @@ def test_pretrained_families_parts_under_a_layout_match_single_device(options, n
 def test_compiled_blocks_under_a_layout_match_single_device():
     kwargs = LAYOUTS["tp2-cp2-sp-etp2-ep2"]
     run_distributed(_layout_body, _layout(kwargs)[0].world_size, kwargs, OPTIONS["defaults"], "aot_eager")
+
+
+# The optimizer sharded over each parameter's replicas: dense parameters over dp (dp×cp), expert
+# weights over edp (2 in dp2 and in cp2-dp2-ep2, all 4 ranks in tp2-dp2), the tensor-parallel
+# pieces over dp. One run of the ranks for the layouts of one world size.
+SHARDED_LAYOUTS = {2: {"dp2": dict(dp=2)}, 4: {"cp2-dp2-ep2": dict(cp=2, dp=2, ep=2), "tp2-dp2": dict(tp=2, dp=2)}}
+
+
+@pytest.mark.parametrize("world_size", sorted(SHARDED_LAYOUTS))
+def test_sharded_optimizer_under_layouts_matches_single_device_adamw(world_size):
+    layouts = SHARDED_LAYOUTS[world_size].values()
+    run_each([(_layout_body, (kwargs, OPTIONS["defaults"], None, True)) for kwargs in layouts], world_size)

@@ -59,6 +59,17 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0) -> Non
         _run_ranks(fn, world_size, args, os.path.join(store_dir, "store"), timeout_s)
 
 
+def run_each(calls: list[tuple], world_size: int, timeout_s: float = 300.0) -> None:
+    """`fn(rank, world_size, *args)` for each (fn, args) of `calls` in turn, in one run of the
+    ranks (one start of them, not one a call)."""
+    run_distributed(_each, world_size, calls, timeout_s=timeout_s)
+
+
+def _each(rank, world_size, calls):
+    for fn, args in calls:
+        fn(rank, world_size, *args)
+
+
 def _run_ranks(fn, world_size: int, args: tuple, store_path: str, timeout_s: float) -> None:
     context = _forkserver()
     errors = context.SimpleQueue()
