@@ -6,7 +6,9 @@ Parameters are counted part by part from the same shapes `VisionEncoder`, `Qwen3
 `MoELM` build (a test checks the counts against the models and against transformers'), and each part is held
 whole or cut over the ranks that split it: tensor parallelism (tp) the attention's and dense
 FFNs' linears, the vocabulary and the projector; expert parallelism (ep x etp) the experts; data
-parallelism replicates everything (dyad keeps no optimizer state sharded over dp).
+parallelism replicates everything. The optimizer's state is counted whole on every rank, as
+`train.shard_optimizer: false` keeps it; sharded (the default) a rank keeps a 1/N of it for
+parameters with N replicas, which this estimate does not count yet.
 
 Memory per rank, in bytes, an estimate:
 - weights: 4 per parameter (float32 master weights; train.dtype bfloat16 autocasts the compute),

@@ -34,13 +34,14 @@ LAYOUT_CASES = {
     # One microbatch, no prefetch, a clipping norm that binds on every step.
     "clipped": ["train.global_batch=8", "train.microbatches=1", "boundary.prefetch_depth=1",
                 "train.grad_clip=0.05"],
-    # The boundary's layouts (each with 0, 1 and 2 images per sample): encoder dp1 -> LLM dp2;
+    # The boundary's layouts (each with 0, 1 and 2 images per sample): encoder dp1 -> LLM dp2
+    # (with the optimizer replicated on every rank, where the other cases shard it);
     # dp3 -> dp2 (sizes that do not divide); dp2·tp2 -> tp2·cp2 (rows split by context shard,
     # tp ranks served by an in-pool broadcast, 2 x 2 patches merged per LLM token); dp4 -> cp2·dp2
     # with ep4. The last two update the aux-loss-free expert bias from counts that must be summed
     # over the whole pool: their ep group spans it in one, tp·cp in the other, so a reduction over
     # any smaller group breaks parity in one of them.
-    "enc-dp1-llm-dp2": [*VARIABLE_IMAGES, "parallel.llm.dp=2", "train.global_batch=8"],
+    "enc-dp1-llm-dp2": [*VARIABLE_IMAGES, "parallel.llm.dp=2", "train.global_batch=8", "train.shard_optimizer=false"],
     "enc-dp3-llm-dp2-ep2": [*VARIABLE_IMAGES, "parallel.encoder.dp=3", "parallel.llm.dp=2",
                             "parallel.llm.ep=2", "train.global_batch=12"],
     "enc-dp2-tp2-llm-tp2-cp2": [
