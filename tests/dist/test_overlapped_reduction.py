@@ -1,15 +1,18 @@
 """The pools' gradient reduction (dyad/parallel/overlap.py) against the reduction after backward
 (`reduce_gradients`), on three gloo ranks: the same sums, buckets sent while the armed backward
 pass runs and not before (all at `finish()` without overlap), a gradient no hook reports (as the
-expert GEMMs add theirs) summed at `finish()`, and no more flat copies in flight than allowed.
+expert GEMMs add theirs) summed at `finish()`, and no more flat copies in flight than allowed;
+and so with the sharded optimizer's buckets, which reduce-scatter into each rank's pieces.
 
 Weights, inputs and upstream gradients are small integers, so every gradient and every sum is
 exact in any order and the checks can be equality."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -17,6 +20,7 @@ from dyad.layout import LLMLayout
 from dyad.parallel.gradients import GradientPlan, reduce_gradients
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.overlap import GradientReduction
+from dyad.parallel.sharded_optimizer import ShardedOptimizer
 from tests.helpers.distributed import run_distributed
 
 WIDTHS = [6, 8, 8, 8, 5]
@@ -103,3 +107,38 @@ def _a_gradient_no_hook_reports(rank: int, world_size: int) -> None:
 
 def test_a_gradient_written_outside_autograd_holds_its_bucket_until_finish_and_is_summed():
     run_distributed(_a_gradient_no_hook_reports, 3)
+
+
+def _sharded(rank: int, world_size: int) -> None:
+    """The sharded optimizer's buckets (uneven pieces: 3 ranks) go during the armed pass, at most
+    one copy in flight; each rank's pieces then hold its chunks of the sums, whole again when
+    gathered, and the parameters no gradient."""
+    groups = ProcessGroups.build(LLMLayout(dp=world_size))
+    model = _model()
+    reference = copy.deepcopy(model)
+    plan = GradientPlan(reduce_over={"dp": list(model.parameters())}, counted=list(model.parameters()))
+    train = argparse.Namespace(lr=0.1, weight_decay=0.0, beta1=0.9, beta2=0.95, eps=1e-8)
+    shards = ShardedOptimizer(plan, groups, train, bucket_bytes=BUCKET_BYTES)
+    reduction = GradientReduction(plan, groups, max_copies_in_flight=1, into=shards)
+    [lane] = reduction.lanes
+    assert len(lane.buckets) > 2
+    _backward(model, rank, 0)
+    assert lane.next == 0 and not reduction.sent, "a bucket went before the reduction was armed"
+    reduction.arm()
+    _backward(model, rank, 1)
+    assert lane.next == len(lane.buckets), "the armed backward reported every gradient: all should be sent"
+    assert sum(sent.flat is not None for sent in reduction.sent) <= 1
+    reduction.finish()
+
+    for microbatch in (0, 1):
+        _backward(reference, rank, microbatch)
+    reduce_gradients(GradientPlan(reduce_over={"dp": list(reference.parameters())}), groups)
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        assert param.grad is None, name
+        assert torch.equal(shards.value(param, "grad"), expected.grad), name
+    expected = sum(float(p.grad.double().square().sum()) for p in reference.parameters())
+    assert shards.grad_sq_norm() == pytest.approx(expected, rel=1e-6)  # float32 norms of the pieces
+
+
+def test_sharded_buckets_reduce_scatter_into_each_ranks_pieces_during_the_armed_pass():
+    run_distributed(_sharded, 3)
