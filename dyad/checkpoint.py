@@ -143,7 +143,7 @@ def save_pool(
     commits the checkpoint: `dyad.router.checkpoints.commit`). Collective over the pool's default
     process group; returns the pool's checkpoint path."""
     dcp = _dcp()
-    state = _owned_full_state(model, optimizer_state(optimizer), dist.get_rank(), dist.get_world_size())
+    state = _owned_full_state(model, optimizer, dist.get_rank(), dist.get_world_size())
     state.update(_rng_states(dist.get_rank(), _device(model)))
     state["step"] = step
     path = pool_dir(directory, pool)
@@ -155,13 +155,13 @@ def save_pool(
 def full_pool_state(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerState) -> dict:
     """The model's and AdamW's state under the checkpoint's keys, at full shapes, the same on
     every rank. Collective."""
-    state = optimizer_state(optimizer)
-    return dict(_full_entries(model, state)) | _hyperparameters(state)
+    return dict(_full_entries(model, optimizer)) | _hyperparameters(optimizer_state(optimizer))
 
 
-def _owned_full_state(model, optimizer: OptimizerState, rank: int, world: int) -> dict:
+def _owned_full_state(model, optimizer: torch.optim.Optimizer | OptimizerState, rank: int, world: int) -> dict:
     """The full tensors this rank writes, in host memory: every tensor goes to the rank with the
     fewest bytes so far (the same choice on every rank). Collective."""
+    optimizer = optimizer_state(optimizer)
     turns = _TurnsByBytes(world)
     owned = {}
     for key, full in _full_entries(model, optimizer):
@@ -171,9 +171,10 @@ def _owned_full_state(model, optimizer: OptimizerState, rank: int, world: int) -
     return owned
 
 
-def _full_entries(model: nn.Module, optimizer: OptimizerState):
+def _full_entries(model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerState):
     """(key, full tensor) for every tensor of the checkpoint, in one order on every rank; each
     full tensor is gathered when the iteration reaches it (a collective)."""
+    optimizer = optimizer_state(optimizer)
     persistent = model.state_dict().keys()  # the expert counts, zero between steps, are not kept
     for key, module, name, param in owned_parameters(model):
         yield f"model.{key}", gather_full(module, name, optimizer.value(param, "param"))

@@ -1,8 +1,8 @@
 """The optimizer sharded over each parameter's replicas (ZeRO-1, as Megatron-LM's distributed
-optimizer): a rank keeps the float32 master values and AdamW moments of only its own part of
-each parameter its data-parallel group holds whole on every rank, the group its gradient is
-summed over (`GradientPlan.reduce_over`: dense parameters over dp×cp, expert weights over edp,
-the encoder's over dp). Optimizer state is 1/N of the replicated optimizer's on each of the N.
+optimizer). The N ranks a parameter's gradient is summed over (`GradientPlan.reduce_over`: dense
+parameters over dp×cp, expert weights over edp, the encoder's over dp) each hold the whole
+parameter; here each keeps the float32 master values and AdamW moments of only its own part of
+it: on each rank 1/N of the replicated optimizer's state.
 
 Geometry, per group of N ranks, this rank its i-th. The group's parameters go in the buckets the
 gradient reduction sends (`gradient_buckets`, reverse registration order). A parameter's
@@ -44,6 +44,7 @@ Legend: N ranks of the group, C values of a bucket's shard (padded pieces side b
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,7 @@ from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.overlap import Sent
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-GATHERS_IN_FLIGHT = 2
+GATHERS_IN_FLIGHT = 2  # buckets' all-gathers started before the oldest is copied out
 
 
 class _Piece:
@@ -110,7 +111,7 @@ class ShardBucket:
         for piece in self.pieces:
             piece.values.grad = shard_C[piece.offset : piece.offset + piece.length]
 
-    def start_gather(self):
+    def start_gather(self) -> Callable[[], None]:
         """Start gathering every rank's updated pieces; returns what lands them in the targets."""
         if self.size == 1:
             return self._land_whole

@@ -200,7 +200,7 @@ def _assert_rank_holds_its_share(run, full_state, rank, world_size):
     """While saving, a rank keeps in host memory only the full tensors it writes: about
     1/world_size of the state (within the largest tensor)."""
     sizes = [v.numel() * v.element_size() for v in full_state.values() if isinstance(v, torch.Tensor)]
-    held = checkpoint._owned_full_state(run.model, checkpoint.optimizer_state(run.optimizer), rank, world_size)
+    held = checkpoint._owned_full_state(run.model, run.optimizer, rank, world_size)
     held_bytes = sum(v.numel() * v.element_size() for v in held.values() if isinstance(v, torch.Tensor))
     assert all(v.device.type == "cpu" for v in held.values() if isinstance(v, torch.Tensor))
     assert 0 < held_bytes <= sum(sizes) / world_size + max(sizes), (held_bytes, sum(sizes))
