@@ -91,6 +91,7 @@ def write_timeline(step, path: str, *, steps: int = 3, host_ops: int = 60) -> li
     host ops of each to `path`; return the steps' summaries."""
     events = _trace_events(step, steps)
     summaries = []
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         for i, (start, end, kernels) in enumerate(_steps(events)):
             summary, lines = step_lines(start, kernels)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 import statistics
 import time
 
@@ -350,6 +351,7 @@ def write_kernel_table(step, path: str, *, steps: int, rows: int) -> None:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows))
 
