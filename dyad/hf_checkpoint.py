@@ -17,6 +17,8 @@ if TYPE_CHECKING:  # torch-free at import: the services' configs (the router's) 
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+# transformers' Qwen3-VL vision_config default for the blocks its DeepStack mergers read
+QWEN3_VL_DEEPSTACK_INDEXES = (8, 16, 24)
 
 
 class HFCheckpoint:

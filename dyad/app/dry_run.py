@@ -44,7 +44,8 @@ def _models(config, plan: BoundaryPlan) -> list[str]:
     else:
         tokens = [image.tokens for work in plan.encoder_work for image in work.images] or [0]
         images = (f"{encoder.native.depth} blocks, native resolution: {min(tokens):,} to {max(tokens):,} tokens "
-                  "per image in step 0; its DeepStack mergers held")
+                  "per image in step 0; " + (f"{llm.deepstack_levels} DeepStack levels cross the boundary with them"
+                                              if llm.deepstack_levels else "its DeepStack mergers held"))
     return [
         "models",
         f"  encoder {tower + projector:>15,} parameters: vision tower {tower:,} ({images}), "

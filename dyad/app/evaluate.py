@@ -16,6 +16,7 @@ from dyad.data.batch import collate
 from dyad.encoder_service.hf_config import image_processor, image_tokens
 from dyad.encoder_service.step import encode_rows
 from dyad.llm_service.model import greedy_next_token
+from dyad.llm_service.rope_index import IMAGE, TEXT, rope_index
 from dyad.llm_service.step import microbatch_loss, whole_microbatch
 from dyad.router.checkpoints import MANIFEST
 from dyad.service import build_model, compute_context
@@ -57,11 +58,12 @@ def heldout_loss(config: RunConfig, dataset, encoder, llm) -> tuple[float, int]:
     processor = image_processor(config.encoder)  # read once, not per batch
     for batch in batches:
         batch = batch.to(device)
-        local = whole_microbatch(batch, dataset.tokenizer.pad_id)
+        local = whole_microbatch(batch, dataset.tokenizer.pad_id, multimodal_rope=bool(config.llm.mrope_section))
         with compute_context(config):
             rows_RD = None
             if batch.image_ids:
-                rows_RD = encode_rows(encoder, dataset, batch.image_ids, device, processor)[local.image_rows_Nl]
+                rows_RD = encode_rows(encoder, dataset, batch.image_ids, device, processor,
+                                      deepstack=config.llm.deepstack_levels > 0)[local.image_rows_Nl]
             loss = microbatch_loss(llm, local, rows_RD, global_target_tokens=targets, global_microbatches=len(batches))
         total += float(loss.lm)
     return total, targets
@@ -82,14 +84,25 @@ def _decode_matches(config, dataset, encoder, llm, samples) -> torch.Tensor:
         positions.extend(b * S + p for p in image_positions)
     lengths_B = torch.tensor([len(ids) for ids, _, _ in prompts])
     image_ids = [i for s in samples for i in s.image_ids]
-    rows_RD = encode_rows(encoder, dataset, image_ids, device, image_processor(config.encoder)) if image_ids else None
+    rows_RD, deepstack = None, None
+    if image_ids:
+        rows_RD = encode_rows(encoder, dataset, image_ids, device, image_processor(config.encoder),
+                              deepstack=config.llm.deepstack_levels > 0)
+        rows_RD, *deepstack = rows_RD.split(config.llm.dim, dim=1)
+    rope_3BS = None
+    if config.llm.mrope_section:  # every column past a prompt is text, as the decoded tokens will be
+        types_BS = torch.full(input_ids_BS.shape, TEXT, dtype=torch.long)
+        types_BS.view(-1)[torch.tensor(positions, dtype=torch.long)] = IMAGE
+        grids_I3 = torch.tensor([tokens.token_grid(i) for i in image_ids], dtype=torch.long).view(-1, 3)
+        rope_3BS = rope_index(types_BS, grids_I3, spatial_merge_size=1).to(device)
     positions_N = torch.tensor(positions, dtype=torch.long, device=device)
     input_ids_BS, answers_BA, lengths_B = (t.to(device) for t in (input_ids_BS, answers_BA, lengths_B))
 
     matches_B = torch.ones(len(samples), dtype=torch.bool, device=device)
     rows_B = torch.arange(len(samples), device=device)
     for k in range(answer_len):
-        predicted_B = greedy_next_token(llm, input_ids_BS, rows_RD, positions_N, lengths_B)
+        predicted_B = greedy_next_token(llm, input_ids_BS, rows_RD, positions_N, lengths_B,
+                                        rope_positions_3BS=rope_3BS, deepstack_embeds=deepstack)
         expected_B = answers_BA[:, k]
         active_B = expected_B >= 0
         matches_B &= ~active_B | (predicted_B == expected_B)

@@ -38,12 +38,13 @@ class ReferenceTrainer:
             samples = [self.dataset.sample(s) for s in sample_ids]
             batch = collate(self.dataset.tokenizer, samples, self.planner.image_tokens)
             batch = batch.to(self.config.train.device)
-            local = whole_microbatch(batch, self.dataset.tokenizer.pad_id)
+            local = whole_microbatch(batch, self.dataset.tokenizer.pad_id, multimodal_rope=bool(self.config.llm.mrope_section))
             with compute_context(self.config):
                 rows_RD = None
                 if batch.image_ids:
                     rows_RD = encode_rows(
-                        self.encoder, self.dataset, batch.image_ids, self.config.train.device, self.image_processor
+                        self.encoder, self.dataset, batch.image_ids, self.config.train.device, self.image_processor,
+                        deepstack=self.config.llm.deepstack_levels > 0,
                     )[local.image_rows_Nl]
                 loss = microbatch_loss(
                     self.llm,

@@ -21,6 +21,9 @@ class Batch:
     image_ids: tuple[int, ...]  # image table ids: sample order, then placeholder order
     lengths: torch.Tensor  # [B] int64, unpadded sequence lengths
     n_targets: int
+    # Each image's grid of tokens (frames, rows, columns), in image_ids order; () where the
+    # tower lays none out (`ImageTokens.token_grid`).
+    image_grids: tuple[tuple[int, int, int], ...] = ()
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Batch:
         def move(t: torch.Tensor) -> torch.Tensor:
@@ -33,6 +36,7 @@ class Batch:
             image_ids=self.image_ids,
             lengths=move(self.lengths),
             n_targets=self.n_targets,
+            image_grids=self.image_grids,
         )
 
 
@@ -46,6 +50,8 @@ def collate(tokenizer: TextTokenizer, samples: Sequence[Sample], image_tokens: I
     input_ids_BS = torch.full((len(samples), S), tokenizer.pad_id, dtype=torch.long)
     targets_BS = torch.full((len(samples), S), IGNORE_INDEX, dtype=torch.long)
     image_positions: list[int] = []
+    image_ids = tuple(i for s in samples for i in s.image_ids)
+    grids = [image_tokens.token_grid(i) for i in image_ids]
     for b, (ids, targets, positions) in enumerate(sequences):
         input_ids_BS[b, : len(ids)] = torch.tensor(ids)
         targets_BS[b, : len(ids)] = torch.tensor(targets)
@@ -54,7 +60,8 @@ def collate(tokenizer: TextTokenizer, samples: Sequence[Sample], image_tokens: I
         input_ids=input_ids_BS,
         targets=targets_BS,
         image_positions=torch.tensor(image_positions, dtype=torch.long),
-        image_ids=tuple(i for s in samples for i in s.image_ids),
+        image_ids=image_ids,
         lengths=torch.tensor([len(ids) for ids, _, _ in sequences], dtype=torch.long),
         n_targets=int((targets_BS != IGNORE_INDEX).sum()),
+        image_grids=tuple(grids) if all(grids) else (),
     )

@@ -11,12 +11,23 @@ with it, and a step command carries each image's count to the workers (`EncoderW
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from dyad.data.image_processor import PatchGrid
 
-ImageTokens = Callable[[int], int]  # image table id -> the LLM tokens of that image
+Grid = tuple[int, int, int]  # (frames, rows, columns) of an image's LLM tokens
+
+
+class ImageTokens(Protocol):
+    """By image table id: the LLM tokens of that image, and their grid where the tower lays them
+    out as one (what multimodal rotary positions are computed from)."""
+
+    def __call__(self, image_id: int) -> int: ...
+
+    def token_grid(self, image_id: int) -> Grid | None: ...
 
 
 @dataclass(frozen=True)
@@ -26,6 +37,12 @@ class FixedTokens:
     def __call__(self, image_id: int) -> int:
         return self.tokens
 
+    def token_grid(self, image_id: int) -> Grid | None:
+        """A fixed-resolution tower's tokens are its square of patches, row-major (None: they
+        are not a square)."""
+        side = math.isqrt(self.tokens)
+        return (1, side, side) if side * side == self.tokens else None
+
 
 @dataclass(frozen=True)
 class NativeTokens:
@@ -34,3 +51,8 @@ class NativeTokens:
 
     def __call__(self, image_id: int) -> int:
         return self.grid.image_tokens(*self.image_hw(image_id))
+
+    def token_grid(self, image_id: int) -> Grid:
+        """The image's patch grid after the merger: its tokens, row-major."""
+        t, h, w = self.grid.grid_thw(*self.image_hw(image_id))
+        return t, h // self.grid.merge_size, w // self.grid.merge_size

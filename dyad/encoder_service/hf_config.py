@@ -22,7 +22,7 @@ import dataclasses
 from dyad.data.image_processor import ImageProcessor, read_image_processor
 from dyad.data.image_tokens import FixedTokens, ImageTokens, NativeTokens
 from dyad.encoder_service.config import EncoderConfig, Qwen3VLVisionConfig
-from dyad.hf_checkpoint import adopted, read_config
+from dyad.hf_checkpoint import QWEN3_VL_DEEPSTACK_INDEXES, adopted, read_config
 
 FAMILIES = {"siglip_vision_model": "siglip", "clip_vision_model": "clip", "siglip": "siglip", "clip": "clip"}
 _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "quick_gelu": "quick_gelu", "gelu": "gelu"}
@@ -193,7 +193,7 @@ def qwen3_vl_vision_config(hf: dict) -> Qwen3VLVisionConfig:
     if side * side != positions:
         raise ValueError(f"config.json vision_config num_position_embeddings={positions} must be a square "
                          f"(a side x side grid of positions)")
-    depth, layers = vision.get("depth", 27), list(vision.get("deepstack_visual_indexes", (8, 16, 24)))
+    depth, layers = vision.get("depth", 27), list(vision.get("deepstack_visual_indexes", QWEN3_VL_DEEPSTACK_INDEXES))
     if layers != sorted(set(layers)) or any(not 0 <= i < depth for i in layers):
         raise ValueError(f"config.json vision_config deepstack_visual_indexes={layers} must be increasing "
                          f"block indices in [0, {depth}) (depth: {depth})")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from dyad.data.samples import FILE_DATASETS
 from dyad.encoder_service.config import EncoderConfig, Qwen3VLVisionConfig
@@ -18,6 +19,9 @@ def _resolve(run, vocab_size: int | None) -> EncoderConfig:
     native = native_tower(run.encoder, channels=run.data.channels)
     if native is not None:
         return _resolve_native(run, native)
+    if run.llm.deepstack_levels:
+        raise ValueError(f"llm.deepstack_levels ({run.llm.deepstack_levels}) needs DeepStack features from a "
+                         "native-resolution tower (encoder.from_hf of a Qwen3-VL checkpoint); this encoder has none")
     encoder = run.encoder
     if encoder.from_hf:  # its architecture is the tower's
         encoder = pretrained(encoder, image_size=run.data.image_size, channels=run.data.channels)
@@ -25,6 +29,9 @@ def _resolve(run, vocab_size: int | None) -> EncoderConfig:
         encoder, out_dim=run.llm.dim, image_size=run.data.image_size, channels=run.data.channels
     )
     image_processor(encoder)  # its images are the size the tower's processor prepares
+    if run.llm.mrope_section and math.isqrt(encoder.tokens_per_image) ** 2 != encoder.tokens_per_image:
+        raise ValueError(f"llm.mrope_section ({list(run.llm.mrope_section)}) positions an image's tokens on their grid: "
+                         f"the encoder's {encoder.tokens_per_image} tokens per image are not a square")
     if encoder.tokens_per_image > run.llm.max_seq_len:
         raise ValueError(
             f"data.image_size ({encoder.image_size}) gives {encoder.tokens_per_image} tokens per image "
@@ -41,6 +48,9 @@ def _resolve_native(run, native: Qwen3VLVisionConfig) -> EncoderConfig:
     if native.out_dim != run.llm.dim:
         raise ValueError(f"llm.dim ({run.llm.dim}) must be the out_hidden_size of encoder.from_hf's tower "
                          f"({native.out_dim}): its merger writes the LLM's image rows")
+    if run.llm.deepstack_levels not in (0, len(native.deepstack_layers)):
+        raise ValueError(f"llm.deepstack_levels ({run.llm.deepstack_levels}) must be 0 or the number of encoder.from_hf's "
+                         f"DeepStack mergers ({len(native.deepstack_layers)}): each level's rows come from one")
     if run.data.name not in FILE_DATASETS:
         raise ValueError(f"data.name ({run.data.name!r}) must be one of {FILE_DATASETS} with a native-resolution "
                          "tower (encoder.from_hf): it reads each image file at its own size")

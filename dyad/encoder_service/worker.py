@@ -55,9 +55,9 @@ class Tower:
     sources: Callable  # (an HFCheckpoint, the encoder config) -> where its tensors lie (dyad.slices)
     parallelize: Callable  # (the model, the pool's groups) -> its GradientPlan
     projector: tuple[str, ...]  # its parameters that train under train.freeze "vision_tower"
-    # Held whatever train.freeze says: nothing reads them yet (a gradient of zeros would still
-    # decay their weights). Qwen3-VL's DeepStack mergers, until their features cross the boundary.
-    held: tuple[str, ...] = ()
+    # Held whatever train.freeze says where the LLM does not read them (a gradient of zeros would
+    # still decay their weights): Qwen3-VL's DeepStack mergers, with llm.deepstack_levels 0.
+    unread: tuple[str, ...] = ()
 
 
 VIT = Tower(VisionEncoder, encoder_sources, parallelize_encoder, projector=("proj_in.", "proj_out."))
@@ -65,8 +65,8 @@ QWEN3_VL = Tower(
     lambda encoder: Qwen3VLVision(encoder.native),
     lambda checkpoint, encoder: qwen3_vl_sources(checkpoint, encoder.native),
     parallelize_qwen3_vl_vision,
-    projector=("merger.",),
-    held=("deepstack_mergers.",),
+    projector=("merger.", "deepstack_mergers."),
+    unread=("deepstack_mergers.",),
 )
 
 
@@ -104,11 +104,12 @@ class EncoderWorker(PoolService):
     @staticmethod
     def freeze(model: nn.Module, config) -> None:
         """train.freeze "encoder": every parameter; "vision_tower": all but the projector's; and
-        the tower's `held` parts always."""
+        the tower's `unread` parts where the LLM takes no DeepStack levels."""
         held, kind = config.train.freeze, tower(config.encoder)
+        unread = kind.unread if config.llm.deepstack_levels == 0 else ()
         for name, param in model.named_parameters():
             if ("encoder" in held or ("vision_tower" in held and not name.startswith(kind.projector))
-                    or name.startswith(kind.held)):
+                    or name.startswith(unread)):
                 param.requires_grad_(False)
 
     @property
@@ -191,7 +192,8 @@ class EncoderWorker(PoolService):
         """Encode `work`'s images and send their rows; with `gradients`, post the receives of
         their gradients too."""
         with compute_context(self.config):
-            rows_RD = encode_rows(self.model, self.dataset, work.image_ids, self.device, self.image_processor)
+            rows_RD = encode_rows(self.model, self.dataset, work.image_ids, self.device, self.image_processor,
+                                  deepstack=self.config.llm.deepstack_levels > 0)
         rows_RD = rows_RD.to(boundary_dtype(self.config))
         if rows_RD.shape[0] != work.rows:
             raise RuntimeError(

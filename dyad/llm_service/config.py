@@ -191,6 +191,10 @@ class LLMConfig:
     # positions, interleaved (t, h, w, t, h, w, ..., the rest t) as Qwen3-VL lays them out;
     # they sum to half the rotary features. (): one position per token (plain rotary).
     mrope_section: tuple[int, ...] = ()
+    # DeepStack (Qwen3-VL): how many further sets of image rows, beside the merged tokens, come
+    # over the boundary from the vision tower's DeepStack mergers; set i is added to the hidden
+    # states of the image tokens after layer i. 0: the image rows are the merged tokens alone.
+    deepstack_levels: int = 0
     norm_eps: float = 1e-5
     dense_ffn_dim: int = 128
     dense_layers: tuple[int, ...] = (0,)  # layers with a dense SwiGLU instead of MoE
@@ -233,6 +237,8 @@ class LLMConfig:
                 raise ValueError(f"llm.dense_layers entry ({i}) must be in [0, llm.n_layers ({self.n_layers}))")
         if self.mrope_section:
             self._validate_mrope()
+        if not 0 <= self.deepstack_levels <= self.n_layers:
+            raise ValueError(f"llm.deepstack_levels ({self.deepstack_levels}) must be in [0, llm.n_layers ({self.n_layers})]")
 
     def _validate_mrope(self):
         """Three counts summing to the rotary frequencies, h and w each within the interleaving:
@@ -276,6 +282,12 @@ class LLMConfig:
         for name, refused in (("qk_norm", self.qk_norm != "none"), ("attention_bias", self.attention_bias)):
             if refused:
                 raise ValueError(f"llm.{name} ({getattr(self, name)!r}) is not an option of llm.attention 'mla'")
+
+    @property
+    def boundary_width(self) -> int:
+        """Features of one image row crossing the boundary: its merged token and each DeepStack
+        level's, side by side (`image_rows`)."""
+        return self.dim * (1 + self.deepstack_levels)
 
     @property
     def rope_dim(self) -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from dyad.hf_checkpoint import adopted, read_config
+from dyad.hf_checkpoint import QWEN3_VL_DEEPSTACK_INDEXES, adopted, read_config
 from dyad.llm_service.config import LLMConfig, MLAConfig, MoEConfig, YarnConfig
 
 FAMILIES = ("deepseek_v3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text", "qwen3_vl_text")
@@ -45,8 +45,10 @@ def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
     """dyad's LLM config for a Hugging Face `config.json` of one of `FAMILIES` (or of a
     `MULTIMODAL` model of one)."""
     text = text_config(hf)
+    deepstack_levels = 0
     if hf.get("model_type") in QWEN3_VL:  # the head is the whole model's, tied or not by its config
         text = text | {"tie_word_embeddings": hf.get("tie_word_embeddings", False)}
+        deepstack_levels = len(hf.get("vision_config", {}).get("deepstack_visual_indexes", QWEN3_VL_DEEPSTACK_INDEXES))
     hf = text
     family = hf.get("model_type")
     if family not in FAMILIES:
@@ -68,6 +70,7 @@ def llm_config(hf: dict, *, max_seq_len: int | None = None) -> LLMConfig:
         pad_token_id=-1 if hf.get("pad_token_id") is None else hf["pad_token_id"],
         rope_theta=_rope_theta(hf),
         mrope_section=_mrope_section(hf) if family in QWEN3_VL_TEXT else (),
+        deepstack_levels=deepstack_levels,
         norm_eps=hf["rms_norm_eps"],
         dense_ffn_dim=dense_ffn_dim,
         dense_layers=dense_layers,
@@ -222,7 +225,7 @@ def _refuse(hf: dict, family: str) -> None:
 # What a checkpoint fixes: a run's llm section may repeat these, never contradict them.
 ARCHITECTURE = (
     "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "attention_bias", "pad_token_id", "rope_theta",
-    "mrope_section", "norm_eps",
+    "mrope_section", "deepstack_levels", "norm_eps",
     "dense_ffn_dim", "dense_layers", "attention", "mla", "rope_type", "yarn",
 )
 MOE_ARCHITECTURE = ("num_experts", "top_k", "expert_dim", "shared_expert_dim", "shared_expert_gate", "norm_topk_prob",

@@ -382,8 +382,10 @@ def greedy_next_token(
     image_embeds: torch.Tensor | None,
     image_positions: torch.Tensor | None,
     lengths_B: torch.Tensor,
+    **inputs,
 ) -> torch.Tensor:
-    """Argmax of the logits at position lengths_B - 1 of each row: the next token, [B] long."""
-    logits_BSV, _ = model(input_ids_BS, image_embeds, image_positions)
+    """Argmax of the logits at position lengths_B - 1 of each row: the next token, [B] long.
+    `inputs`: the model's further keyword inputs (multimodal rotary positions, DeepStack)."""
+    logits_BSV, _ = model(input_ids_BS, image_embeds, image_positions, **inputs)
     rows_B = torch.arange(input_ids_BS.shape[0], device=logits_BSV.device)
     return logits_BSV[rows_B, lengths_B.to(logits_BSV.device) - 1].argmax(dim=-1)

@@ -7,9 +7,10 @@ w = start + column, and the sample then stands at start + max(rows, columns): an
 the positions by its longer side, not by its token count. Padding (attention_mask 0) is skipped
 and sits at 0 on every axis.
 
-The LLM service owns it for now (torch, on the host, from the same inputs as transformers'
-processor gives: `mm_token_type_ids` and `image_grid_thw`); the router's planning of samples
-will use it, or a torch-free twin of it, when it packs them.
+The LLM service owns it (torch, on the host): from the inputs transformers' processor gives
+(`mm_token_type_ids` and `image_grid_thw`: `rope_index`), or from a collated batch, whose images
+carry their grids of tokens (`batch_rope_positions`: what a run's LLM ranks and its single-process
+reference compute).
 
 Legend: B samples, S sequence, I images (in sample order, then placeholder order).
 """
@@ -17,8 +18,11 @@ Legend: B samples, S sequence, I images (in sample order, then placeholder order
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
+
+from dyad.data.batch import Batch
 
 TEXT, IMAGE = 0, 1  # mm_token_type_ids' values (transformers' processors'; 2, a video's, not taken)
 
@@ -59,6 +63,37 @@ def rope_index(
     unused = next(images, None)
     if unused is not None:
         raise ValueError(f"image_grid_thw has {len(grids)} images, mm_token_type_ids only {unused} image runs")
+    return positions_3BS
+
+
+def batch_rope_positions(batch: Batch) -> torch.Tensor:
+    """[3, B, S] long: the rotary positions of a collated batch (on the host), its images' tokens
+    where `batch.image_positions` puts them, each image's grid of tokens `batch.image_grids`
+    (already merged). The same as `rope_index` of the batch's tokens where text separates its
+    images; two images side by side each start where the one before ended (`rope_index` would
+    see one run). Padding sits at 0."""
+    if batch.image_ids and not batch.image_grids:
+        raise ValueError("multimodal rotary positions need each image's grid of tokens; this batch's images have none "
+                         "(a native-resolution tower gives them)")
+    B, S = batch.input_ids.shape
+    firsts = batch.image_positions.cpu().tolist()
+    images_of: list[list[tuple[int, tuple[int, int, int]]]] = [[] for _ in range(B)]  # (first column, grid)
+    row = 0
+    for grid in batch.image_grids:
+        b, column = divmod(firsts[row], S)
+        images_of[b].append((column, grid))
+        row += math.prod(grid)
+    positions_3BS = torch.zeros(3, B, S, dtype=torch.long)
+    for b, length in enumerate(batch.lengths.tolist()):
+        pieces, start, column = [], 0, 0
+        for i, (first, grid) in enumerate(images_of[b]):
+            pieces.append(torch.arange(start, start + first - column).expand(3, first - column))
+            start += first - column
+            positions_3N, advance = _image_positions(start, grid, 1, math.prod(grid), i)
+            pieces.append(positions_3N)
+            start, column = start + advance, first + math.prod(grid)
+        pieces.append(torch.arange(start, start + length - column).expand(3, length - column))
+        positions_3BS[:, b, :length] = torch.cat(pieces, dim=1)
     return positions_3BS
 
 

@@ -17,6 +17,7 @@ import torch
 from dyad.data import IGNORE_INDEX
 from dyad.data.batch import Batch
 from dyad.kernels.host_to_device import to_device
+from dyad.llm_service.rope_index import batch_rope_positions
 from dyad.sequence_shards import sequence_shard
 
 
@@ -28,15 +29,22 @@ class LocalMicrobatch:
     valid_BSl: torch.Tensor  # real (non-padding) tokens
     image_rows_Nl: torch.Tensor  # which of the microbatch's image rows land here
     image_positions_Nl: torch.Tensor  # their flat indices into B*Sl
+    # The local columns' multimodal rotary positions (t, h, w), with llm.mrope_section; else None.
+    rope_positions_3BSl: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> LocalMicrobatch:
         """Every field on `device`, without a host sync. Sharding the CPU batch and then moving
         the shard keeps the index work (a `nonzero`, boolean masks) off the GPU, where each would
         make the host wait for every kernel queued before it."""
-        return LocalMicrobatch(**{name: to_device(getattr(self, name), device) for name in self.__dataclass_fields__})
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return LocalMicrobatch(**{name: None if t is None else to_device(t, device) for name, t in fields.items()})
 
 
-def shard_microbatch(batch: Batch, *, pad_id: int, cp: int, cp_rank: int, tp: int) -> LocalMicrobatch:
+def shard_microbatch(
+    batch: Batch, *, pad_id: int, cp: int, cp_rank: int, tp: int, multimodal_rope: bool = False
+) -> LocalMicrobatch:
+    """This rank's shard of `batch`; with `multimodal_rope` (llm.mrope_section), its columns'
+    (t, h, w) rotary positions from the samples' text and image grids (`batch_rope_positions`)."""
     S = batch.input_ids.shape[1]
     S_pad, spans = sequence_shard(S, cp=cp, tp=tp, cp_rank=cp_rank)
     input_ids = _pad_columns(batch.input_ids, S_pad, pad_id)
@@ -49,6 +57,9 @@ def shard_microbatch(batch: Batch, *, pad_id: int, cp: int, cp_rank: int, tp: in
     b_N, s_N = batch.image_positions // S, batch.image_positions % S
     local_s_N = local_index_of[s_N]
     here_N = local_s_N >= 0
+    rope_3BSl = None
+    if multimodal_rope:
+        rope_3BSl = _pad_columns(batch_rope_positions(batch).flatten(0, 1), S_pad, 0).view(3, -1, S_pad)[:, :, positions_Sl]
     return LocalMicrobatch(
         input_ids_BSl=input_ids[:, positions_Sl],
         targets_BSl=targets[:, positions_Sl],
@@ -56,6 +67,7 @@ def shard_microbatch(batch: Batch, *, pad_id: int, cp: int, cp_rank: int, tp: in
         valid_BSl=positions_Sl.unsqueeze(0) < batch.lengths.to(device).unsqueeze(1),
         image_rows_Nl=here_N.nonzero().squeeze(1),
         image_positions_Nl=b_N[here_N] * positions_Sl.numel() + local_s_N[here_N],
+        rope_positions_3BSl=rope_3BSl,
     )
 
 

@@ -27,9 +27,9 @@ class MicrobatchLoss:
     aux: torch.Tensor
 
 
-def whole_microbatch(batch, pad_id: int) -> LocalMicrobatch:
+def whole_microbatch(batch, pad_id: int, *, multimodal_rope: bool = False) -> LocalMicrobatch:
     """The single-device view: every token and every image row."""
-    return shard_microbatch(batch, pad_id=pad_id, cp=1, cp_rank=0, tp=1)
+    return shard_microbatch(batch, pad_id=pad_id, cp=1, cp_rank=0, tp=1, multimodal_rope=multimodal_rope)
 
 
 def microbatch_loss(
@@ -49,10 +49,15 @@ def microbatch_loss(
 
 
 def _forward(model: nn.Module, local: LocalMicrobatch, image_rows_NlD: torch.Tensor | None):
-    """(logits_BSV, aux) of the shard `local`, its image rows spliced where it has any."""
-    positions = None if image_rows_NlD is None else local.image_positions_Nl
+    """(logits_BSV, aux) of the shard `local`, its image rows spliced where it has any: each row
+    its merged token, then each DeepStack level's (llm.deepstack_levels), side by side."""
+    positions = deepstack = None
+    if image_rows_NlD is not None:
+        positions = local.image_positions_Nl
+        image_rows_NlD, *deepstack = image_rows_NlD.split(model.cfg.dim, dim=1)
     return model(
         local.input_ids_BSl, image_rows_NlD, positions, position_ids_S=local.positions_Sl, valid_BS=local.valid_BSl,
+        rope_positions_3BS=local.rope_positions_3BSl, deepstack_embeds=deepstack,
     )
 
 

@@ -189,6 +189,7 @@ class LLMWorker(PoolService):
                 cp=self.layout.cp,
                 cp_rank=self.groups.index("cp"),
                 tp=self.layout.tp,
+                multimodal_rope=bool(self.config.llm.mrope_section),
             )
             expected = local.image_rows_Nl.numel()
             local = local.to(self.device)
@@ -242,10 +243,23 @@ class LLMWorker(PoolService):
 
 
 def planned_image_tokens(plan: pb.BoundaryPlan, microbatch: int) -> ImageTokens:
-    """Each image of `microbatch`'s tokens, as the plan's encoder work gives them."""
-    tokens = {
-        image_id: count
-        for work in plan.encoder_work if work.microbatch == microbatch
-        for image_id, count in zip(work.image_ids, work.image_tokens, strict=True)
-    }
-    return tokens.__getitem__
+    """Each image of `microbatch`'s tokens and their grid, as the plan's encoder work gives them."""
+    return PlannedTokens([work for work in plan.encoder_work if work.microbatch == microbatch])
+
+
+class PlannedTokens:
+    """`ImageTokens` of the images of some encoder work (`pb.EncoderWork`)."""
+
+    def __init__(self, works: list[pb.EncoderWork]):
+        self.tokens, self.grids = {}, {}
+        for work in works:
+            self.tokens.update(zip(work.image_ids, work.image_tokens, strict=True))
+            if work.image_grids:
+                grids = [tuple(work.image_grids[i : i + 3]) for i in range(0, len(work.image_grids), 3)]
+                self.grids.update(zip(work.image_ids, grids, strict=True))
+
+    def __call__(self, image_id: int) -> int:
+        return self.tokens[image_id]
+
+    def token_grid(self, image_id: int) -> tuple[int, int, int] | None:
+        return self.grids.get(image_id)

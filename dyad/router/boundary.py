@@ -38,6 +38,7 @@ class ImageSlot:
     image_id: int
     tokens: int  # rows the encoder produces for this image
     position: int  # sequence position of its first token; it fills position..position+tokens-1
+    grid: tuple[int, int, int] | None = None  # its tokens' (frames, rows, columns), where the tower gives one
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class PlannedMicrobatch:
 class EncodedImage(NamedTuple):
     image_id: int
     tokens: int
+    grid: tuple[int, int, int] | None = None  # as ImageSlot's
 
 
 class Segment(NamedTuple):
@@ -198,7 +200,7 @@ def _encoder_work(mb: PlannedMicrobatch, group_of: list[int], groups: int) -> li
     images = [image for sample in mb.samples for image in sample.images]
     per_group: list[list[EncodedImage]] = [[] for _ in range(groups)]
     for image, group in zip(images, group_of):
-        per_group[group].append(EncodedImage(image.image_id, image.tokens))
+        per_group[group].append(EncodedImage(image.image_id, image.tokens, image.grid))
     return [EncoderWork(g, mb.index, tuple(work)) for g, work in enumerate(per_group) if work]
 
 

@@ -31,12 +31,6 @@ class StepSpec:
 
 class StepPlanner:
     def __init__(self, config: RunConfig, dataset, cursor: Cursor = Cursor()):
-        if config.llm.mrope_section:
-            raise ValueError(
-                f"llm.mrope_section ({list(config.llm.mrope_section)}, Qwen3-VL's multimodal rotary, from "
-                "llm.from_hf) is not yet passed by a run's step: its image tokens would train at plain positions, "
-                "not the checkpoint's (dyad.hf.load computes them; docs/pretrained.md says what a run does not do yet)"
-            )
         self._config = config
         self._dataset = dataset
         self.image_tokens: ImageTokens = image_tokens(config.encoder, dataset)
@@ -115,7 +109,7 @@ class StepPlanner:
             microbatches,
             encoder=self._config.parallel.encoder,
             llm=self._config.parallel.llm,
-            hidden=self._config.llm.dim,
+            hidden=self._config.llm.boundary_width,
             element_size=4 if self._config.train.dtype == "float32" else 2,
             image_cost=image_cost(self._config.encoder),
         )
@@ -127,7 +121,7 @@ class StepPlanner:
         slots, first = [], 0  # `first`: the image's first token among the sample's image tokens
         for image_id in sample.image_ids:
             tokens = self.image_tokens(image_id)
-            slots.append(ImageSlot(image_id, tokens, positions[first]))
+            slots.append(ImageSlot(image_id, tokens, positions[first], self.image_tokens.token_grid(image_id)))
             first += tokens
         return PlannedSample(sample_id, len(ids), tuple(slots))
 
@@ -166,6 +160,7 @@ def plan_message(plan: BoundaryPlan) -> pb.BoundaryPlan:
                 microbatch=w.microbatch,
                 image_ids=[image.image_id for image in w.images],
                 image_tokens=[image.tokens for image in w.images],
+                image_grids=[n for image in w.images if image.grid for n in image.grid],
                 rows=w.rows,
             )
             for w in plan.encoder_work

@@ -12,8 +12,8 @@ OUT = 64  # the tower's out_hidden_size: the LLM's dim (dyad's default LLM's)
 VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, in_channels=3, patch_size=4,
               temporal_patch_size=2, spatial_merge_size=2, deepstack_visual_indexes=[0], num_position_embeddings=16,
               out_hidden_size=OUT)
-TEXT = dict(vocab_size=64, hidden_size=OUT, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=32, moe_intermediate_size=32, num_experts=2, num_experts_per_tok=1,
+TEXT = dict(vocab_size=64, hidden_size=OUT, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2, head_dim=32, moe_intermediate_size=32, num_experts=2, num_experts_per_tok=1,
             rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "mrope_section": [8, 4, 4]})
 # Sides resized to multiples of 8 (patch 4 x merge 2) with an area in [256, 4096] pixels.
 PROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "size": {"shortest_edge": 256, "longest_edge": 4096},

@@ -2,9 +2,11 @@
 random Qwen3-VL-MoE saved by transformers) on conversations whose images have four sizes, each
 giving its own number of tokens: the tower starts as transformers' (its merged tokens on the
 dataset's images), and the run's losses and updated parameters match the single-process reference
-at every step under encoder dp1 -> LLM dp1 and encoder tp2 -> LLM dp2; the DeepStack mergers,
-whose features do not cross the boundary yet, are held; the held-out loss the pools report is
-the trained model's on one device."""
+at every step. With dyad's own LLM (encoder dp1 -> LLM dp1) only the merged tokens cross and the
+DeepStack mergers are held; with the checkpoint's own LLM too (`llm.from_hf`: multimodal rotary
+positions from each image's grid, a DeepStack level in every image row) under encoder dp1 -> LLM
+tp2·ep2, dp3 -> cp2·dp2 and tp2 -> dp2, the DeepStack mergers train with the rest; the held-out
+loss the pools report is the trained model's on one device."""
 
 from __future__ import annotations
 
@@ -31,16 +33,24 @@ transformers = pytest.importorskip("transformers", reason="transformers is the t
 
 TOLERANCE = 1e-5
 LAYOUTS = {
-    "enc-dp1-llm-dp1": [],
-    "enc-tp2-llm-dp2": ["parallel.encoder.tp=2", "parallel.llm.dp=2", "eval.final=true"],
+    "enc-dp1-llm-dp1": [],  # dyad's LLM: the merged tokens alone cross, the DeepStack mergers held
+    # Qwen3-VL-MoE's own LLM (llm.from_hf): multimodal rotary positions, a DeepStack level per row
+    "whole-enc-dp1-llm-tp2-ep2": ["parallel.llm.tp=2", "parallel.llm.ep=2"],
+    "whole-enc-dp3-llm-cp2-dp2": ["parallel.encoder.dp=3", "parallel.llm.cp=2", "parallel.llm.dp=2"],
+    "whole-enc-tp2-llm-dp2": ["parallel.encoder.tp=2", "parallel.llm.dp=2", "eval.final=true"],
 }
 
 
-def _config(tmp_path, *overrides):
+def _config(tmp_path, *overrides, whole: bool = False):
+    """The run's config (`whole`: its LLM the checkpoint's too), dataset and transformers' model."""
     checkpoint = tmp_path / "qwen3-vl"
     reference = qwen3_vl_checkpoint(checkpoint)
     data, tokenizer = native_conversations(tmp_path)
-    config = config_lib.load(None, [
+    run = None
+    if whole:  # a run file, so that no LLM field of the embedded default contradicts the checkpoint
+        run = tmp_path / "run.yaml"
+        run.write_text(f"data: {{name: conversations, channels: 3}}\nllm: {{from_hf: {checkpoint}}}\n")
+    config = config_lib.load(run, [
         "data.name=conversations", f"data.path={data}", f"data.tokenizer={tokenizer}", "data.channels=3",
         f"encoder.from_hf={checkpoint}", "train.steps=3", "train.warmup_steps=1", "train.global_batch=4",
         "train.microbatches=2", "checkpoint.interval_steps=0", "eval.final=false", *overrides,
@@ -75,7 +85,9 @@ def test_what_train_freeze_holds_of_the_tower(tmp_path):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_a_native_resolution_run_matches_single_process(tmp_path, layout):
-    config, dataset, _ = _config(tmp_path, *LAYOUTS[layout])
+    config, dataset, _ = _config(tmp_path, *LAYOUTS[layout], whole=layout.startswith("whole"))
+    if layout.startswith("whole"):
+        assert (config.llm.mrope_section, config.llm.deepstack_levels) == ((8, 4, 4), 1)
     job = run_job(config, progress=False)
     assert job.succeeded, job.info.message
     comparison = compare_with_reference(config, dataset, job)
@@ -85,8 +97,9 @@ def test_a_native_resolution_run_matches_single_process(tmp_path, layout):
 
     pretrained = qwen3_vl_state_dict(HFCheckpoint(config.encoder.from_hf), config.encoder.native)
     trained = load_pool_state(job.final_checkpoint(), "encoder")
-    for name, value in pretrained.items():  # the tower trained, its DeepStack mergers held
-        assert torch.equal(trained[name], value) == name.startswith("deepstack_mergers."), name
+    held = "deepstack_mergers." if config.llm.deepstack_levels == 0 else ()  # unless the LLM reads them
+    for name, value in pretrained.items():
+        assert torch.equal(trained[name], value) == name.startswith(held), name
     if config.eval.final:
         [evaluation] = job.evaluations
         loss, _ = heldout_loss(config, dataset, *load_trained(config, job.final_checkpoint()))

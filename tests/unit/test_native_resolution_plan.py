@@ -11,9 +11,11 @@ import torch
 
 from dyad import config as config_lib
 from dyad.app.dry_run import describe
-from dyad.data import make_dataset
+from dyad.data import FixedTokens, make_dataset
 from dyad.data.batch import collate
 from dyad.encoder_service.hf_config import image_processor
+from dyad.llm_service.rope_index import batch_rope_positions, rope_index
+from dyad.llm_service.sharding import shard_microbatch
 from dyad.llm_service.worker import planned_image_tokens
 from dyad.router.steps import StepPlanner, step_command
 from tests.helpers.native_images import OUT, TOKENS, native_conversations, qwen3_vl_checkpoint
@@ -54,6 +56,8 @@ def test_each_image_is_planned_with_the_processors_tokens_and_every_side_builds_
                 assert torch.equal(getattr(ours, field), getattr(workers, field)), field
             _, grid_thw_N3 = dataset.patches(ours.image_ids, processor)  # transformers' grids (test_native_images)
             tokens = (grid_thw_N3.prod(1) // 2**2).tolist()
+            merged = [(t, h // 2, w // 2) for t, h, w in grid_thw_N3.tolist()]  # each image's grid of tokens
+            assert list(ours.image_grids) == list(workers.image_grids) == merged
             assert [planner.image_tokens(i) for i in ours.image_ids] == tokens
             assert ours.image_positions.numel() == sum(tokens)
             assert ours.lengths.tolist() == [dataset.shape(s, planner.image_tokens).seq_len for s in sample_ids]
@@ -81,6 +85,8 @@ def test_the_dry_run_says_how_many_tokens_the_images_give(tmp_path):
     ("llm.dim=32", r"llm.dim \(32\) must be the out_hidden_size of encoder.from_hf's tower \(64\)"),
     ("data.channels=1", r"data.channels \(1\) must be the tower's \(3, encoder.from_hf\)"),
     ("encoder.native.depth=3", r"encoder.native=.* contradicts encoder.from_hf's tower"),
+    ("llm.deepstack_levels=2", r"llm.deepstack_levels \(2\) must be 0 or the number of encoder.from_hf's DeepStack "
+                               r"mergers \(1\)"),
 ])
 def test_a_config_that_does_not_fit_the_tower_is_refused_naming_the_field(tmp_path, override, message):
     with pytest.raises(ValueError, match=message):
@@ -104,9 +110,56 @@ def test_a_native_tower_needs_its_processor_and_image_files(tmp_path):
         config_lib.resolve(config, vocab_size=32)
 
 
-def test_qwen3_vl_s_own_llm_is_refused_until_a_run_passes_its_rotary_positions(tmp_path):
-    """Its image tokens would train at plain positions, not at the checkpoint's multimodal ones
-    (llm.from_hf at a Qwen3-VL sets llm.mrope_section, as here by hand)."""
-    config, dataset = _config(tmp_path, "llm.mrope_section=[4,2,2]")  # it loads (tests/dist/test_pretrained_pieces.py)
-    with pytest.raises(ValueError, match=r"llm.mrope_section \(\[4, 2, 2\], .* not yet passed by a run's step"):
-        StepPlanner(config, dataset)  # the router's and the reference's
+def test_the_llm_ranks_rotary_positions_are_transformers_of_the_same_tokens_and_grids(tmp_path):
+    """With Qwen3-VL's multimodal rotary (llm.mrope_section, as llm.from_hf at a Qwen3-VL sets it),
+    every LLM rank computes its columns' (t, h, w) positions from the batch the step command
+    gives it: the whole microbatch's are `rope_index` (transformers' get_rope_index,
+    tests/unit/test_hf_qwen3_vl_moe.py) of its image tokens and the processor's patch grids, and
+    a context-parallel shard holds its columns of them."""
+    config, dataset = _config(tmp_path, "llm.mrope_section=[4,2,2]", "llm.n_heads=4", "llm.n_kv_heads=2")
+    processor = image_processor(config.encoder)
+    planner = StepPlanner(config, dataset)
+    spec = planner.next(0)
+    command = step_command(spec, planner.boundary_plan(spec))
+    for index, sample_ids in enumerate(spec.microbatches):
+        batch = collate(dataset.tokenizer, [dataset.sample(s) for s in sample_ids],
+                        planned_image_tokens(command.plan, index))
+        B, S = batch.input_ids.shape
+        _, grid_thw_N3 = dataset.patches(batch.image_ids, processor)
+        positions_3BS = batch_rope_positions(batch)
+        first = 0  # the sample's first image among the batch's
+        for b, sample_id in enumerate(sample_ids):
+            images = len(dataset.sample(sample_id).image_ids)
+            types_1S = torch.zeros(1, S, dtype=torch.long)
+            rows = sum(int(grid_thw_N3[i].prod()) // 4 for i in range(first, first + images))
+            taken = batch.image_positions[(batch.image_positions // S) == b][:rows] % S
+            types_1S[0, taken] = 1
+            if images == 2 and taken.diff().max() == 1:  # side by side: the second starts where the first ends
+                _, h, w = (grid_thw_N3[first] // torch.tensor([1, 2, 2])).tolist()
+                types_1S[0, taken[h * w :]] = 0  # the first image alone
+                one = rope_index(types_1S, grid_thw_N3[first : first + 1], None, spatial_merge_size=2)
+                assert torch.equal(positions_3BS[:, b, : taken[h * w]], one[:, 0, : taken[h * w]])
+                assert torch.equal(positions_3BS[:, b, taken[h * w]], one[:, 0, taken[h * w - 1]] - torch.tensor(
+                    [0, h - 1, w - 1]) + max(h, w))  # the second image's first token
+            else:
+                real_1S = torch.arange(S).unsqueeze(0) < batch.lengths[b]
+                expected_31S = rope_index(types_1S, grid_thw_N3[first : first + images], real_1S, spatial_merge_size=2)
+                assert torch.equal(positions_3BS[:, b : b + 1], expected_31S)
+            first += images
+        assert positions_3BS[1:].amax() < positions_3BS[0].amax() + S  # sanity: positions stay small
+        expected_3BS = positions_3BS
+        whole = shard_microbatch(batch, pad_id=0, cp=1, cp_rank=0, tp=1, multimodal_rope=True)
+        assert torch.equal(whole.rope_positions_3BSl, expected_3BS)
+        for cp_rank in range(2):
+            shard = shard_microbatch(batch, pad_id=0, cp=2, cp_rank=cp_rank, tp=1, multimodal_rope=True)
+            held_S = shard.positions_Sl < S
+            expected = expected_3BS[:, :, shard.positions_Sl[held_S]]
+            assert torch.equal(shard.rope_positions_3BSl[:, :, held_S], expected)
+            assert not shard.rope_positions_3BSl[:, :, ~held_S].any()  # padding past the sequence: 0
+
+
+def test_a_fixed_resolution_towers_tokens_lie_on_their_square():
+    """What multimodal rotary positions take of a fixed-resolution tower's image (its patches'
+    square, row-major), and none where its count is not a square."""
+    assert FixedTokens(16).token_grid(7) == (1, 4, 4)
+    assert FixedTokens(15).token_grid(7) is None
