@@ -85,8 +85,7 @@ def test_the_dry_run_says_how_many_tokens_the_images_give(tmp_path):
     ("llm.dim=32", r"llm.dim \(32\) must be the out_hidden_size of encoder.from_hf's tower \(64\)"),
     ("data.channels=1", r"data.channels \(1\) must be the tower's \(3, encoder.from_hf\)"),
     ("encoder.native.depth=3", r"encoder.native=.* contradicts encoder.from_hf's tower"),
-    ("llm.deepstack_levels=2", r"llm.deepstack_levels \(2\) must be 0 or the number of encoder.from_hf's DeepStack "
-                               r"mergers \(1\)"),
+    ("llm.deepstack_levels=2", r"llm.deepstack_levels \(2\) must be 0 or the number of encoder.from_hf's DeepStack"),
 ])
 def test_a_config_that_does_not_fit_the_tower_is_refused_naming_the_field(tmp_path, override, message):
     with pytest.raises(ValueError, match=message):
@@ -124,7 +123,7 @@ def test_the_llm_ranks_rotary_positions_are_transformers_of_the_same_tokens_and_
     for index, sample_ids in enumerate(spec.microbatches):
         batch = collate(dataset.tokenizer, [dataset.sample(s) for s in sample_ids],
                         planned_image_tokens(command.plan, index))
-        B, S = batch.input_ids.shape
+        S = batch.input_ids.shape[1]
         _, grid_thw_N3 = dataset.patches(batch.image_ids, processor)
         positions_3BS = batch_rope_positions(batch)
         first = 0  # the sample's first image among the batch's
