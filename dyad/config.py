@@ -35,6 +35,10 @@ class TrainConfig:
     steps: int = 800
     global_batch: int = 32
     microbatches: int = 2  # per LLM data-parallel rank
+    # 0: each sample one row of its LLM microbatch, right-padded to the microbatch's longest.
+    # N: a microbatch's samples packed into rows of at most N tokens, each sample attending only
+    # to itself, its positions restarting (dyad/router/packing.py). The same loss and gradients.
+    seq_len: int = 0
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -76,6 +80,8 @@ class TrainConfig:
         for name in ("steps", "global_batch", "microbatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 0:
+            raise ValueError(f"train.seq_len must be >= 0 (0: no packing), got {self.seq_len}")
         if self.microbatches > self.global_batch:
             raise ValueError(
                 f"train.microbatches ({self.microbatches}) must be <= train.global_batch "

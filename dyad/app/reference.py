@@ -34,9 +34,10 @@ class ReferenceTrainer:
     def step(self, step: int) -> dict[str, float]:
         spec = self.planner.next(step)
         lm = aux = 0.0
-        for sample_ids in spec.microbatches:
+        for index, sample_ids in enumerate(spec.microbatches):
             samples = [self.dataset.sample(s) for s in sample_ids]
-            batch = collate(self.dataset.tokenizer, samples, self.planner.image_tokens)
+            rows = spec.row_sizes[index] if spec.row_sizes else ()
+            batch = collate(self.dataset.tokenizer, samples, self.planner.image_tokens, rows)
             batch = batch.to(self.config.train.device)
             local = whole_microbatch(batch, self.dataset.tokenizer.pad_id, multimodal_rope=bool(self.config.llm.mrope_section))
             with compute_context(self.config):

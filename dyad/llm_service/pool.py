@@ -37,6 +37,9 @@ def _resolve(run, vocab_size: int | None) -> LLMConfig:
             "train.dtype: there the grouped matmul breaks the MoE block's graph, and the part after the "
             "break would count the block's tokens again when it is recomputed (use bfloat16, or no compile)"
         )
+    if train.seq_len > llm.max_seq_len:
+        raise ValueError(f"train.seq_len ({train.seq_len}) must be <= llm.max_seq_len ({llm.max_seq_len}): "
+                         "a packed row is one LLM sequence")
     needed = train.microbatches * layout.dp
     if train.global_batch < needed:
         raise ValueError(

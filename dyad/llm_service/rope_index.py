@@ -69,9 +69,9 @@ def rope_index(
 def batch_rope_positions(batch: Batch) -> torch.Tensor:
     """[3, B, S] long: the rotary positions of a collated batch (on the host), its images' tokens
     where `batch.image_positions` puts them, each image's grid of tokens `batch.image_grids`
-    (already merged). The same as `rope_index` of the batch's tokens where text separates its
+    (already merged). The same as `rope_index` of each sample's tokens where text separates its
     images; two images side by side each start where the one before ended (`rope_index` would
-    see one run). Padding sits at 0."""
+    see one run). Each sample of a packed row counts from 0 as it would alone. Padding sits at 0."""
     if batch.image_ids and not batch.image_grids:
         raise ValueError("multimodal rotary positions need each image's grid of tokens; this batch's images have none "
                          "(a native-resolution tower gives them)")
@@ -85,16 +85,32 @@ def batch_rope_positions(batch: Batch) -> torch.Tensor:
         row += math.prod(grid)
     positions_3BS = torch.zeros(3, B, S, dtype=torch.long)
     for b, length in enumerate(batch.lengths.tolist()):
-        pieces, start, column = [], 0, 0
-        for i, (first, grid) in enumerate(images_of[b]):
-            pieces.append(torch.arange(start, start + first - column).expand(3, first - column))
-            start += first - column
-            positions_3N, advance = _image_positions(start, grid, 1, math.prod(grid), i)
-            pieces.append(positions_3N)
-            start, column = start + advance, first + math.prod(grid)
-        pieces.append(torch.arange(start, start + length - column).expand(3, length - column))
-        positions_3BS[:, b, :length] = torch.cat(pieces, dim=1)
+        for begin, end in _sample_spans(batch, b, length):
+            images = [(first - begin, grid) for first, grid in images_of[b] if begin <= first < end]
+            positions_3BS[:, b, begin:end] = _sequence_positions(end - begin, images)
     return positions_3BS
+
+
+def _sample_spans(batch: Batch, b: int, length: int) -> list[tuple[int, int]]:
+    """[begin, end) columns of each sample of row b: the row's real columns, or each packed sample's."""
+    if batch.documents is None:
+        return [(0, length)]
+    documents = batch.documents[b, :length].cpu()
+    starts = [0, *(torch.nonzero(documents[1:] != documents[:-1]).squeeze(1) + 1).tolist()]
+    return list(zip(starts, [*starts[1:], length]))
+
+
+def _sequence_positions(length: int, images: list[tuple[int, tuple[int, int, int]]]) -> torch.Tensor:
+    """[3, length]: one sequence's positions, its images (first column, merged grid) in order."""
+    pieces, start, column = [], 0, 0
+    for i, (first, grid) in enumerate(images):
+        pieces.append(torch.arange(start, start + first - column).expand(3, first - column))
+        start += first - column
+        positions_3N, advance = _image_positions(start, grid, 1, math.prod(grid), i)
+        pieces.append(positions_3N)
+        start, column = start + advance, first + math.prod(grid)
+    pieces.append(torch.arange(start, start + length - column).expand(3, length - column))
+    return torch.cat(pieces, dim=1)
 
 
 def _image_positions(start: int, grid: tuple[int, int, int], merge: int, n: int, i: int) -> tuple[torch.Tensor, int]:

@@ -31,6 +31,9 @@ class LocalMicrobatch:
     image_positions_Nl: torch.Tensor  # their flat indices into B*Sl
     # The local columns' multimodal rotary positions (t, h, w), with llm.mrope_section; else None.
     rope_positions_3BSl: torch.Tensor | None = None
+    # Packed rows: the local columns' samples (-1 on padding) and positions in them; else None.
+    documents_BSl: torch.Tensor | None = None
+    sample_positions_BSl: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> LocalMicrobatch:
         """Every field on `device`, without a host sync. Sharding the CPU batch and then moving
@@ -57,9 +60,12 @@ def shard_microbatch(
     b_N, s_N = batch.image_positions // S, batch.image_positions % S
     local_s_N = local_index_of[s_N]
     here_N = local_s_N >= 0
-    rope_3BSl = None
+    rope_3BSl = documents_BSl = sample_positions_BSl = None
     if multimodal_rope:
         rope_3BSl = _pad_columns(batch_rope_positions(batch).flatten(0, 1), S_pad, 0).view(3, -1, S_pad)[:, :, positions_Sl]
+    if batch.documents is not None:
+        documents_BSl = _pad_columns(batch.documents, S_pad, -1)[:, positions_Sl]
+        sample_positions_BSl = _pad_columns(batch.sample_positions, S_pad, 0)[:, positions_Sl]
     return LocalMicrobatch(
         input_ids_BSl=input_ids[:, positions_Sl],
         targets_BSl=targets[:, positions_Sl],
@@ -68,6 +74,8 @@ def shard_microbatch(
         image_rows_Nl=here_N.nonzero().squeeze(1),
         image_positions_Nl=b_N[here_N] * positions_Sl.numel() + local_s_N[here_N],
         rope_positions_3BSl=rope_3BSl,
+        documents_BSl=documents_BSl,
+        sample_positions_BSl=sample_positions_BSl,
     )
 
 

@@ -55,9 +55,11 @@ def _forward(model: nn.Module, local: LocalMicrobatch, image_rows_NlD: torch.Ten
     if image_rows_NlD is not None:
         positions = local.image_positions_Nl
         image_rows_NlD, *deepstack = image_rows_NlD.split(model.cfg.dim, dim=1)
+    multimodal = local.rope_positions_3BSl is not None  # its positions restart at each packed sample already
     return model(
         local.input_ids_BSl, image_rows_NlD, positions, position_ids_S=local.positions_Sl, valid_BS=local.valid_BSl,
-        rope_positions_3BS=local.rope_positions_3BSl, deepstack_embeds=deepstack,
+        rope_positions_3BS=local.rope_positions_3BSl, deepstack_embeds=deepstack, documents_BS=local.documents_BSl,
+        sample_positions_BS=None if multimodal else local.sample_positions_BSl,
     )
 
 

@@ -182,7 +182,8 @@ class LLMWorker(PoolService):
         local_rows = {r.microbatch: r.rows for r in command.plan.local_rows if r.llm_rank == self.rank}
         for microbatch in ours:
             samples = [self.dataset.sample(s) for s in microbatch.sample_ids]
-            batch = collate(self.dataset.tokenizer, samples, planned_image_tokens(command.plan, microbatch.index))
+            batch = collate(self.dataset.tokenizer, samples, planned_image_tokens(command.plan, microbatch.index),
+                            microbatch.row_sizes)
             local = shard_microbatch(  # on the CPU: no index work waits for the GPU
                 batch,
                 pad_id=self.dataset.tokenizer.pad_id,

@@ -43,6 +43,9 @@ class ImageSlot:
 
 @dataclass(frozen=True)
 class PlannedSample:
+    """One row of a microbatch: a sample, or several packed one after another (train.seq_len;
+    `sample_id` then its first's)."""
+
     sample_id: int
     seq_len: int  # the full sequence (text and image tokens)
     images: tuple[ImageSlot, ...]  # in sequence order

@@ -6,6 +6,7 @@ The single-process reference walks the same `StepPlanner`, so both see identical
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -14,6 +15,7 @@ from dyad.data import ImageTokens, build_sequence
 from dyad.encoder_service.hf_config import image_tokens
 from dyad.router.boundary import BoundaryPlan, ImageSlot, PlannedMicrobatch, PlannedSample, plan_boundary
 from dyad.router.encoder_cost import image_cost
+from dyad.router.packing import pack_rows
 from dyad.router.sampler import Cursor, EpochSampler, split_microbatches
 from dyad.router.schedule import lr_at
 from dyad.wire import pb
@@ -27,6 +29,9 @@ class StepSpec:
     lr: float
     target_tokens: int  # target tokens of the whole global batch: the loss normaliser
     tokens: int  # sequence tokens (text + image) of the global batch
+    # Packed (train.seq_len): per microbatch, how many of its samples (in order) each row holds;
+    # (): one sample a row.
+    row_sizes: tuple[tuple[int, ...], ...] = ()
 
 
 class StepPlanner:
@@ -49,11 +54,11 @@ class StepPlanner:
         target_tokens = sum(shape.n_targets for shape in shapes)
         if target_tokens == 0:
             raise ValueError(f"step {step}: the global batch has no target tokens to learn from")
+        microbatches, row_sizes = self._rows(split_microbatches(sample_ids, train.microbatches * dp))
         return StepSpec(
             step=step,
-            microbatches=tuple(
-                tuple(mb) for mb in split_microbatches(sample_ids, train.microbatches * dp)
-            ),
+            microbatches=microbatches,
+            row_sizes=row_sizes,
             llm_dp_ranks=tuple(i // train.microbatches for i in range(train.microbatches * dp)),
             lr=lr_at(
                 step,
@@ -100,9 +105,22 @@ class StepPlanner:
             batches.append((spec, self.boundary_plan(spec)))
         return tuple(batches)
 
+    def _rows(self, microbatches: list[list[int]]) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+        """(the microbatches, their row sizes: `StepSpec.row_sizes`); packed into rows of
+        train.seq_len tokens (`pack_rows`: each microbatch's samples reordered row by row)."""
+        seq_len = self._config.train.seq_len
+        if not seq_len:
+            return tuple(tuple(mb) for mb in microbatches), ()
+        packed, sizes = [], []
+        for mb in microbatches:
+            rows = pack_rows([self._planned_sample(s).seq_len for s in mb], seq_len)
+            packed.append(tuple(mb[i] for row in rows for i in row))
+            sizes.append(tuple(len(row) for row in rows))
+        return tuple(packed), tuple(sizes)
+
     def boundary_plan(self, spec: StepSpec) -> BoundaryPlan:
         microbatches = [
-            PlannedMicrobatch(index, dp_rank, tuple(self._planned_sample(s) for s in sample_ids))
+            PlannedMicrobatch(index, dp_rank, self._planned_rows(sample_ids, spec.row_sizes[index] if spec.row_sizes else ()))
             for index, (sample_ids, dp_rank) in enumerate(zip(spec.microbatches, spec.llm_dp_ranks))
         ]
         return plan_boundary(
@@ -113,6 +131,22 @@ class StepPlanner:
             element_size=4 if self._config.train.dtype == "float32" else 2,
             image_cost=image_cost(self._config.encoder),
         )
+
+    def _planned_rows(self, sample_ids: tuple[int, ...], row_sizes: tuple[int, ...]) -> tuple[PlannedSample, ...]:
+        """The microbatch's rows as the boundary plans them: each sample, or (`row_sizes`) each
+        packed row as one sequence of its samples one after another, images where they land."""
+        samples = [self._planned_sample(s) for s in sample_ids]
+        if not row_sizes:
+            return tuple(samples)
+        rows, start = [], 0
+        for size in row_sizes:
+            row, at, images = samples[start : start + size], 0, []
+            for sample in row:
+                images += [dataclasses.replace(image, position=image.position + at) for image in sample.images]
+                at += sample.seq_len
+            rows.append(PlannedSample(row[0].sample_id, at, tuple(images)))
+            start += size
+        return tuple(rows)
 
     def _plan_sample(self, sample_id: int) -> PlannedSample:
         """The sample's sequence length and where each image's tokens sit in it."""
@@ -130,7 +164,8 @@ def step_command(spec: StepSpec, plan: BoundaryPlan) -> pb.StepCommand:
     return pb.StepCommand(
         step=spec.step,
         microbatches=[
-            pb.Microbatch(index=i, sample_ids=list(mb), llm_dp_rank=dp_rank)
+            pb.Microbatch(index=i, sample_ids=list(mb), llm_dp_rank=dp_rank,
+                          row_sizes=spec.row_sizes[i] if spec.row_sizes else ())
             for i, (mb, dp_rank) in enumerate(zip(spec.microbatches, spec.llm_dp_ranks))
         ],
         plan=plan_message(plan),

@@ -5,7 +5,8 @@ dataset's images), and the run's losses and updated parameters match the single-
 at every step. With dyad's own LLM (encoder dp1 -> LLM dp1) only the merged tokens cross and the
 DeepStack mergers are held; with the checkpoint's own LLM too (`llm.from_hf`: multimodal rotary
 positions from each image's grid, a DeepStack level in every image row) under encoder dp1 -> LLM
-tp2·ep2, dp3 -> cp2·dp2 and tp2 -> dp2, the DeepStack mergers train with the rest; the held-out
+tp2·ep2, dp3 -> cp2·dp2 (its samples packed into rows) and tp2 -> dp2, the DeepStack mergers
+train with the rest; the held-out
 loss the pools report is the trained model's on one device."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dyad.encoder_service.hf_config import image_processor
 from dyad.encoder_service.step import encode_rows
 from dyad.encoder_service.worker import EncoderWorker
 from dyad.hf_checkpoint import HFCheckpoint
+from dyad.router.steps import StepPlanner
 from dyad.service import build_model
 from tests.helpers.native_images import native_conversations, qwen3_vl_checkpoint
 
@@ -36,7 +38,9 @@ LAYOUTS = {
     "enc-dp1-llm-dp1": [],  # dyad's LLM: the merged tokens alone cross, the DeepStack mergers held
     # Qwen3-VL-MoE's own LLM (llm.from_hf): multimodal rotary positions, a DeepStack level per row
     "whole-enc-dp1-llm-tp2-ep2": ["parallel.llm.tp=2", "parallel.llm.ep=2"],
-    "whole-enc-dp3-llm-cp2-dp2": ["parallel.encoder.dp=3", "parallel.llm.cp=2", "parallel.llm.dp=2"],
+    # and packed: two samples a microbatch in rows of up to 256 tokens
+    "whole-enc-dp3-llm-cp2-dp2-packed": ["parallel.encoder.dp=3", "parallel.llm.cp=2", "parallel.llm.dp=2",
+                                         "train.global_batch=8", "train.seq_len=256"],
     "whole-enc-tp2-llm-dp2": ["parallel.encoder.tp=2", "parallel.llm.dp=2", "eval.final=true"],
 }
 
@@ -88,6 +92,8 @@ def test_a_native_resolution_run_matches_single_process(tmp_path, layout):
     config, dataset, _ = _config(tmp_path, *LAYOUTS[layout], whole=layout.startswith("whole"))
     if layout.startswith("whole"):
         assert (config.llm.mrope_section, config.llm.deepstack_levels) == ((8, 4, 4), 1)
+    if layout.endswith("packed"):  # some row holds two samples
+        assert max(max(sizes) for sizes in StepPlanner(config, dataset).next(0).row_sizes) == 2
     job = run_job(config, progress=False)
     assert job.succeeded, job.info.message
     comparison = compare_with_reference(config, dataset, job)
