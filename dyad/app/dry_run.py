@@ -148,9 +148,16 @@ def _encoder_in_flight(config, spec: StepSpec, plan: BoundaryPlan) -> tuple[str,
 
 
 def _microbatch_shapes(dataset, image_tokens: ImageTokens, spec: StepSpec) -> list[tuple[int, int]]:
-    return [
-        (len(ids), max(dataset.shape(s, image_tokens).seq_len for s in ids)) for ids in spec.microbatches
-    ]
+    """Each microbatch's (rows, their padded length): a sample a row, or its packed rows."""
+    shapes = []
+    for index, ids in enumerate(spec.microbatches):
+        lengths = [dataset.shape(s, image_tokens).seq_len for s in ids]
+        rows, start = [], 0
+        for size in spec.row_sizes[index] if spec.row_sizes else [1] * len(ids):
+            rows.append(sum(lengths[start : start + size]))
+            start += size
+        shapes.append((len(rows), max(rows)))
+    return shapes
 
 
 def _step(config, dataset, spec: StepSpec, plan: BoundaryPlan) -> list[str]:
@@ -165,7 +172,8 @@ def _step(config, dataset, spec: StepSpec, plan: BoundaryPlan) -> list[str]:
         encoded = ", ".join(f"encoder dp {w.encoder_dp_rank}: {len(w.images)} images" for w in work) or "no images"
         sends = ", ".join(f"encoder {t.src_rank} -> llm {t.dst_rank}: {t.rows:,} rows"
                           for t in plan.transfers if t.microbatch == index)
-        lines.append(f"  microbatch {index} (llm dp {lane}): {len(ids)} samples; {encoded}")
+        packed = f" packed in {len(spec.row_sizes[index])} rows" if spec.row_sizes else ""
+        lines.append(f"  microbatch {index} (llm dp {lane}): {len(ids)} samples{packed}; {encoded}")
         if sends:
             lines.append(f"    {sends}")
     lines.append(
