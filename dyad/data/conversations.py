@@ -2,9 +2,11 @@
 loss on the assistant turns only. `data.name: conversations`.
 
 The records come from `data.path` (`dyad/data/sources.py`): a JSONL file, described here;
-WebDataset tar shards, a record and its images per sample key (`dyad/data/shards.py`); or Parquet
-files or an Arrow directory, a record per row with its images in the table
-(`dyad/data/tables.py`). A record is the same in each, but for where its images are.
+a JSON file holding a list of records, as LLaVA ships its data, each record's images in "image"
+(one path, a list, or absent for none) or "images" (`LlavaJson`); WebDataset tar shards, a
+record and its images per sample key (`dyad/data/shards.py`); or Parquet files or an Arrow
+directory, a record per row with its images in the table (`dyad/data/tables.py`). A record is
+the same in each, but for where its images are.
 
 JSONL: one JSON object per line, in UTF-8; blank lines are skipped. Either LLaVA's:
 

@@ -32,14 +32,15 @@ IGNORE_INDEX = -100
 DATASET_NAMES = ("digits", "jsonl", "conversations")
 FILE_DATASETS = ("jsonl", "conversations")  # read from data.path
 _DIGITS_ONLY_FIELDS = ("multi_image_fraction", "text_only_fraction")
-_CONVERSATIONS_ONLY = (".tar", ".parquet")  # data.path's suffixes only "conversations" reads
+_CONVERSATIONS_ONLY = (".json", ".tar", ".parquet")  # data.path's suffixes only "conversations" reads
 
 
 @dataclass(kw_only=True)
 class DataConfig:
     name: str = "digits"
-    # The records: for "jsonl" a JSONL file; for "conversations" a JSONL file, WebDataset .tar
-    # shards, .parquet files or a `datasets` save_to_disk directory, with brace patterns and globs
+    # The records: for "jsonl" a JSONL file; for "conversations" a JSONL file, LLaVA's .json
+    # file, WebDataset .tar shards, .parquet files or a `datasets` save_to_disk directory, with
+    # brace patterns and globs
     # ("shards/{000000..000099}.tar", "train-*.parquet"): dyad/data/sources.py.
     path: str | None = None
     # A tokenizer.json; None = word-level over the captions. "conversations" needs one: the chat
@@ -60,8 +61,8 @@ class DataConfig:
         if self.name not in FILE_DATASETS and self.path is not None:
             raise ValueError(f"data.path is only used when data.name is one of {FILE_DATASETS}, got {self.path!r}")
         if self.name == "jsonl" and self.path and self.path.endswith(_CONVERSATIONS_ONLY):
-            raise ValueError(f"data.path: data.name 'jsonl' reads one JSONL file, got {self.path!r}; tar shards and "
-                             "Parquet files hold data.name 'conversations'")
+            raise ValueError(f"data.path: data.name 'jsonl' reads one JSONL file, got {self.path!r}; LLaVA's JSON "
+                             "files, tar shards and Parquet files hold data.name 'conversations'")
         if self.name == "conversations" and not self.tokenizer:
             raise ValueError("data.tokenizer is required when data.name is 'conversations': the chat template is "
                              "read from its directory")

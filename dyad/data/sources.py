@@ -2,6 +2,7 @@
 what the path names:
 
 - a JSONL file: one record per line, images as paths beside it (`JsonlRecords`, below);
+- a `.json` file: a list of records, as LLaVA ships its data (`LlavaJson`, below);
 - `.tar` files: WebDataset shards, a record and its images per sample key (`dyad/data/shards.py`);
 - `.parquet` files, or a directory `datasets.Dataset.save_to_disk` wrote: a record per row, images
   as bytes in the table or as paths (`dyad/data/tables.py`, through the `datasets` library).
@@ -17,6 +18,7 @@ image once in the dataset's image table) and the problems found reading it, name
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from glob import glob, has_magic
 from pathlib import Path
@@ -52,10 +54,12 @@ def open_source(pattern: str) -> RecordSource:
         return TarShards(files)
     if suffixes == {".parquet"} or (len(files) == 1 and files[0].is_dir()):
         return Tables(files)
+    if suffixes == {".json"} and len(files) == 1:
+        return LlavaJson(files[0])
     if len(files) == 1:
         return JsonlRecords(files[0])
     raise ValueError(f"{FIELD}: '{pattern}' names {len(files)} files, not all .tar shards nor all .parquet files "
-                     f"({', '.join(sorted(suffixes))}); one JSONL file, tar shards or Parquet files are read")
+                     f"({', '.join(sorted(suffixes))}); one JSONL or JSON file, tar shards or Parquet files are read")
 
 
 class JsonlRecords:
@@ -84,3 +88,34 @@ class JsonlRecords:
 
     def open(self, locator: Path) -> Path:
         return locator
+
+
+class LlavaJson(JsonlRecords):
+    """A JSON list of records in one file, as LLaVA ships its data (llava_v1_5_mix665k.json):
+    "image" one path, or a list of them (LLaVA-NeXT's several), or absent for a text-only record;
+    or "images" a list, as in JSONL. Paths are relative to the file's directory or absolute.
+    Records are named "<file>:record <n>", n counting from 0 as the list's indices do."""
+
+    def records(self) -> Iterator[RawRecord]:
+        try:
+            records = json.loads(self.path.read_bytes())
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            yield RawRecord(str(self.path), None, problems=(f"not a JSON file: {e}",))
+            return
+        if not isinstance(records, list):
+            yield RawRecord(str(self.path), None, problems=(f"holds a {type(records).__name__}, not a list of records",))
+            return
+        for n, record in enumerate(records):
+            yield self._record(f"{self.path}:record {n}", record)
+
+    def _record(self, where: str, record) -> RawRecord:
+        if not isinstance(record, dict):
+            return RawRecord(where, None, problems=(f"a record must be a JSON object, got {type(record).__name__}",))
+        if "image" in record and "images" in record:
+            return RawRecord(where, record, problems=("a record has 'image' (LLaVA's) or 'images', not both",))
+        key = "images" if "images" in record else "image"
+        images = record.get(key, [])
+        images = [images] if isinstance(images, str) else images
+        if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+            return RawRecord(where, record, problems=(f"'{key}' must be a path or a list of paths",))
+        return RawRecord(where, record, tuple((name, (self.path.parent / name).resolve()) for name in images))

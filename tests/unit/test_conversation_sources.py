@@ -1,7 +1,7 @@
-"""Conversation records from WebDataset tar shards and from Parquet / Arrow through `datasets`:
-the same records give the same samples and images as in JSONL; bad ones are reported by shard
-and key, or by file and row; sample ids are stable across loads (what the sampler's exactly-once
-resume relies on)."""
+"""Conversation records from LLaVA's JSON files, WebDataset tar shards and Parquet / Arrow through
+`datasets`: the same records give the same samples and images as in JSONL; bad ones are reported
+by file and record, shard and key, or file and row; sample ids are stable across loads (what the
+sampler's exactly-once resume relies on)."""
 
 from __future__ import annotations
 
@@ -104,6 +104,58 @@ def processor(tmp_path):
     return read_image_processor(tmp_path / "qwen")
 
 
+def _llava_json(tmp_path, images) -> str:
+    """RECORDS as LLaVA ships them: one JSON list, each record's "image" one path, a list of
+    paths where there are several, absent where there is none; the images beside the JSONL's."""
+    records = []
+    for k, ((_, turns, split), blobs) in enumerate(zip(RECORDS, images)):
+        record = {"id": f"{k:03d}", "conversations": turns, "split": split}
+        names = [f"{k}-{i}.png" for i in range(len(blobs))]
+        if names:
+            record["image"] = names[0] if len(names) == 1 else names
+        records.append(record)
+    (tmp_path / "jsonl" / "llava.json").write_text(json.dumps(records, indent=1))
+    return str(tmp_path / "jsonl" / "llava.json")
+
+
+def test_a_llava_json_file_gives_the_samples_of_the_same_records_in_jsonl(tmp_path, processor):
+    tokenizer = tokenizer_dir(tmp_path / "tok")
+    images = _image_bytes(tmp_path)
+    reference = _load(_jsonl(tmp_path, images), tokenizer)
+    _assert_same_samples(_load(_llava_json(tmp_path, images), tokenizer), reference, processor)
+
+
+def test_bad_records_of_a_llava_json_file_are_reported_with_file_and_record(tmp_path):
+    tokenizer = tokenizer_dir(tmp_path / "tok")
+    write_images(tmp_path, [(4, 4)])
+    question = "<image>\nWhat?"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([
+        {"image": "RGB0.png", "conversations": _turns(question, "A cat.")},
+        {"image": "missing.png", "conversations": _turns(question, "A cat.")},
+        {"image": "RGB0.png", "images": ["RGB0.png"], "conversations": _turns(question, "A cat.")},
+        {"image": 3, "conversations": _turns(question, "A cat.")},
+        {"conversations": _turns(question, "A cat.")},  # text only: no image for its placeholder
+        "a string",
+    ]))
+    with pytest.raises(DatasetError) as error:
+        _load(bad, tokenizer)
+    message = str(error.value)
+    for expected in (f"{bad}:record 1: image 'missing.png' not found",
+                     f"{bad}:record 2: a record has 'image' (LLaVA's) or 'images', not both",
+                     f"{bad}:record 3: 'image' must be a path or a list of paths",
+                     f"{bad}:record 4: 1 <image> placeholders but 0 images",
+                     f"{bad}:record 5: a record must be a JSON object, got str"):
+        assert expected in message, message
+    assert f"{bad}:record 0" not in message, message
+    bad.write_text('{"conversations": []}')
+    with pytest.raises(DatasetError, match=f"{bad}: holds a dict, not a list of records"):
+        _load(bad, tokenizer)
+    bad.write_text('[{"conversations": [}]')
+    with pytest.raises(DatasetError, match=f"{bad}: not a JSON file: Expecting value"):
+        _load(bad, tokenizer)
+
+
 def test_webdataset_shards_give_the_samples_of_the_same_records_in_jsonl(tmp_path, processor):
     tokenizer = tokenizer_dir(tmp_path / "tok")
     images = _image_bytes(tmp_path)
@@ -162,8 +214,9 @@ def test_shard_patterns_that_name_nothing_or_compressed_shards_are_refused_namin
         _add(tar, "0.json", b"{}")
     with pytest.raises(ValueError, match="data.path: .*z.tar is not an uncompressed tar file"):
         _load(tmp_path / "z.tar", tokenizer)
-    with pytest.raises(ValueError, match="data.name 'jsonl' reads one JSONL file"):
-        DataConfig(name="jsonl", path="shards/{0..9}.tar")
+    for path in ("shards/{0..9}.tar", "llava.json"):
+        with pytest.raises(ValueError, match="data.name 'jsonl' reads one JSONL file"):
+            DataConfig(name="jsonl", path=path)
 
 
 @pytest.fixture
