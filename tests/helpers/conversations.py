@@ -23,10 +23,11 @@ WORDS = ["system", "user", "assistant", "You", "are", "a", "helpful", "What", "i
          "colour", "Grey", "INST", "/", "[", "]", "Be", "brief"]
 
 
-def tokenizer_dir(path, template: str = CHATML, bos: str = "<s>", eos: str = "</s>", jinja_file: bool = False):
-    """A word-level tokenizer.json with chat special tokens, and its tokenizer_config.json."""
+def tokenizer_dir(path, template: str = CHATML, bos: str = "<s>", eos: str = "</s>", jinja_file: bool = False,
+                  words=WORDS):
+    """A word-level tokenizer.json of `words` with chat special tokens, and its tokenizer_config.json."""
     path.mkdir()
-    vocab = {token: i for i, token in enumerate(["<unk>", *SPECIALS, *WORDS])}
+    vocab = {token: i for i, token in enumerate(["<unk>", *SPECIALS, *words])}
     tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = Whitespace()
     tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])

@@ -24,16 +24,18 @@ SIZES = [(37, 23), (64, 96), (20, 12), (16, 40)]
 TOKENS = [15, 54, 4, 10]
 
 
-def qwen3_vl_checkpoint(path, *, whole: bool = True, weights: bool = True):
+def qwen3_vl_checkpoint(path, *, whole: bool = True, weights: bool = True, vocab_size: int = TEXT["vocab_size"]):
     """A tiny random Qwen3-VL-MoE (`whole`), or its vision tower alone, saved in `path` with its
-    preprocessor_config.json (without `weights`: the configs alone); the transformers model (config)."""
+    preprocessor_config.json (without `weights`: the configs alone), its LLM's vocabulary `vocab_size`
+    rows; the transformers model (config)."""
     import torch
     import transformers
 
     from tests.helpers.hf_models import make_norms_and_biases_matter
 
     if whole:
-        config = transformers.Qwen3VLMoeConfig(vision_config=VISION, text_config=TEXT, tie_word_embeddings=False)
+        text = {**TEXT, "vocab_size": vocab_size}
+        config = transformers.Qwen3VLMoeConfig(vision_config=VISION, text_config=text, tie_word_embeddings=False)
     else:
         config = transformers.Qwen3VLMoeVisionConfig(**VISION)
     path.mkdir(parents=True, exist_ok=True)
