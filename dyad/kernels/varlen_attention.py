@@ -1,6 +1,6 @@
 """Attention over the segments of one packed sequence: every row attends to the rows of its own
-segment only (an image's patches, a frame's, a packed sample's tokens), and no segment is padded
-to another's length.
+segment only (an image's patches, a frame's, a packed sample's tokens: causally, each to its
+segment's rows up to itself), and no segment is padded to another's length.
 
 Legend: R rows of all segments together, A heads, Dh head dim.
 
@@ -27,16 +27,20 @@ _DTYPES = (torch.bfloat16, torch.float16)  # flash attention's; float32 runs ver
 
 
 def varlen_attention_reference(
-    q_RADh: torch.Tensor, k_RADh: torch.Tensor, v_RADh: torch.Tensor, lengths: Sequence[int], *, scale: float,
+    q_RADh: torch.Tensor, k_RGDh: torch.Tensor, v_RGDh: torch.Tensor, lengths: Sequence[int], *,
+    scale: float | None = None, causal: bool = False,
 ) -> torch.Tensor:
     """[R, A, Dh] -> [R, A, Dh]: softmax(q k^T * scale) v within each segment of `lengths` rows
-    (consecutive, summing to R), non-causal."""
+    (consecutive, summing to R); with `causal`, each row over its segment's rows up to itself.
+    Keys and values may have fewer heads G (grouped-query attention: A / G queries a head);
+    `scale` None: 1 / sqrt(Dh)."""
     if not lengths:
-        return v_RADh
+        return v_RGDh
     outs = []
-    for q_LADh, k_LADh, v_LADh in zip(*(x.split(list(lengths)) for x in (q_RADh, k_RADh, v_RADh)), strict=True):
-        q_ALDh, k_ALDh, v_ALDh = (x.transpose(0, 1) for x in (q_LADh, k_LADh, v_LADh))
-        outs.append(F.scaled_dot_product_attention(q_ALDh, k_ALDh, v_ALDh, scale=scale).transpose(0, 1))
+    for q_LADh, k_LGDh, v_LGDh in zip(*(x.split(list(lengths)) for x in (q_RADh, k_RGDh, v_RGDh)), strict=True):
+        q_ALDh, k_GLDh, v_GLDh = (x.transpose(0, 1) for x in (q_LADh, k_LGDh, v_LGDh))
+        outs.append(F.scaled_dot_product_attention(q_ALDh, k_GLDh, v_GLDh, scale=scale, is_causal=causal,
+                                                   enable_gqa=q_ALDh.shape[0] != k_GLDh.shape[0]).transpose(0, 1))
     return torch.cat(outs)
 
 
@@ -50,15 +54,18 @@ def segment_bounds(lengths: Sequence[int], device: torch.device | str) -> tuple[
 
 
 def varlen_attention(
-    q_RADh: torch.Tensor, k_RADh: torch.Tensor, v_RADh: torch.Tensor, cu_seqlens_S1: torch.Tensor, longest: int,
-    *, scale: float,
+    q_RADh: torch.Tensor, k_RGDh: torch.Tensor, v_RGDh: torch.Tensor, cu_seqlens_S1: torch.Tensor, longest: int,
+    *, scale: float | None = None, causal: bool = False,
 ) -> torch.Tensor:
     """`varlen_attention_reference`'s result over the segments `segment_bounds` describes; flash
     attention's kernel where it applies."""
-    if not _flash_applies(q_RADh, cu_seqlens_S1):
-        return varlen_attention_reference(q_RADh, k_RADh, v_RADh, cu_seqlens_S1.diff().tolist(), scale=scale)
-    return varlen_attn(q_RADh, k_RADh, v_RADh, cu_seqlens_S1, cu_seqlens_S1, longest, longest, scale=scale)
+    if not _flash_applies(q_RADh, v_RGDh, cu_seqlens_S1):
+        lengths = cu_seqlens_S1.diff().tolist()
+        return varlen_attention_reference(q_RADh, k_RGDh, v_RGDh, lengths, scale=scale, causal=causal)
+    return varlen_attn(q_RADh, k_RGDh, v_RGDh, cu_seqlens_S1, cu_seqlens_S1, longest, longest, scale=scale,
+                       window_size=(-1, 0) if causal else (-1, -1), enable_gqa=q_RADh.shape[1] != k_RGDh.shape[1])
 
 
-def _flash_applies(q_RADh: torch.Tensor, cu_seqlens_S1: torch.Tensor) -> bool:
-    return varlen_attn is not None and q_RADh.is_cuda and q_RADh.dtype in _DTYPES and cu_seqlens_S1.numel() > 1
+def _flash_applies(q_RADh: torch.Tensor, v_RGDh: torch.Tensor, cu_seqlens_S1: torch.Tensor) -> bool:
+    return (varlen_attn is not None and q_RADh.is_cuda and q_RADh.dtype in _DTYPES and cu_seqlens_S1.numel() > 1
+            and v_RGDh.shape[-1] == q_RADh.shape[-1])  # flash's values share the queries' head dim

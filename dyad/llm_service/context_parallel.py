@@ -41,17 +41,17 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         self.group = group
 
-    def forward(self, q_BHSlDh, k_BGSlDh, v_BGSlDh, positions_Sl, scale: float | None = None, documents_BS=None):
+    def forward(self, q_BHSlDh, k_BGSlDh, v_BGSlDh, positions_Sl, scale: float | None = None, documents=None):
         # K and V travel in one collective (one backward reduction instead of two), side by side
         # in the features: MLA's values have their own head dim.
         Dk = k_BGSlDh.shape[-1]
         kv_BGSX = all_gather_sequence(torch.cat([k_BGSlDh, v_BGSlDh], dim=-1), self.group)
         positions_S = all_gather_cat(positions_Sl, self.group, 0)
-        if documents_BS is None:
+        if documents is None:
             allowed = positions_S.unsqueeze(0) <= positions_Sl.unsqueeze(1)  # [Sl, S]
-        else:  # packed rows: also within the query's own sample (`documents_BS`: this rank's columns)
-            every_documents_BS = all_gather_cat(documents_BS, self.group, 1)
-            allowed = document_mask(positions_Sl, positions_S, documents_BS, every_documents_BS)  # [B, 1, Sl, S]
+        else:  # packed rows: also within the query's own sample (`documents.ids_BS`: this rank's columns)
+            every_documents_BS = all_gather_cat(documents.ids_BS, self.group, 1)
+            allowed = document_mask(positions_Sl, positions_S, documents.ids_BS, every_documents_BS)  # [B, 1, Sl, S]
         return F.scaled_dot_product_attention(
             q_BHSlDh,
             kv_BGSX[..., :Dk],

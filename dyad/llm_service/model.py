@@ -13,10 +13,13 @@ rows per image token, level i added to the residual stream after layer i.
 """
 
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dyad.kernels.varlen_attention import varlen_attention
 from dyad.llm_service.config import LLMConfig
 from dyad.llm_service.moe import MoELayer, SwiGLU
 from dyad.llm_service.rotary import (
@@ -32,18 +35,36 @@ from dyad.llm_service.rotary import (
 LATENT_NORM_EPS = 1e-6
 
 
+@dataclass(frozen=True)
+class Documents:
+    """Packed rows' samples as attention takes them: each column's sample (`ids_BS`, numbered
+    across the rows, -1 on padding) and, where the rank holds whole rows (no context
+    parallelism), `bounds`: the segments of the flattened rows, each sample's columns and each
+    row's padding (`dyad.kernels.varlen_attention.segment_bounds`, built on the host)."""
+
+    ids_BS: torch.Tensor
+    bounds: tuple[torch.Tensor, int] | None = None
+
+
 class CausalAttention(nn.Module):
     """Causal attention over the sequence held here (its positions are 0..S-1 in order); with
-    `documents_BS` (packed rows: each column's sample), each token attends only to the earlier
-    tokens of its own sample. Context parallelism replaces it with attention over the whole
-    group's keys, masked by the positions and documents (`ContextParallelAttention`)."""
+    `documents` (packed rows), each token attends only to the earlier tokens of its own sample:
+    over their `bounds`, variable-length attention (flash attention's kernel on CUDA: no work
+    across samples), else a mask of the samples. Context parallelism replaces it with attention
+    over the whole group's keys, masked by the positions and documents (`ContextParallelAttention`)."""
 
-    def forward(self, q_BHSDh, k_BGSDh, v_BGSDh, positions_S, scale: float | None = None, documents_BS=None):
+    def forward(self, q_BHSDh, k_BGSDh, v_BGSDh, positions_S, scale: float | None = None,
+                documents: Documents | None = None):
         """`scale`: the softmax's (None: 1 / sqrt(the query head dim)); values may have their own head dim."""
         gqa = q_BHSDh.shape[1] != k_BGSDh.shape[1]
-        if documents_BS is None:
+        if documents is None:
             return F.scaled_dot_product_attention(q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True, scale=scale, enable_gqa=gqa)
-        allowed_B1SS = document_mask(positions_S, positions_S, documents_BS, documents_BS)
+        if documents.bounds is not None:
+            B, H, S, _ = q_BHSDh.shape
+            q_THDh, k_TGDh, v_TGDv = (x.transpose(1, 2).reshape(B * S, x.shape[1], x.shape[3]) for x in (q_BHSDh, k_BGSDh, v_BGSDh))
+            out_THDv = varlen_attention(q_THDh, k_TGDh, v_TGDv, *documents.bounds, scale=scale, causal=True)
+            return out_THDv.view(B, S, H, -1).transpose(1, 2)
+        allowed_B1SS = document_mask(positions_S, positions_S, documents.ids_BS, documents.ids_BS)
         return F.scaled_dot_product_attention(q_BHSDh, k_BGSDh, v_BGSDh, attn_mask=allowed_B1SS, scale=scale, enable_gqa=gqa)
 
 
@@ -66,7 +87,7 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = (_qk_norm(cfg, heads) for heads in (cfg.n_heads, cfg.n_kv_heads))
         self.core = CausalAttention()
 
-    def forward(self, x_BSD, cos_SDh, sin_SDh, positions_S, documents_BS=None) -> torch.Tensor:
+    def forward(self, x_BSD, cos_SDh, sin_SDh, positions_S, documents: Documents | None = None) -> torch.Tensor:
         # Shapes come from the projections: under sequence parallelism x holds part of the
         # sequence and the projections gather the rest.
         q_BSX, k_BSX, v_BSX = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
@@ -77,7 +98,7 @@ class Attention(nn.Module):
         if q_BSHDh.numel() == 0:  # cuDNN attention returns None for an empty batch (torch 2.11)
             return self.wo(q_BSHDh.reshape(B, S, self.n_heads * self.head_dim))
         out_BHSDh = self.core(
-            q_BSHDh.transpose(1, 2), k_BSGDh.transpose(1, 2), v_BSGDh.transpose(1, 2), positions_S, documents_BS=documents_BS
+            q_BSHDh.transpose(1, 2), k_BSGDh.transpose(1, 2), v_BSGDh.transpose(1, 2), positions_S, documents=documents
         )
         return self.wo(out_BHSDh.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
@@ -112,7 +133,7 @@ class LatentAttention(nn.Module):
         self.core = CausalAttention()
         self.scale = mla_softmax_scale(cfg)
 
-    def forward(self, x_BSD, cos_SR, sin_SR, positions_S, documents_BS=None) -> torch.Tensor:
+    def forward(self, x_BSD, cos_SR, sin_SR, positions_S, documents: Documents | None = None) -> torch.Tensor:
         # Shapes come from the head-parallel projections: under sequence parallelism x and the
         # latents hold part of the sequence, and the projections gather the rest.
         q_BSX = self.wq(x_BSD) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
@@ -129,7 +150,7 @@ class LatentAttention(nn.Module):
             return self.wo(v_BSHDv.reshape(B, S, self.n_heads * self.v_dim))
         out_BHSDv = self.core(
             q_BSHDqk.transpose(1, 2), k_BSHDqk.transpose(1, 2), v_BSHDv.transpose(1, 2), positions_S, scale=self.scale,
-            documents_BS=documents_BS,
+            documents=documents,
         )
         return self.wo(out_BHSDv.transpose(1, 2).reshape(B, S, self.n_heads * self.v_dim))
 
@@ -181,11 +202,11 @@ class DecoderBlock(nn.Module):
         positions_S: torch.Tensor,
         valid_T: torch.Tensor | None = None,
         seq_ids_T: torch.Tensor | None = None,
-        documents_BS: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ):
         """Returns (h_BSD, the MoE layer's scaled aux loss or None for a dense layer)."""
         B, S, D = h_BSD.shape
-        h_BSD = h_BSD + self.attention(self.attn_norm(h_BSD), cos_SDh, sin_SDh, positions_S, documents_BS)
+        h_BSD = h_BSD + self.attention(self.attn_norm(h_BSD), cos_SDh, sin_SDh, positions_S, documents)
         x_TD = self.ffn_norm(h_BSD).reshape(B * S, D)
         if not self.is_moe:
             return h_BSD + self.feed_forward(x_TD).view(B, S, D), None
@@ -261,6 +282,7 @@ class MoELM(nn.Module):
         deepstack_embeds: list[torch.Tensor] | None = None,
         documents_BS: torch.Tensor | None = None,
         sample_positions_BS: torch.Tensor | None = None,
+        document_bounds: tuple[torch.Tensor, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (logits_BSV, aux_loss): the sum of the MoE layers' aux losses, each already scaled
         by its coefficients. position_ids_S: the global positions of the columns held here (default
@@ -276,7 +298,9 @@ class MoELM(nn.Module):
         the microbatch's rows, -1 on padding): a token attends only to its own sample's, and a
         per-sequence balance loss (llm.moe.aux_loss "seq") takes each sample as its sequence;
         sample_positions_BS, each column's position in its sample, the rotary's (restarting at
-        each sample, as the sample alone would be)."""
+        each sample, as the sample alone would be); document_bounds, where the rows are held
+        whole (no context parallelism), their samples' and padding's segments of the flattened
+        rows (`segment_bounds`): attention then runs over them with no work across samples."""
         B, S = input_ids_BS.shape
         if S > self.cfg.max_seq_len:
             raise ValueError(f"sequence length ({S}) exceeds llm.max_seq_len ({self.cfg.max_seq_len})")
@@ -294,10 +318,11 @@ class MoELM(nn.Module):
         if documents_BS is not None and documents_BS.shape != (B, S):
             raise ValueError(f"documents must have shape {[B, S]}, got {list(documents_BS.shape)}")
         seq_ids_BS = torch.arange(B, device=h_BSD.device).unsqueeze(1).expand(B, S) if documents_BS is None else documents_BS
+        documents = None if documents_BS is None else Documents(documents_BS, document_bounds)
         seq_ids_T = self.sequence.columns(seq_ids_BS).reshape(-1)
         aux_loss = torch.zeros((), device=h_BSD.device, dtype=torch.float32)
         for i, layer in enumerate(self.layers):
-            h_BSD, layer_aux = layer(h_BSD, cos_SDh, sin_SDh, position_ids_S, valid_T, seq_ids_T, documents_BS)
+            h_BSD, layer_aux = layer(h_BSD, cos_SDh, sin_SDh, position_ids_S, valid_T, seq_ids_T, documents)
             if layer_aux is not None:
                 aux_loss = aux_loss + layer_aux
             if i < len(deepstack):

@@ -17,6 +17,7 @@ import torch
 from dyad.data import IGNORE_INDEX
 from dyad.data.batch import Batch
 from dyad.kernels.host_to_device import to_device
+from dyad.kernels.varlen_attention import segment_bounds
 from dyad.llm_service.rope_index import batch_rope_positions
 from dyad.sequence_shards import sequence_shard
 
@@ -34,13 +35,18 @@ class LocalMicrobatch:
     # Packed rows: the local columns' samples (-1 on padding) and positions in them; else None.
     documents_BSl: torch.Tensor | None = None
     sample_positions_BSl: torch.Tensor | None = None
+    # Packed rows held whole (no context parallelism): their segments for variable-length
+    # attention (`MoELM(document_bounds=)`); else None.
+    document_bounds: tuple[torch.Tensor, int] | None = None
 
     def to(self, device: torch.device | str) -> LocalMicrobatch:
         """Every field on `device`, without a host sync. Sharding the CPU batch and then moving
         the shard keeps the index work (a `nonzero`, boolean masks) off the GPU, where each would
         make the host wait for every kernel queued before it."""
-        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        return LocalMicrobatch(**{name: None if t is None else to_device(t, device) for name, t in fields.items()})
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "document_bounds"}
+        moved = {name: None if t is None else to_device(t, device) for name, t in fields.items()}
+        bounds = self.document_bounds and (to_device(self.document_bounds[0], device), self.document_bounds[1])
+        return LocalMicrobatch(**moved, document_bounds=bounds)
 
 
 def shard_microbatch(
@@ -63,9 +69,12 @@ def shard_microbatch(
     rope_3BSl = documents_BSl = sample_positions_BSl = None
     if multimodal_rope:
         rope_3BSl = _pad_columns(batch_rope_positions(batch).flatten(0, 1), S_pad, 0).view(3, -1, S_pad)[:, :, positions_Sl]
+    bounds = None
     if batch.documents is not None:
         documents_BSl = _pad_columns(batch.documents, S_pad, -1)[:, positions_Sl]
         sample_positions_BSl = _pad_columns(batch.sample_positions, S_pad, 0)[:, positions_Sl]
+        if cp == 1:
+            bounds = document_segments(documents_BSl)
     return LocalMicrobatch(
         input_ids_BSl=input_ids[:, positions_Sl],
         targets_BSl=targets[:, positions_Sl],
@@ -76,7 +85,19 @@ def shard_microbatch(
         rope_positions_3BSl=rope_3BSl,
         documents_BSl=documents_BSl,
         sample_positions_BSl=sample_positions_BSl,
+        document_bounds=bounds,
     )
+
+
+def document_segments(documents_BS: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`segment_bounds` of packed rows flattened: each run of one sample's columns, and each
+    row's padding, a segment (on the host, where `documents_BS` is)."""
+    B, S = documents_BS.shape
+    starts_BS = torch.ones(B, S, dtype=torch.bool)
+    starts_BS[:, 1:] = documents_BS[:, 1:] != documents_BS[:, :-1]
+    starts_T = starts_BS.reshape(-1).nonzero().squeeze(1)
+    lengths = torch.diff(starts_T, append=torch.tensor([B * S])).tolist()
+    return segment_bounds(lengths, documents_BS.device)
 
 
 def _pad_columns(x_BS: torch.Tensor, length: int, value: int) -> torch.Tensor:

@@ -59,7 +59,7 @@ def _forward(model: nn.Module, local: LocalMicrobatch, image_rows_NlD: torch.Ten
     return model(
         local.input_ids_BSl, image_rows_NlD, positions, position_ids_S=local.positions_Sl, valid_BS=local.valid_BSl,
         rope_positions_3BS=local.rope_positions_3BSl, deepstack_embeds=deepstack, documents_BS=local.documents_BSl,
-        sample_positions_BS=None if multimodal else local.sample_positions_BSl,
+        sample_positions_BS=None if multimodal else local.sample_positions_BSl, document_bounds=local.document_bounds,
     )
 
 

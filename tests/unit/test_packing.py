@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dyad.kernels import varlen_attention as varlen
 from dyad.llm_service.config import LLMConfig, MLAConfig, MoEConfig
 from dyad.llm_service.model import MoELM
 from tests.helpers.parity import relative_error
@@ -99,3 +100,22 @@ def test_misshapen_packing_inputs_are_refused():
         model(ids, documents_BS=torch.zeros(2, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="sample_positions must have shape"):
         model(ids, sample_positions_BS=torch.zeros(6, dtype=torch.long))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or varlen.varlen_attn is None,
+                    reason="no CUDA device (or a torch without varlen_attn) here: the flash path is not exercised")
+def test_packed_rows_flash_attention_matches_the_reference():
+    """Packed rows on CUDA in bf16: flash attention's variable-length kernel, causal within each
+    segment and grouped-query (8 query heads over 2 key heads), as the per-segment reference."""
+    lengths = [100, 37, 200, 11, 164]
+    q = torch.randn(sum(lengths), 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(sum(lengths), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    upstream = torch.randn_like(q)
+    bounds = varlen.segment_bounds(lengths, "cuda")
+    results = []
+    for attend in (lambda q, k, v: varlen.varlen_attention(q, k, v, *bounds, causal=True),
+                   lambda q, k, v: varlen.varlen_attention_reference(q, k, v, lengths, causal=True)):
+        out = attend(q, k, v)
+        results.append((out, *torch.autograd.grad((out.float() * upstream).sum(), (q, k, v))))
+    for got, expected in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
