@@ -14,6 +14,7 @@ from torch import nn
 from dyad.byte_runs import byte_runs
 from dyad.kernels.master_weights import master_of, released
 from dyad.optim import sq_norm
+from dyad.parallel.buckets import BUCKET_BYTES
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.sharded import ShardedParameters
 
@@ -51,12 +52,6 @@ class GradientPlan:
             reduce_over={group: [p for p in params if p.requires_grad] for group, params in self.reduce_over.items()},
             counted=[p for p in self.counted if p.requires_grad],
         )
-
-
-# Gradients summed per collective. The reduction's extra memory is one bucket, where one flat
-# copy of a group's gradients and a clone of it back cost twice the gradients (a 3 B-parameter
-# LLM's float32 gradients are 12 GB: dp2 ran out of memory on an 80 GB GPU in that copy).
-BUCKET_BYTES = 256 * 2**20
 
 
 def reduce_gradients(plan: GradientPlan, groups: ProcessGroups, bucket_bytes: int = BUCKET_BYTES) -> None:

@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dyad.kernels.master_weights import register_accumulated_hook
+from dyad.parallel.buckets import BUCKET_BYTES, COPIES_IN_FLIGHT
 from dyad.parallel.gradients import (
-    BUCKET_BYTES,
     GradientPlan,
     copy_back,
     gradient_buckets,
@@ -115,7 +115,7 @@ class GradientReduction:
         plan: GradientPlan,
         groups: ProcessGroups,
         bucket_bytes: int = BUCKET_BYTES,
-        max_copies_in_flight: int = 2,
+        max_copies_in_flight: int = COPIES_IN_FLIGHT,
         overlap: bool = True,
         into: BucketSource | None = None,
     ):

@@ -53,8 +53,9 @@ from torch import nn
 from dyad.kernels.fp8 import forget_quantized
 from dyad.kernels.master_weights import WORKING_ATTRIBUTE, release
 from dyad.optim import adamw, decays, set_step_count, sq_norm
+from dyad.parallel.buckets import BUCKET_BYTES
 from dyad.parallel.collectives import all_gather_single, reduce_scatter_single
-from dyad.parallel.gradients import BUCKET_BYTES, GradientPlan, gradient_buckets, grads_or_zeros
+from dyad.parallel.gradients import GradientPlan, gradient_buckets, grads_or_zeros
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.overlap import Sent
 
