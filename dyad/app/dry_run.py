@@ -1,6 +1,8 @@
-"""`dyad train --dry-run`: what a resolved run config would train, on how many GPUs, with how much
-memory per rank, and the plan of its first step, printed without starting anything (no router,
-worker, process group or run directory; torch-free, like the router).
+"""`dyad plan` and `dyad train --dry-run` (the same report): what a resolved run config would train,
+on how many GPUs, with how much memory on each rank, and the plan of its first step, printed
+without starting anything (no router, worker, process group or run directory; torch-free, like
+the router). Given a device's memory, each rank whose estimate exceeds it, and each GPU whose
+ranks' estimates together do, gets a warning saying by how much.
 
 The numbers come from where a run gets them: the models' parameters and the memory estimate from
 `dyad.router.estimate`, the first step from the router's `StepPlanner` over the run's dataset.
@@ -9,6 +11,7 @@ The numbers come from where a run gets them: the models' parameters and the memo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from dyad.data import ImageTokens
 from dyad.router import estimate
@@ -16,19 +19,64 @@ from dyad.router.boundary import BoundaryPlan
 from dyad.router.steps import StepPlanner, StepSpec
 
 GIB = 2**30
+TERMS = ("weights", "casts", "gradients", "optimizer", "activations", "boundary", "reduction")
+HEADINGS = ("weights", "casts", "grads", "AdamW", "activ.", "bound.", "reduce")
 
 
-def describe(config, dataset, source: str) -> str:
-    """The dry run's report for `config` (resolved: `dyad.config.resolve`) over `dataset`."""
+@dataclass(frozen=True)
+class RankMemory:
+    """The estimate of one rank of a pool, and where it sits in the pool's layout."""
+
+    pool: str
+    rank: int
+    coords: dict[str, int]  # on the layout's axes of more than one rank
+    memory: estimate.Memory
+
+
+def describe(config, dataset, source: str, *, command: str = "dyad train --dry-run",
+             device_memory: float | None = None) -> str:
+    """The report for `config` (resolved: `dyad.config.resolve`) over `dataset`; with
+    `device_memory` (GiB) its warnings last."""
     planner = StepPlanner(config, dataset)
     spec = planner.next(0)
     plan = planner.boundary_plan(spec)
-    lines = [f"dyad train --dry-run: {source} resolved and checked as a run is; nothing started", ""]
+    ranks = rank_memories(config, dataset, planner.image_tokens, spec, plan)
+    lines = [f"{command}: {source} resolved and checked as a run is; nothing started", ""]
     lines += _models(config, plan)
     lines += ["", *_layouts(config)]
-    lines += ["", *_memory(config, dataset, planner.image_tokens, spec, plan)]
+    lines += ["", *_memory(config, dataset, planner.image_tokens, spec, plan, ranks)]
     lines += ["", *_step(config, dataset, spec, plan)]
+    if device_memory is not None:
+        lines += ["", *shortfalls(config, ranks, device_memory)]
     return "\n".join(lines)
+
+
+def rank_memories(config, dataset, image_tokens: ImageTokens, spec: StepSpec, plan: BoundaryPlan) -> list[RankMemory]:
+    """The estimate of every rank of both pools for the step `spec`, planned as `plan`."""
+    return [*_encoder_ranks(config, spec, plan), *_llm_ranks(config, dataset, image_tokens, spec, plan)]
+
+
+def shortfalls(config, ranks: Sequence[RankMemory], device_memory: float) -> list[str]:
+    """A warning for each rank whose estimate exceeds `device_memory` GiB, and for each GPU that
+    holds several ranks (`parallel.<pool>_devices`) whose estimates together do; or a line saying
+    every one fits."""
+    limit = device_memory * GIB
+    warnings = [
+        f"warning: {r.pool} rank {r.rank} ({_coords(r.coords)}) needs an estimated {_gib(r.memory.total)} GiB, "
+        f"{_gib(r.memory.total - limit)} GiB more than the device's {device_memory:g} GiB"
+        for r in ranks if r.memory.total > limit
+    ]
+    for gpu, shared in _shared_gpus(config, ranks).items():
+        together = sum(r.memory.total for r in shared)
+        if together > limit:
+            warnings.append(
+                f"warning: GPU {gpu} holds {' and '.join(f'{r.pool} rank {r.rank}' for r in shared)}, an estimated "
+                f"{_gib(together)} GiB together, {_gib(together - limit)} GiB more than the device's "
+                f"{device_memory:g} GiB"
+            )
+    largest = max([r.memory.total for r in ranks]
+                  + [sum(r.memory.total for r in shared) for shared in _shared_gpus(config, ranks).values()])
+    return warnings or [f"every rank fits a device of {device_memory:g} GiB (the most on one: {_gib(largest)} GiB)"]
 
 
 def _models(config, plan: BoundaryPlan) -> list[str]:
@@ -83,41 +131,178 @@ def _gpus(parallel) -> str:
             "parallel.<pool>_devices keeps the pools apart (unset, rank r of each pool takes GPU r % count)")
 
 
-def _memory(config, dataset, image_tokens: ImageTokens, spec: StepSpec, plan: BoundaryPlan) -> list[str]:
-    train = config.train
-    element_size = estimate.ELEMENT_SIZE[train.dtype]
-    enc, enc_layout, llm, llm_layout = config.encoder, config.parallel.encoder, config.llm, config.parallel.llm
-    tower = estimate.encoder_tower_parts(enc, enc_layout)
-    projector = estimate.projector_parts(enc, enc_layout)
-    held_by_encoder = estimate.per_rank(tower + projector + estimate.held_parts(enc, enc_layout))
-    llm_parts = estimate.llm_parts(llm, llm_layout)
-    frozen = set(train.freeze)
-    enc_trained = 0 if "encoder" in frozen else estimate.per_rank(projector) + (
-        0 if "vision_tower" in frozen else estimate.per_rank(tower))
-    in_flight, activations = _encoder_in_flight(config, spec, plan)
-    encoder = estimate.state_memory(
-        held_by_encoder, enc_trained, working_weights=train.working_weights, activations=activations,
-    )
-    tokens = estimate.llm_tokens_per_rank(_microbatch_shapes(dataset, image_tokens, spec), llm_layout)
-    held = estimate.per_rank(llm_parts)
-    llm_memory = estimate.state_memory(
-        held, 0 if "llm" in frozen else held, working_weights=train.working_weights,
-        activations=estimate.llm_activations(llm, llm_layout, tokens, element_size=element_size,
-                                             recompute="llm" in train.recompute),
-    )
-    header = f"  {'':8}{'parameters':>15} {'weights':>8} {'grads':>8} {'AdamW':>8} {'activ.':>8} {'total':>8}"
-    return [
-        (f"memory per rank, GiB (an estimate: float32 weights, gradients and AdamW moments; activations at "
-        f"{train.dtype} of {tokens:,} tokens per LLM rank, {in_flight} in flight per encoder rank)"),
-        header,
-        _memory_row("encoder", held_by_encoder, encoder),
-        _memory_row("llm", held, llm_memory),
+# ---- memory ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pool:
+    """A pool's parameters on one rank: what trains, what is held, and what autocast casts."""
+
+    layout: object
+    trained: list[estimate.Part]
+    held: list[estimate.Part]
+    casts: int
+
+    def state(self, train) -> estimate.State:
+        return estimate.state_memory(self.trained, self.held, self.layout, working_weights=train.working_weights,
+                                     shard_optimizer=train.shard_optimizer)
+
+
+def _pools(config) -> dict[str, _Pool]:
+    """The encoder: nothing trains under train.freeze "encoder", only the projector under
+    "vision_tower", and a native tower's DeepStack mergers are held; what trains is cast (no
+    gradient flows through the rest). The LLM: nothing trains under "llm"; its matrices are cast
+    wherever a gradient flows through it (into the encoder's rows when the LLM is frozen)."""
+    train, parallel = config.train, config.parallel
+    enc, enc_layout = config.encoder, parallel.encoder
+    tower, projector = estimate.encoder_tower_parts(enc, enc_layout), estimate.projector_parts(enc, enc_layout)
+    encoder_frozen = "encoder" in train.freeze
+    trained = [] if encoder_frozen else projector + ([] if "vision_tower" in train.freeze else tower)
+    held = [part for part in tower + projector if part not in trained] + estimate.held_parts(enc, enc_layout)
+    encoder = _Pool(enc_layout, trained, held, estimate.weight_casts(trained) if _casts(train) else 0)
+    parts = estimate.llm_parts(config.llm, parallel.llm, sequence_parallel=parallel.sequence_parallel)
+    llm_frozen = "llm" in train.freeze
+    casts = _casts(train) and not (llm_frozen and encoder_frozen)
+    llm = _Pool(parallel.llm, [] if llm_frozen else parts, parts if llm_frozen else [],
+                estimate.weight_casts(parts) if casts else 0)
+    return {"encoder": encoder, "llm": llm}
+
+
+def _casts(train) -> bool:
+    """Whether autocast casts the matrices: bfloat16 compute from float32 weights."""
+    return train.dtype == "bfloat16" and not train.working_weights
+
+
+def _encoder_ranks(config, spec: StepSpec, plan: BoundaryPlan) -> list[RankMemory]:
+    pool, layout = _pools(config)["encoder"], config.parallel.encoder
+    state = pool.state(config.train)
+    rounds, depth = _rounds(spec), config.boundary.prefetch_depth
+    ranks = []
+    for rank in range(layout.world_size):
+        coords = layout.coords(rank)
+        _, activations = _encoder_in_flight(config, rounds, plan, coords["dp"])
+        boundary = estimate.encoder_boundary(plan, rounds, depth, rank=rank, dp_rank=coords["dp"],
+                                             frozen="encoder" in config.train.freeze)
+        memory = estimate.Memory(state.weights, pool.casts, state.gradients, state.optimizer, activations, boundary,
+                                 state.reduction)
+        ranks.append(RankMemory("encoder", rank, _spread(coords, layout.axes()), memory))
+    return ranks
+
+
+def _llm_ranks(config, dataset, image_tokens: ImageTokens, spec: StepSpec, plan: BoundaryPlan) -> list[RankMemory]:
+    pool, layout, train = _pools(config)["llm"], config.parallel.llm, config.train
+    state = pool.state(train)
+    shapes = _microbatch_shapes(dataset, image_tokens, spec)
+    ranks = []
+    for rank in range(layout.world_size):
+        coords = layout.coords(rank)
+        lane = [shape for shape, dp_rank in zip(shapes, spec.llm_dp_ranks) if dp_rank == coords["dp"]]
+        activations = estimate.llm_activations(
+            config.llm, layout, estimate.llm_tokens_per_rank(lane, layout),
+            element_size=estimate.ELEMENT_SIZE[train.dtype], recompute="llm" in train.recompute,
+        )
+        boundary = estimate.llm_boundary(plan, rank, gradients="encoder" not in train.freeze)
+        memory = estimate.Memory(state.weights, pool.casts, state.gradients, state.optimizer, activations, boundary,
+                                 state.reduction)
+        ranks.append(RankMemory("llm", rank, _spread(coords, layout.attention_axes() | layout.expert_axes()),
+                                memory))
+    return ranks
+
+
+def _memory(config, dataset, image_tokens: ImageTokens, spec: StepSpec, plan: BoundaryPlan,
+            ranks: Sequence[RankMemory]) -> list[str]:
+    train, parallel = config.train, config.parallel
+    tokens = estimate.llm_tokens_per_rank(_microbatch_shapes(dataset, image_tokens, spec), parallel.llm)
+    in_flight = max(_encoder_in_flight(config, _rounds(spec), plan, dp)[0] for dp in range(parallel.encoder.dp))
+    lines = [
+        (f"memory per rank, GiB (an estimate of a step's peak, dyad/router/estimate.py: activations at {train.dtype} "
+         f"of at most {tokens:,} tokens per LLM rank, {in_flight:,} {_in_flight_unit(config)} in flight per encoder "
+         "rank)"),
+        *_pool_lines(config),
     ]
+    rows = [(f"{pool} {_ranges([r.rank for r in same])}", _cells(same[0].memory))
+            for pool in ("encoder", "llm") for same in _alike([r for r in ranks if r.pool == pool])]
+    width = max(len(label) for label, _ in rows) + 1
+    lines.append(f"  {'':{width}}" + " ".join(f"{heading:>7}" for heading in (*HEADINGS, "total")))
+    lines += [f"  {label:{width}}{cells}" for label, cells in rows]
+    lines += _gpu_lines(config, ranks)
+    return lines
 
 
-def _memory_row(pool: str, held: int, memory: estimate.Memory) -> str:
-    cells = (memory.weights, memory.gradients, memory.optimizer, memory.activations, memory.total)
-    return f"  {pool:8}{held:>15,} " + " ".join(f"{value / GIB:>8.1f}" for value in cells)
+def _pool_lines(config) -> list[str]:
+    """Per pool: the parameters a rank holds, and how its optimizer state is kept."""
+    lines = []
+    for name, pool in _pools(config).items():
+        if not pool.trained:
+            optimizer = "nothing trains"
+        elif not config.train.shard_optimizer:
+            optimizer = "AdamW whole on every rank (train.shard_optimizer false)"
+        elif estimate.sharded(pool.trained, pool.layout, shard_optimizer=True):
+            groups = {part.group: estimate.group_size(pool.layout, part.group) for part in pool.trained}
+            optimizer = "AdamW sharded over the ranks of " + ", ".join(f"{g} ({n})" for g, n in groups.items())
+        else:
+            optimizer = "AdamW whole: no parameter has replicas"
+        lines.append(f"  {name}: {estimate.per_rank(pool.trained + pool.held):,} parameters per rank; {optimizer}")
+    return lines
+
+
+def _alike(ranks: Sequence[RankMemory]) -> list[list[RankMemory]]:
+    """The ranks grouped by the row they print, in rank order of each group's first."""
+    groups: dict[str, list[RankMemory]] = {}
+    for r in ranks:
+        groups.setdefault(_cells(r.memory), []).append(r)
+    return list(groups.values())
+
+
+def _cells(memory: estimate.Memory) -> str:
+    values = [getattr(memory, term) for term in TERMS] + [memory.total]
+    return " ".join(f"{value / GIB:>7.1f}" for value in values)
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """0, 1, 2, 5 -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+
+
+def _shared_gpus(config, ranks: Sequence[RankMemory]) -> dict[int, list[RankMemory]]:
+    """The GPUs of one host that `parallel.<pool>_devices` give several ranks, and those ranks."""
+    parallel = config.parallel
+    devices = {"encoder": parallel.encoder_devices, "llm": parallel.llm_devices}
+    if not all(devices.values()):
+        return {}
+    on: dict[int, list[RankMemory]] = {}
+    for r in ranks:
+        on.setdefault(parallel.local_gpu(r.pool, r.rank, max(devices[r.pool]) + 1), []).append(r)
+    return {gpu: held for gpu, held in sorted(on.items()) if len(held) > 1}
+
+
+def _gpu_lines(config, ranks: Sequence[RankMemory]) -> list[str]:
+    shared = _shared_gpus(config, ranks)
+    if not shared:
+        return []
+    lines = ["  GPUs that hold several ranks:"]
+    for gpu, held in shared.items():
+        names = " + ".join(f"{r.pool} {r.rank}" for r in held)
+        lines.append(f"    GPU {gpu}: {names} = {_gib(sum(r.memory.total for r in held))} GiB")
+    return lines
+
+
+def _spread(coords: dict[str, int], axes: dict[str, int]) -> dict[str, int]:
+    return {axis: index for axis, index in coords.items() if axes[axis] > 1}
+
+
+def _coords(coords: dict[str, int]) -> str:
+    return ", ".join(f"{axis} {index}" for axis, index in coords.items())
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f}"
 
 
 def _rounds(spec: StepSpec) -> list[int]:
@@ -130,21 +315,25 @@ def _rounds(spec: StepSpec) -> list[int]:
     return rounds
 
 
-def _encoder_in_flight(config, spec: StepSpec, plan: BoundaryPlan) -> tuple[str, int]:
-    """What an encoder rank holds activations for at once, in words, and their bytes: images of
-    a fixed-resolution tower, image tokens of a native one (none when the encoder is frozen)."""
+def _in_flight_unit(config) -> str:
+    return "images" if config.encoder.native is None else "image tokens"
+
+
+def _encoder_in_flight(config, rounds: Sequence[int], plan: BoundaryPlan, dp_rank: int) -> tuple[int, int]:
+    """What the ranks of encoder data-parallel group `dp_rank` hold activations for at once, and
+    its bytes: images of a fixed-resolution tower, image tokens of a native one (none when the
+    encoder is frozen)."""
     enc, layout, train = config.encoder, config.parallel.encoder, config.train
     held = "encoder" in train.freeze
     element_size, recompute = estimate.ELEMENT_SIZE[train.dtype], "encoder" in train.recompute
     depth = config.boundary.prefetch_depth
     if enc.native is None:
-        images = 0 if held else estimate.encoder_images_in_flight(plan, _rounds(spec), depth)
-        activations = estimate.encoder_activations(enc, layout, images, element_size=element_size, recompute=recompute)
-        return f"{images} images", activations
-    tokens = 0 if held else estimate.encoder_tokens_in_flight(plan, _rounds(spec), depth)
-    activations = estimate.native_activations(enc.native, layout, tokens, element_size=element_size,
-                                              recompute=recompute)
-    return f"{tokens:,} image tokens", activations
+        images = 0 if held else estimate.encoder_images_in_flight(plan, rounds, depth, dp_rank)
+        return images, estimate.encoder_activations(enc, layout, images, element_size=element_size,
+                                                    recompute=recompute)
+    tokens = 0 if held else estimate.encoder_tokens_in_flight(plan, rounds, depth, dp_rank)
+    return tokens, estimate.native_activations(enc.native, layout, tokens, element_size=element_size,
+                                               recompute=recompute)
 
 
 def _microbatch_shapes(dataset, image_tokens: ImageTokens, spec: StepSpec) -> list[tuple[int, int]]:

@@ -1,24 +1,44 @@
 """What a run's models hold and need on each rank, from their configs, layouts and a step's plan,
-without torch (`dyad train --dry-run` prints it): parameters (total, per token, per rank) and an
-estimate of each rank's memory.
+without torch (`dyad plan` and `dyad train --dry-run` print it): parameters (total, per token, per
+rank) and an estimate of each rank's memory at the peak of a step.
 
 Parameters are counted part by part from the same shapes `VisionEncoder`, `Qwen3VLVision` and
 `MoELM` build (a test checks the counts against the models and against transformers'), and each part is held
 whole or cut over the ranks that split it: tensor parallelism (tp) the attention's and dense
 FFNs' linears, the vocabulary and the projector; expert parallelism (ep x etp) the experts; data
-parallelism replicates everything. The optimizer's state is counted whole on every rank, as
-`train.shard_optimizer: false` keeps it; sharded (the default) a rank keeps a 1/N of it for
-parameters with N replicas, which this estimate does not count yet.
+parallelism replicates everything. Each part's gradient is summed over one group of ranks, as
+the pools' `parallelize` plans it (`GradientPlan.reduce_over`): the LLM's experts over edp, its
+expert routers, shared experts (and with tp its per-head q/k norms, with sequence parallelism its
+norms) over the whole pool, the rest over dp x cp; the encoder's over dp.
 
-Memory per rank, in bytes, an estimate:
-- weights: 4 per parameter (float32 master weights; train.dtype bfloat16 autocasts the compute),
-  plus 2 with train.working_weights (bf16 copies of the matrices, counted over every parameter);
-- gradients 4 and AdamW's two moments 8 per trained parameter (none for a frozen part);
+Memory per rank, in bytes, an estimate of what lives at once late in a step's last backward
+pass (each term a column of the plan's table):
+- weights: 4 per parameter (float32), plus 2 per matrix with train.working_weights (the bf16
+  copies of the linears' and experts' weights, `dyad/working_weights.py`), less the 4 of each
+  trained matrix whose float32 master the sharded optimizer keeps in pieces instead;
+- casts: with bfloat16 compute and no working weights, the bf16 copy autocast makes of each
+  matrix the forward pass uses, kept for the backward pass (2 per matrix; with recompute the
+  experts' are made again block by block, and counted all the same);
+- gradients: 4 per trained parameter, at its shape (a working weight's bf16 gradient is added
+  into its master's float32 one as it is made: `dyad/kernels/widen.py`); with the optimizer
+  sharded too, until the reduction hands each bucket to this rank's pieces;
+- optimizer: AdamW's two float32 moments per trained parameter; sharded (`train.shard_optimizer`,
+  where some trained parameter has replicas: `dyad/parallel/sharded_optimizer.py`) those of this
+  rank's piece of each, 1/N of a part summed over N ranks (rounded up; the padding of each
+  tensor's last piece, under N values, is not counted), and the float32 pieces of the working
+  weights' masters;
 - activations: what the blocks keep for the backward pass of the largest microbatch a rank holds
   at once (the LLM one at a time; the encoder `boundary.prefetch_depth` rounds, whose gradients
   come back later), at train.dtype's element size, counted per token and layer as the tensors
-  below; the output's logits in float32. Not counted: the CUDA context, allocator fragmentation,
-  communication buffers, transient tensors inside a block, float8 codes.
+  below; the output's logits in float32;
+- boundary: the buffers of the boundary rows and their gradients (`llm_boundary`,
+  `encoder_boundary`);
+- reduction: the gradient buckets' copies the reduction holds at once (`dyad/parallel/buckets.py`):
+  copies of buckets of several gradients, or with the optimizer sharded of any bucket, whose
+  largest is a bucket's bytes or a larger tensor's.
+Not counted: the CUDA context, the allocator's fragmentation and cache, transient tensors inside
+a block, one parameter's gradient while autograd adds it into `.grad`, float8 codes, the biases'
+casts.
 
 Legend: V vocabulary, D LLM dim, L layers, H query heads, G kv heads, Dh head dim, E experts,
 k top_k, F expert hidden, Fd dense FFN hidden, Fs shared expert hidden; encoder: d dim, n blocks,
@@ -28,34 +48,53 @@ a native tower's (`encoder.native`): the same, and G learned positions, s spatia
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from dyad.encoder_service.config import EncoderConfig, Qwen3VLVisionConfig
 from dyad.layout import EncoderLayout, LLMLayout
 from dyad.llm_service.config import LLMConfig
+from dyad.parallel.buckets import BUCKET_BYTES, COPIES_IN_FLIGHT
 from dyad.router.boundary import BoundaryPlan
 
 FLOAT32 = 4
 ELEMENT_SIZE = {"float32": 4, "bfloat16": 2}
-WORKING_COPY = 2  # bf16 working weights (train.working_weights)
+BF16 = 2  # a working weight (train.working_weights) or autocast's cast of a matrix
 ADAMW_STATES = 2  # exp_avg, exp_avg_sq: float32 like the master weights
 
 
 @dataclass(frozen=True)
 class Part:
     """Parameters of one kind: `count` in the single-device model, cut over `split` ranks
-    (each holds count / split); `per_token` of them compute on each token."""
+    (each holds count / split, or where the cut is by rows of `row` values, as the vocabulary's,
+    ceil(rows / split) of them: the last rank's zero-padded); `per_token` of them compute on each
+    token; `matrices` of them are weights of linears or experts (what working weights and
+    autocast cast to bf16); `largest`, its largest tensor's values in the single-device model;
+    `group`, the group its gradient is summed over."""
 
     name: str
     count: int
     split: int = 1
     per_token: int | None = None  # None: all of them
+    matrices: int = 0
+    largest: int = 0
+    group: str = "dp"
+    row: int = 1
 
     @property
     def per_rank(self) -> int:
-        assert self.count % self.split == 0, (self.name, self.count, self.split)
-        return self.count // self.split
+        assert self.row > 1 or self.count % self.split == 0, (self.name, self.count, self.split)
+        return self.cut(self.count)
+
+    @property
+    def matrices_per_rank(self) -> int:
+        return self.cut(self.matrices)
+
+    def cut(self, values: int) -> int:
+        """One rank's share of `values` of the part's tensors."""
+        rows = values // self.row
+        return -(-rows // self.split) * self.row
 
 
 def total(parts: Sequence[Part]) -> int:
@@ -70,31 +109,42 @@ def per_rank(parts: Sequence[Part]) -> int:
     return sum(part.per_rank for part in parts)
 
 
+def matrices_per_rank(parts: Sequence[Part]) -> int:
+    return sum(part.matrices_per_rank for part in parts)
+
+
 # ---- parameters -----------------------------------------------------------------------------
 
 
-def llm_parts(llm: LLMConfig, layout: LLMLayout) -> list[Part]:
+def llm_parts(llm: LLMConfig, layout: LLMLayout, *, sequence_parallel: bool = False) -> list[Part]:
     """The parts of `MoELM` (a resolved `llm`: vocab_size set) on one rank of `layout`."""
     D, L, H, G, Dh, V, tp = llm.dim, llm.n_layers, llm.n_heads, llm.n_kv_heads, llm.head_dim, llm.vocab_size, layout.tp
     moe, dense = llm.moe, len(llm.dense_layers)
     sparse = L - dense
-    E, F = moe.num_experts, moe.expert_dim
-    projections = D * (H + 2 * G) * Dh + H * Dh * D + ((H + 2 * G) * Dh if llm.attention_bias else 0)
+    E, F, Fs = moe.num_experts, moe.expert_dim, moe.shared_expert_dim
+    weights = D * (H + 2 * G) * Dh + H * Dh * D
+    biases = (H + 2 * G) * Dh if llm.attention_bias else 0
     experts = sparse * E * 3 * D * F
+    gate = D if moe.shared_expert_gate else 0  # a linear outside the router: cast like the others
+    sequence_parallel = sequence_parallel and tp > 1
+    norms = "world" if sequence_parallel else "dp_cp"
     parts = [
-        Part("embedding", V * D, tp),
-        Part("attention", L * projections, tp),
-        Part("norms", (2 * L + 1) * D),
-        Part("expert router", sparse * (D * E + (D if moe.shared_expert_gate else 0))),
-        Part("experts", experts, layout.ep * layout.etp, per_token=experts * moe.top_k // E),
-        Part("shared experts", sparse * 3 * D * moe.shared_expert_dim),
-        Part("dense FFN", dense * 3 * D * llm.dense_ffn_dim, tp),
-        Part("output", D * V, tp),
+        Part("embedding", V * D, tp, largest=V * D, group="dp_cp", row=D),
+        Part("attention", L * (weights + biases), tp, matrices=L * weights, largest=D * H * Dh, group="dp_cp"),
+        Part("norms", (2 * L + 1) * D, largest=D, group=norms),
+        Part("expert router", sparse * (D * E + gate), matrices=sparse * gate, largest=D * E, group="world"),
+        Part("experts", experts, layout.ep * layout.etp, per_token=experts * moe.top_k // E, matrices=experts,
+             largest=E * D * 2 * F, group="edp"),
+        Part("shared experts", sparse * 3 * D * Fs, matrices=sparse * 3 * D * Fs, largest=D * Fs, group="world"),
+        Part("dense FFN", dense * 3 * D * llm.dense_ffn_dim, tp, matrices=dense * 3 * D * llm.dense_ffn_dim,
+             largest=D * llm.dense_ffn_dim, group="dp_cp"),
+        Part("output", D * V, tp, matrices=D * V, largest=D * V, group="dp_cp", row=D),
     ]
-    if llm.qk_norm == "head":  # one weight of Dh per projection, shared by its heads
-        parts.append(Part("q/k norms", L * 2 * Dh))
+    if llm.qk_norm == "head":  # one weight of Dh per projection, shared by its heads (over tp: by this rank's)
+        group = "world" if tp > 1 else norms
+        parts.append(Part("q/k norms", L * 2 * Dh, largest=Dh, group=group))
     elif llm.qk_norm == "projection":  # over all heads, which tp splits
-        parts.append(Part("q/k norms", L * (H + G) * Dh, tp))
+        parts.append(Part("q/k norms", L * (H + G) * Dh, tp, largest=H * Dh, group="dp_cp"))
     return [part for part in parts if part.count]
 
 
@@ -107,14 +157,15 @@ def encoder_tower_parts(encoder: EncoderConfig, layout: EncoderLayout) -> list[P
     X = encoder.channels * encoder.patch_size**2
     # qkv (weight, bias), proj's weight, fc1 (weight, bias), fc2's weight: cut over tp; the row-
     # parallel biases (proj, fc2) and the LayerNorms whole on every rank
-    cut = 3 * d * d + (3 * d if encoder.qkv_bias else 0) + d * d + d * m + m + m * d
+    matrices = 3 * d * d + d * d + d * m + m * d
+    cut = matrices + (3 * d if encoder.qkv_bias else 0) + m
     whole = 2 * 2 * d + d + d
     parts = [
-        Part("patch embedding", X * d + (d if encoder.patch_bias else 0)),
-        Part("positions", encoder.positions * d + (d if encoder.cls_token else 0)),
-        Part("blocks (tp)", n * cut, tp),
-        Part("blocks (whole)", n * whole),
-        Part("norms", 2 * d * (int(encoder.pre_norm) + int(encoder.final_norm))),
+        Part("patch embedding", X * d + (d if encoder.patch_bias else 0), matrices=X * d, largest=X * d),
+        Part("positions", encoder.positions * d + (d if encoder.cls_token else 0), largest=encoder.positions * d),
+        Part("blocks (tp)", n * cut, tp, matrices=n * matrices, largest=max(3 * d * d, d * m)),
+        Part("blocks (whole)", n * whole, largest=d),
+        Part("norms", 2 * d * (int(encoder.pre_norm) + int(encoder.final_norm)), largest=d),
     ]
     return [part for part in parts if part.count]
 
@@ -125,30 +176,36 @@ def projector_parts(encoder: EncoderConfig, layout: EncoderLayout) -> list[Part]
     if encoder.native is not None:
         return _merger_parts("merger", encoder.native, layout, norm=encoder.native.dim)
     Q, O = encoder.merged_dim, encoder.out_dim
-    return [Part("projector (tp)", Q * O + O + O * O, layout.tp), Part("projector (whole)", O)]
+    return [
+        Part("projector (tp)", Q * O + O + O * O, layout.tp, matrices=Q * O + O * O, largest=max(Q, O) * O),
+        Part("projector (whole)", O, largest=O),
+    ]
 
 
 def held_parts(encoder: EncoderConfig, layout: EncoderLayout) -> list[Part]:
-    """What the encoder holds untrained whatever train.freeze says: a native tower's DeepStack
-    mergers, whose features do not cross the boundary yet."""
+    """What the encoder holds untrained and unused whatever train.freeze says: a native tower's
+    DeepStack mergers, whose features do not cross the boundary yet."""
     if encoder.native is None:
         return []
     native, levels = encoder.native, len(encoder.native.deepstack_layers)
     merger = _merger_parts("DeepStack mergers", native, layout, norm=native.merged_dim)
-    return [Part(part.name, levels * part.count, part.split) for part in merger if levels]
+    return [Part(part.name, levels * part.count, part.split, matrices=levels * part.matrices, largest=part.largest)
+            for part in merger if levels]
 
 
 def _native_tower_parts(native: Qwen3VLVisionConfig, layout: EncoderLayout) -> list[Part]:
     """`Qwen3VLVision`'s patch embedding, positions and blocks (the blocks as a ViT's, every
     projection with a bias)."""
     d, m, tp = native.dim, native.mlp_hidden, layout.tp
-    cut = 3 * d * d + 3 * d + d * d + d * m + m + m * d
+    matrices = 3 * d * d + d * d + d * m + m * d
     whole = 2 * 2 * d + d + d
     return [
-        Part("patch embedding", native.patch_numel * d + d),
-        Part("positions", native.position_grid**2 * d),
-        Part("blocks (tp)", native.depth * cut, tp),
-        Part("blocks (whole)", native.depth * whole),
+        Part("patch embedding", native.patch_numel * d + d, matrices=native.patch_numel * d,
+             largest=native.patch_numel * d),
+        Part("positions", native.position_grid**2 * d, largest=native.position_grid**2 * d),
+        Part("blocks (tp)", native.depth * (matrices + 3 * d + m), tp, matrices=native.depth * matrices,
+             largest=max(3 * d * d, d * m)),
+        Part("blocks (whole)", native.depth * whole, largest=d),
     ]
 
 
@@ -156,7 +213,15 @@ def _merger_parts(name: str, native: Qwen3VLVisionConfig, layout: EncoderLayout,
     """A patch merger: its LayerNorm (of `norm` values) and fc2's bias whole, fc1 (column-parallel)
     and fc2's weight (row-parallel) cut over tp."""
     Q, O = native.merged_dim, native.out_dim
-    return [Part(f"{name} (tp)", Q * Q + Q + O * Q, layout.tp), Part(f"{name} (whole)", 2 * norm + O)]
+    return [
+        Part(f"{name} (tp)", Q * Q + Q + O * Q, layout.tp, matrices=Q * Q + O * Q, largest=max(Q, O) * Q),
+        Part(f"{name} (whole)", 2 * norm + O, largest=max(norm, O)),
+    ]
+
+
+def group_size(layout: EncoderLayout | LLMLayout, group: str) -> int:
+    """How many ranks a group of the named kind (`layout.GROUP_NAMES`) holds."""
+    return len(layout.groups(group)[0])
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -164,26 +229,78 @@ def _merger_parts(name: str, native: Qwen3VLVisionConfig, layout: EncoderLayout,
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes on one rank (an estimate: see the module docstring)."""
+    """Bytes on one rank, by what holds them (an estimate: see the module docstring)."""
+
+    weights: int
+    casts: int
+    gradients: int
+    optimizer: int
+    activations: int
+    boundary: int
+    reduction: int
+
+    @property
+    def total(self) -> int:
+        return sum(astuple(self))
+
+
+@dataclass(frozen=True)
+class State:
+    """What a rank's parameters cost: weights, gradients, optimizer state and the reduction's
+    copies (the other `Memory` terms come from the step)."""
 
     weights: int
     gradients: int
     optimizer: int
-    activations: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations
+    reduction: int
 
 
-def state_memory(held: int, trained: int, *, working_weights: bool, activations: int) -> Memory:
-    """`held` parameters on the rank, `trained` of them trained."""
-    return Memory(
-        weights=held * (FLOAT32 + (WORKING_COPY if working_weights else 0)),
-        gradients=trained * FLOAT32,
-        optimizer=trained * FLOAT32 * ADAMW_STATES,
-        activations=activations,
-    )
+def sharded(trained: Sequence[Part], layout, *, shard_optimizer: bool) -> bool:
+    """Whether the pool's optimizer is sharded: train.shard_optimizer, and some trained part has
+    replicas (`dyad.service.has_replicas`)."""
+    return shard_optimizer and any(group_size(layout, part.group) > 1 for part in trained)
+
+
+def state_memory(trained: Sequence[Part], frozen: Sequence[Part], layout, *, working_weights: bool,
+                 shard_optimizer: bool) -> State:
+    """The weights, gradients, optimizer state and reduction copies of a rank of `layout` that
+    holds `trained` and `frozen` parts."""
+    held = [*trained, *frozen]
+    weights = FLOAT32 * per_rank(held) + (BF16 * matrices_per_rank(held) if working_weights else 0)
+    is_sharded = sharded(trained, layout, shard_optimizer=shard_optimizer)
+    if not is_sharded:
+        optimizer = FLOAT32 * ADAMW_STATES * per_rank(trained)
+    else:
+        pieces = masters = 0
+        for part in trained:
+            size = group_size(layout, part.group)
+            pieces += -(-part.per_rank // size)
+            masters += -(-part.matrices_per_rank // size) if working_weights else 0
+        optimizer = FLOAT32 * (ADAMW_STATES * pieces + masters)
+        weights -= FLOAT32 * matrices_per_rank(trained) if working_weights else 0
+    return State(weights, FLOAT32 * per_rank(trained), optimizer, _reduction_copies(trained, layout, is_sharded))
+
+
+def _reduction_copies(trained: Sequence[Part], layout, is_sharded: bool) -> int:
+    """The most bytes of bucket copies alive at once: `COPIES_IN_FLIGHT` in flight and the one
+    just made, each at most the largest bucket that is copied. A group of one rank copies
+    nothing; with the optimizer replicated a bucket of one gradient is summed in place, so the
+    copied ones hold at most `BUCKET_BYTES`; sharded every bucket is copied, a tensor larger than
+    that its own bucket."""
+    largest = 0
+    for group in {part.group for part in trained}:
+        parts = [part for part in trained if part.group == group]
+        if group_size(layout, group) == 1:
+            continue
+        tensor = max(part.cut(part.largest) for part in parts)
+        bucket = max(BUCKET_BYTES, FLOAT32 * tensor) if is_sharded else BUCKET_BYTES
+        largest = max(largest, min(bucket, FLOAT32 * per_rank(parts)))
+    return (COPIES_IN_FLIGHT + 1) * largest
+
+
+def weight_casts(parts: Sequence[Part]) -> int:
+    """Bytes of autocast's bf16 copies of the matrices of `parts` (one rank's)."""
+    return BF16 * matrices_per_rank(parts)
 
 
 def llm_activations(llm: LLMConfig, layout: LLMLayout, tokens: int, *, element_size: int, recompute: bool) -> int:
@@ -243,25 +360,59 @@ def llm_tokens_per_rank(microbatch_shapes: Sequence[tuple[int, int]], layout: LL
     return max((samples * -(-longest // layout.cp) for samples, longest in microbatch_shapes), default=0)
 
 
-def encoder_images_in_flight(plan: BoundaryPlan, rounds: Sequence[int], depth: int) -> int:
-    """The most images one encoder rank holds activations for: the work of `depth` consecutive
-    rounds (`rounds[microbatch]`: its index in its LLM data-parallel lane), which the encoder
-    encodes before the oldest one's gradient returns."""
-    return _in_flight(plan, rounds, depth, lambda work: len(work.images))
+def encoder_images_in_flight(plan: BoundaryPlan, rounds: Sequence[int], depth: int, dp_rank: int) -> int:
+    """The most images the ranks of encoder data-parallel group `dp_rank` hold activations for:
+    the work of `depth` consecutive rounds (`rounds[microbatch]`: its index in its LLM
+    data-parallel lane), which the encoder encodes before the oldest one's gradient returns."""
+    return _window(_per_round(plan, rounds, dp_rank, lambda work: len(work.images)), depth)
 
 
-def encoder_tokens_in_flight(plan: BoundaryPlan, rounds: Sequence[int], depth: int) -> int:
-    """The most image tokens (their rows) one encoder rank holds activations for, as
+def encoder_tokens_in_flight(plan: BoundaryPlan, rounds: Sequence[int], depth: int, dp_rank: int) -> int:
+    """The most image tokens (their rows) the group holds activations for, as
     `encoder_images_in_flight` counts images: what sizes a native tower's work."""
-    return _in_flight(plan, rounds, depth, lambda work: work.rows)
+    return _window(_per_round(plan, rounds, dp_rank, lambda work: work.rows), depth)
 
 
-def _in_flight(plan: BoundaryPlan, rounds: Sequence[int], depth: int, size) -> int:
-    per_rank_round: dict[tuple[int, int], int] = {}
+def llm_boundary(plan: BoundaryPlan, rank: int, *, gradients: bool) -> int:
+    """Bytes of LLM `rank`'s boundary buffers at once: the receive buffers of every transfer to it
+    in the step, posted up front (`LLMWorker._post_receives`); and of the largest microbatch, its
+    spliced image rows and, with `gradients` (an encoder that trains), their gradient and that
+    gradient packed to go back."""
+    received = [transfer for transfer in plan.transfers if transfer.dst_rank == rank]
+    returned = Counter()
+    for transfer in received:
+        returned[transfer.microbatch] += transfer.rows
+    local = max((entry.rows for entry in plan.local_rows if entry.llm_rank == rank), default=0)
+    step = (2 * local + max(returned.values(), default=0)) if gradients else local
+    return plan.row_bytes * (sum(transfer.rows for transfer in received) + step)
+
+
+def encoder_boundary(plan: BoundaryPlan, rounds: Sequence[int], depth: int, *, rank: int, dp_rank: int,
+                     frozen: bool) -> int:
+    """Bytes of encoder `rank`'s (of data-parallel group `dp_rank`) boundary buffers at once: of
+    each round in flight (`depth` of them), its output rows and, where the rank sends them (it is
+    the transfers' `src_rank`), their packed copies and the buffers their gradients come back in;
+    and one round's gradient. A frozen encoder holds every round's rows and copies until the last
+    is sent, and gets no gradient."""
+    rows = _per_round(plan, rounds, dp_rank, lambda work: work.rows)
+    sent = Counter()
+    for transfer in plan.transfers:
+        if transfer.src_rank == rank:
+            sent[rounds[transfer.microbatch]] += transfer.rows
+    if frozen:
+        return plan.row_bytes * (sum(rows.values()) + sum(sent.values()))
+    held = {r: rows.get(r, 0) + 2 * sent[r] for r in {*rows, *sent}}
+    return plan.row_bytes * (_window(held, depth) + max(rows.values(), default=0))
+
+
+def _per_round(plan: BoundaryPlan, rounds: Sequence[int], dp_rank: int, size) -> dict[int, int]:
+    per_round: dict[int, int] = {}
     for work in plan.encoder_work:
-        key = (work.encoder_dp_rank, rounds[work.microbatch])
-        per_rank_round[key] = per_rank_round.get(key, 0) + size(work)
-    return max(
-        (sum(per_rank_round.get((rank, first + r), 0) for r in range(depth)) for rank, first in per_rank_round),
-        default=0,
-    )
+        if work.encoder_dp_rank == dp_rank:
+            per_round[rounds[work.microbatch]] = per_round.get(rounds[work.microbatch], 0) + size(work)
+    return per_round
+
+
+def _window(per_round: dict[int, int], depth: int) -> int:
+    """The most of `per_round` over `depth` consecutive rounds."""
+    return max((sum(per_round.get(first + r, 0) for r in range(depth)) for first in per_round), default=0)

@@ -126,19 +126,30 @@ def test_the_parameters_printed_are_transformers_count_of_the_same_parts(tmp_pat
 
 
 def test_the_memory_of_an_llm_rank_is_the_hand_count(tmp_path, capsys):
-    """Qwen3-30B-A3B on 8 GPUs: llm tp 2, ep 2 x etp 3, bfloat16 compute, nothing frozen."""
+    """Qwen3-30B-A3B on 8 GPUs: llm tp 2 x dp 3, ep 2 x etp 3 (edp 1), bfloat16 compute from float32
+    weights, nothing frozen, the optimizer sharded: the dense parts' state over dp 3, the routers'
+    and the per-head q/k norms' over all 6 ranks, the experts' whole (no replicas)."""
     out = dry_run(capsys, "qwen3-30b-a3b-siglip2-8gpu", model_dirs(tmp_path, "qwen3-30b-a3b-siglip2"))
     D, L, V, E, F = 2048, 48, 151936, 128, 768
     attention = D * 32 * 128 + 2 * D * 4 * 128 + 32 * 128 * D
-    held = (2 * V * D + L * attention) // 2 + L * E * 3 * D * F // 6 + (2 * L + 1) * D + L * D * E + L * 2 * 128
-    row = next(cells for cells in map(str.split, out.splitlines()) if cells[:1] == ["llm"] and len(cells) == 7)
-    assert int(row[1].replace(",", "")) == held  # the memory table's row
-    weights, grads, adamw, activations, _total = (float(cell) for cell in row[2:])
+    dense = [V * D // 2, L * attention // 2, (2 * L + 1) * D, D * V // 2]  # embedding, attention, norms, output
+    pool = [L * D * E, L * 2 * 128]  # routers, q/k norms
+    experts = L * E * 3 * D * F // 6
+    held = sum(dense) + sum(pool) + experts
+    assert f"llm: {held:,} parameters per rank; AdamW sharded over the ranks of dp_cp (3), world (6), edp (1)" in out
+    row = next(cells for cells in map(str.split, out.splitlines()) if cells[:2] == ["llm", "0-5"])
+    weights, casts, grads, adamw, activations, boundary, reduction, total = (float(cell) for cell in row[2:])
     gib = 2**30
-    assert (weights, grads, adamw) == (round(4 * held / gib, 1), round(4 * held / gib, 1), round(8 * held / gib, 1))
-    tokens = int(re.search(r"of ([\d,]+) tokens per LLM rank", out).group(1).replace(",", ""))
+    matrices = L * attention // 2 + experts + D * V // 2
+    pieces = sum(-(-n // 3) for n in dense) + sum(-(-n // 6) for n in pool) + experts
+    assert (weights, casts, grads, adamw) == (round(4 * held / gib, 1), round(2 * matrices / gib, 1),
+                                              round(4 * held / gib, 1), round(8 * pieces / gib, 1))
+    tokens = int(re.search(r"of at most ([\d,]+) tokens per LLM rank", out).group(1).replace(",", ""))
     per_token_layer = 4 * D + (2 * 32 + 2 * 4) * 128 // 2 + 8 * (2 * D + 3 * F // 3) // 2  # elements, bf16
     assert activations == round(tokens * (L * per_token_layer * 2 + V // 2 * 4) / gib, 1)
+    assert reduction == round(3 * 4 * V * D // 2 / gib, 1)  # the vocabulary's gradients: a bucket of their own
+    assert boundary == 0.0  # 2 x 1,152 image rows of 4 KiB a microbatch
+    assert total == pytest.approx(weights + casts + grads + adamw + activations + boundary + reduction, abs=0.25)
 
 
 def test_a_dry_run_starts_nothing_and_imports_no_torch(tmp_path):

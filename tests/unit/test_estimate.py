@@ -1,15 +1,18 @@
-"""The dry run's parameter counts and memory estimate (dyad/router/estimate.py) on a small case
+"""The dry run's parameter counts and memory estimate (dyad/router/estimate.py) on small cases
 counted by hand, and its parameter counts against dyad's own models built on the meta device."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from dyad.encoder_service.config import EncoderConfig, Qwen3VLVisionConfig
 from dyad.layout import EncoderLayout, LLMLayout
 from dyad.llm_service.config import LLMConfig, MoEConfig
+from dyad.parallel.buckets import BUCKET_BYTES
 from dyad.router import estimate
-from dyad.router.boundary import BoundaryPlan, EncodedImage, EncoderWork
+from dyad.router.boundary import BoundaryPlan, EncodedImage, EncoderWork, LocalRows, Segment, Transfer
 
 LLM = LLMConfig(vocab_size=100, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, dense_ffn_dim=12,
                 dense_layers=(0,), moe=MoEConfig(num_experts=4, top_k=2, expert_dim=6))
@@ -27,6 +30,9 @@ def test_the_llm_parameters_by_hand():
     assert estimate.per_token(parts) == 2920 - 576 + 576 * 2 // 4
     # tp halves the embedding, output, attention and dense FFN; ep 2 the experts
     assert estimate.per_rank(parts) == 400 + 400 + 192 + 40 + 32 + 288 + 144 == 1496
+    # a vocabulary tp does not divide: 13 of its 25 rows a rank, the last rank's padded
+    odd = estimate.llm_parts(dataclasses.replace(LLM, vocab_size=25), LLM_LAYOUT)
+    assert [part.per_rank for part in odd if part.name in ("embedding", "output")] == [13 * 8, 13 * 8]
 
 
 def test_the_encoder_parameters_by_hand():
@@ -40,10 +46,18 @@ def test_the_encoder_parameters_by_hand():
 
 
 def test_the_counts_are_the_models_own():
+    """Every part's parameters, its matrices (what `WorkingWeights` casts) and its largest tensor."""
     torch = pytest.importorskip("torch")
     from dyad.encoder_service.model import VisionEncoder
     from dyad.encoder_service.qwen3_vl import Qwen3VLVision
     from dyad.llm_service.model import MoELM
+    from dyad.working_weights import WorkingWeights
+
+    def check(parts, model):
+        assert estimate.total(parts) == sum(p.numel() for p in model.parameters())
+        assert max(part.largest for part in parts) == max(p.numel() for p in model.parameters())
+        matrices = sum(master.numel() for master in WorkingWeights(model).masters())
+        assert sum(part.matrices for part in parts) == matrices
 
     qwen_like = LLMConfig(vocab_size=50, dim=16, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, qk_norm="head",
                           dense_layers=(1,), moe=MoEConfig(num_experts=4, top_k=2, expert_dim=8, shared_expert_dim=12,
@@ -54,26 +68,68 @@ def test_the_counts_are_the_models_own():
                               patch_bias=False, final_norm=False, spatial_merge=2, out_dim=16)
     with torch.device("meta"):
         for llm in (LLM, qwen_like, olmoe_like):
-            model = MoELM(llm)
-            assert estimate.total(estimate.llm_parts(llm, LLMLayout())) == sum(p.numel() for p in model.parameters())
+            check(estimate.llm_parts(llm, LLMLayout()), MoELM(llm))
         for encoder in (ENCODER, clip_like):
-            model = VisionEncoder(encoder)
             parts = estimate.encoder_tower_parts(encoder, EncoderLayout()) + estimate.projector_parts(encoder, EncoderLayout())
-            assert estimate.total(parts) == sum(p.numel() for p in model.parameters())
+            check(parts, VisionEncoder(encoder))
         native = EncoderConfig(native=Qwen3VLVisionConfig(dim=16, depth=3, heads=2, mlp_hidden=24, out_dim=20,
                                                           deepstack_layers=(0, 2)))
         model = Qwen3VLVision(native.native)
         trained = estimate.encoder_tower_parts(native, EncoderLayout()) + estimate.projector_parts(native, EncoderLayout())
-        held = estimate.total(estimate.held_parts(native, EncoderLayout()))
-        assert held == sum(p.numel() for p in model.deepstack_mergers.parameters())
-        assert estimate.total(trained) + held == sum(p.numel() for p in model.parameters())
+        held = estimate.held_parts(native, EncoderLayout())
+        assert estimate.total(held) == sum(p.numel() for p in model.deepstack_mergers.parameters())
+        check(trained + held, model)
 
 
-def test_the_memory_by_hand():
-    memory = estimate.state_memory(1496, 1496, working_weights=False, activations=7)
-    assert (memory.weights, memory.gradients, memory.optimizer, memory.total) == (4 * 1496, 4 * 1496, 8 * 1496,
-                                                                                16 * 1496 + 7)
-    assert estimate.state_memory(10, 0, working_weights=True, activations=0).total == 60  # frozen: weights only
+def test_the_gradient_groups_follow_the_layout():
+    """As `parallelize_llm` plans them: experts over edp, routers and shared experts over the pool,
+    per-head q/k norms over the pool under tp (each rank normalizes its own heads), and with
+    sequence parallelism the norms too; the rest over dp x cp."""
+    qwen_like = LLMConfig(vocab_size=50, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, qk_norm="head",
+                          dense_layers=(), moe=MoEConfig(num_experts=4, top_k=2, expert_dim=8, shared_expert_dim=12))
+    groups = {part.name: part.group for part in estimate.llm_parts(qwen_like, LLMLayout(dp=2))}
+    assert groups == {"embedding": "dp_cp", "attention": "dp_cp", "norms": "dp_cp", "expert router": "world",
+                      "experts": "edp", "shared experts": "world", "output": "dp_cp", "q/k norms": "dp_cp"}
+    tp = {part.name: part.group for part in estimate.llm_parts(qwen_like, LLMLayout(tp=2), sequence_parallel=True)}
+    assert (tp["q/k norms"], tp["norms"]) == ("world", "world")
+    layout = LLMLayout(tp=2, cp=2, dp=3, ep=4)
+    assert [estimate.group_size(layout, group) for group in ("dp_cp", "world", "edp")] == [6, 12, 3]
+
+
+def test_the_state_by_hand():
+    parts = estimate.llm_parts(LLM, LLM_LAYOUT)
+    # per rank 1496 parameters, 1024 of them matrices: attention 192, experts 288, dense FFN 144, output 400
+    assert estimate.matrices_per_rank(parts) == 192 + 288 + 144 + 400 == 1024
+    whole = estimate.state_memory(parts, [], LLM_LAYOUT, working_weights=False, shard_optimizer=False)
+    assert (whole.weights, whole.gradients, whole.optimizer) == (4 * 1496, 4 * 1496, 8 * 1496)
+    working = estimate.state_memory(parts, [], LLM_LAYOUT, working_weights=True, shard_optimizer=False)
+    assert working.weights == 4 * 1496 + 2 * 1024
+    frozen = estimate.state_memory([], parts, LLM_LAYOUT, working_weights=False, shard_optimizer=True)
+    assert (frozen.weights, frozen.gradients, frozen.optimizer, frozen.reduction) == (4 * 1496, 0, 0, 0)
+    # tp 2 x dp 2, ep 2: dense parts over dp x cp (2 ranks), the router over the pool (4), experts over edp (2)
+    dense = 400 + 192 + 40 + 144 + 400
+    sharded = estimate.state_memory(parts, [], LLM_LAYOUT, working_weights=True, shard_optimizer=True)
+    assert sharded.optimizer == 4 * (2 * (dense // 2 + 32 // 4 + 288 // 2) + (192 + 144 + 400) // 2 + 288 // 2)
+    assert sharded.weights == 4 * 1496 + 2 * 1024 - 4 * 1024  # the masters' values are in their pieces
+    assert sharded.gradients == 4 * 1496
+    # the largest bucket is a whole group's gradients (far under BUCKET_BYTES): two in flight and one just made
+    assert sharded.reduction == 3 * 4 * dense
+    assert estimate.state_memory(parts, [], LLMLayout(tp=2), working_weights=False, shard_optimizer=True).optimizer \
+        == 4 * 2 * (1496 - 32 - 288 + 32 // 2 + 288 // 2)  # only the router and experts have replicas
+
+
+def test_the_reduction_copies_a_bucket_at_most_or_a_larger_tensor_sharded():
+    big = LLMConfig(vocab_size=2**20, dim=128, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=64, dense_layers=(0,),
+                    dense_ffn_dim=128)
+    parts = estimate.llm_parts(big, LLMLayout(dp=2))
+    vocabulary = 4 * 2**20 * 128  # the embedding's and the output's float32 gradients: 512 MiB each
+    for shard, bucket in [(False, BUCKET_BYTES), (True, vocabulary)]:
+        state = estimate.state_memory(parts, [], LLMLayout(dp=2), working_weights=False, shard_optimizer=shard)
+        assert state.reduction == 3 * bucket
+    assert estimate.state_memory(parts, [], LLMLayout(), working_weights=False, shard_optimizer=True).reduction == 0
+
+
+def test_the_activations_by_hand():
     # per token: attention 4*8 + (2*2 + 2*1)*4/2; the MoE layer 2*(2*8 + 3*6)/2, the dense one 3*12/2;
     # at 2 bytes, and float32 logits over 100/2 rows
     per_token = (2 * (32 + 12) + 34 + 18) * 2 + 50 * 4
@@ -95,7 +151,31 @@ def test_what_the_plan_puts_on_a_rank():
             for rank, mb, n in [(0, 0, 1), (0, 1, 2), (0, 2, 3), (1, 0, 5)]]
     plan = BoundaryPlan(hidden=8, element_size=2, encoder_work=tuple(work), transfers=(), local_rows=(),
                         encoder_patches=(24, 20), encoder_imbalance=1.0)
-    assert estimate.encoder_images_in_flight(plan, rounds=[0, 1, 2], depth=2) == 5  # rank 0: rounds 1+2; rank 1: 5
-    assert estimate.encoder_images_in_flight(plan, rounds=[0, 1, 2], depth=1) == 5
-    assert estimate.encoder_images_in_flight(plan, rounds=[0, 0, 1], depth=1) == 5
-    assert estimate.encoder_tokens_in_flight(plan, rounds=[0, 1, 2], depth=2) == 5 * 4  # their rows
+    in_flight = estimate.encoder_images_in_flight
+    assert [in_flight(plan, rounds=[0, 1, 2], depth=2, dp_rank=dp) for dp in (0, 1)] == [5, 5]  # rounds 1 + 2
+    assert [in_flight(plan, rounds=[0, 1, 2], depth=1, dp_rank=dp) for dp in (0, 1)] == [3, 5]
+    assert [in_flight(plan, rounds=[0, 0, 1], depth=1, dp_rank=dp) for dp in (0, 1)] == [3, 5]  # rounds 0: 1 + 2
+    assert estimate.encoder_tokens_in_flight(plan, rounds=[0, 1, 2], depth=2, dp_rank=0) == 5 * 4  # their rows
+
+
+def test_the_boundary_buffers_by_hand():
+    """Two microbatches (one round each) from encoder ranks 0 and 2 (two dp groups of tp 2) to LLM
+    ranks 0 and 1."""
+    work = (EncoderWork(0, 0, (EncodedImage(0, 6),)), EncoderWork(1, 0, (EncodedImage(1, 4),)),
+            EncoderWork(0, 1, (EncodedImage(2, 3),)))
+    transfers = (Transfer(0, 0, 0, (Segment(0, 0, 6),)), Transfer(2, 0, 0, (Segment(0, 6, 4),)),
+                 Transfer(0, 1, 1, (Segment(0, 0, 2),)), Transfer(0, 0, 1, (Segment(2, 0, 1),)))
+    local = (LocalRows(0, 0, 10), LocalRows(1, 1, 2), LocalRows(0, 1, 1))
+    plan = BoundaryPlan(hidden=8, element_size=2, encoder_work=work, transfers=transfers, local_rows=local,
+                        encoder_patches=(9, 4), encoder_imbalance=1.0)
+    row = 16
+    # LLM rank 0: receives 6 + 4 + 1 rows, splices 10 at most, returns 10 for microbatch 0
+    assert estimate.llm_boundary(plan, 0, gradients=True) == row * (11 + 2 * 10 + 10)
+    assert estimate.llm_boundary(plan, 0, gradients=False) == row * (11 + 10)
+    # encoder rank 0: rounds 0 and 1 in flight, its rows (6, 3), their copies to the LLM and
+    # their gradients' buffers (6, 2 + 1); and one round's gradient (6)
+    assert estimate.encoder_boundary(plan, [0, 1], 2, rank=0, dp_rank=0, frozen=False) == row * (
+        6 + 3 + 2 * (6 + 3) + 6)
+    assert estimate.encoder_boundary(plan, [0, 1], 1, rank=0, dp_rank=0, frozen=False) == row * (6 + 2 * 6 + 6)
+    assert estimate.encoder_boundary(plan, [0, 1], 1, rank=1, dp_rank=0, frozen=False) == row * (6 + 6)  # tp 1: rows
+    assert estimate.encoder_boundary(plan, [0, 1], 1, rank=0, dp_rank=0, frozen=True) == row * (6 + 3 + 6 + 3)
