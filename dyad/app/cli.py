@@ -2,6 +2,7 @@
 
     dyad train   [--config FILE_OR_NAME] [--set key=value ...] [--steps N] [--device cpu|cuda] [--out DIR]
                  [--dry-run]
+    dyad plan    [FILE_OR_NAME] [key=value ...] [--device-memory GIB]
     dyad verify  [--config FILE] [--set key=value ...] [--steps N] [--tolerance T]
     dyad eval    CHECKPOINT_OR_RUN_DIR [--config FILE] [--set key=value ...] [--device cpu|cuda]
     dyad router  [--host H] [--port P] [--token-file F] [--join-token-file F] [--tls-cert ...]
@@ -213,15 +214,25 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _dry_run(args) -> int:
+def _dry_run(args, device_memory: float | None = None) -> int:
     """The config checked as `dyad train` checks it, then its models, layouts, memory per rank and
-    first step printed (dyad/app/dry_run.py); nothing starts, and torch is not imported."""
+    first step printed (dyad/app/dry_run.py); nothing starts, and torch is not imported. A rank
+    past `device_memory` (GiB) is a warning in the report, not a failure."""
     from dyad.app.dry_run import describe
 
     config = _checked_config(args, local=True)
     resolved, dataset = _resolved(config)
-    print(describe(resolved, dataset, args.config or "the default config (digits)"))
+    command = "dyad plan" if args.command == "plan" else "dyad train --dry-run"
+    print(describe(resolved, dataset, args.config or "the default config (digits)", command=command,
+                   device_memory=device_memory))
     return 0
+
+
+def cmd_plan(args) -> int:
+    """`dyad train --dry-run`'s report, the config and its overrides given as arguments; with
+    --device-memory, warnings of the ranks it would not hold."""
+    args.set = list(args.overrides)
+    return _dry_run(args, device_memory=args.device_memory)
 
 
 def _committed_and_config(args):
@@ -431,6 +442,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_connection_arguments(train, default_router=None)
     train.set_defaults(func=cmd_train)
+    plan = commands.add_parser(
+        "plan", help="what a config would train and each rank's memory, checked as `dyad train` checks it; "
+        "starts nothing (the same report as `dyad train --dry-run`)",
+    )
+    plan.add_argument(
+        "config", nargs="?", help="a YAML run config, or the NAME of one dyad ships (default: digits)"
+    )
+    plan.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config fields by dotted key, as --set")
+    plan.add_argument(
+        "--device-memory", type=float, metavar="GIB",
+        help="a GPU's memory in GiB (an H100 has 79.6, an H200 140.4): warn of each rank, and each GPU shared by "
+        "several, whose estimate exceeds it",
+    )
+    plan.set_defaults(func=cmd_plan, steps=None, device=None, router=None)
     verify = commands.add_parser("verify", help="check a layout against single-process training")
     _add_job_arguments(verify, default_steps=10)
     verify.add_argument("--quiet", action="store_true", help="no progress bar")
