@@ -33,9 +33,9 @@ pass (each term a column of the plan's table):
   below; the output's logits in float32;
 - boundary: the buffers of the boundary rows and their gradients (`llm_boundary`,
   `encoder_boundary`);
-- reduction: the gradient buckets' copies the reduction holds at once (`dyad/parallel/buckets.py`):
-  copies of buckets of several gradients, or with the optimizer sharded of any bucket, whose
-  largest is a bucket's bytes or a larger tensor's.
+- reduction: what the gradient reduction's buckets (`dyad/parallel/buckets.py`) add at once: the
+  copies of those in flight, or with the optimizer sharded (whose copies take their gradients'
+  place) the copy being filled and the summed shards of those in flight.
 Not counted: the CUDA context, the allocator's fragmentation and cache, transient tensors inside
 a block, one parameter's gradient while autograd adds it into `.grad`, float8 codes, the biases'
 casts.
@@ -282,20 +282,26 @@ def state_memory(trained: Sequence[Part], frozen: Sequence[Part], layout, *, wor
 
 
 def _reduction_copies(trained: Sequence[Part], layout, is_sharded: bool) -> int:
-    """The most bytes of bucket copies alive at once: `COPIES_IN_FLIGHT` in flight and the one
-    just made, each at most the largest bucket that is copied. A group of one rank copies
-    nothing; with the optimizer replicated a bucket of one gradient is summed in place, so the
-    copied ones hold at most `BUCKET_BYTES`; sharded every bucket is copied, a tensor larger than
-    that its own bucket."""
-    largest = 0
+    """The most bytes the gradient reduction adds at once, in the group where that is most. With
+    the optimizer replicated a bucket of several gradients is summed in a copy (one of a single
+    gradient in place, so a copy holds at most `BUCKET_BYTES`): `COPIES_IN_FLIGHT` copies in flight
+    and the one just made. Sharded, every bucket is copied (a tensor larger than `BUCKET_BYTES` a
+    bucket of its own), but its gradients are dropped as they are copied: what adds is the copy
+    being filled, and this rank's shard (1/N) of the summed gradients of each bucket in flight. A
+    group of one rank copies nothing."""
+    most = 0
     for group in {part.group for part in trained}:
         parts = [part for part in trained if part.group == group]
-        if group_size(layout, group) == 1:
+        size = group_size(layout, group)
+        if size == 1:
             continue
-        tensor = max(part.cut(part.largest) for part in parts)
-        bucket = max(BUCKET_BYTES, FLOAT32 * tensor) if is_sharded else BUCKET_BYTES
-        largest = max(largest, min(bucket, FLOAT32 * per_rank(parts)))
-    return (COPIES_IN_FLIGHT + 1) * largest
+        if is_sharded:
+            bucket = min(max(BUCKET_BYTES, FLOAT32 * max(part.cut(part.largest) for part in parts)),
+                         FLOAT32 * per_rank(parts))
+            most = max(most, bucket + (COPIES_IN_FLIGHT + 1) * -(-bucket // size))
+        else:
+            most = max(most, (COPIES_IN_FLIGHT + 1) * min(BUCKET_BYTES, FLOAT32 * per_rank(parts)))
+    return most
 
 
 def weight_casts(parts: Sequence[Part]) -> int:

@@ -112,20 +112,20 @@ def test_the_state_by_hand():
     assert sharded.optimizer == 4 * (2 * (dense // 2 + 32 // 4 + 288 // 2) + (192 + 144 + 400) // 2 + 288 // 2)
     assert sharded.weights == 4 * 1496 + 2 * 1024 - 4 * 1024  # the masters' values are in their pieces
     assert sharded.gradients == 4 * 1496
-    # the largest bucket is a whole group's gradients (far under BUCKET_BYTES): two in flight and one just made
-    assert sharded.reduction == 3 * 4 * dense
+    # the largest bucket, all dense gradients (far under BUCKET_BYTES): its copy, and the shards of three in flight
+    assert sharded.reduction == 4 * dense + 3 * 4 * dense // 2
     assert estimate.state_memory(parts, [], LLMLayout(tp=2), working_weights=False, shard_optimizer=True).optimizer \
         == 4 * 2 * (1496 - 32 - 288 + 32 // 2 + 288 // 2)  # only the router and experts have replicas
 
 
-def test_the_reduction_copies_a_bucket_at_most_or_a_larger_tensor_sharded():
+def test_the_reduction_adds_copies_of_buckets_or_sharded_of_a_larger_tensor():
     big = LLMConfig(vocab_size=2**20, dim=128, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=64, dense_layers=(0,),
                     dense_ffn_dim=128)
     parts = estimate.llm_parts(big, LLMLayout(dp=2))
     vocabulary = 4 * 2**20 * 128  # the embedding's and the output's float32 gradients: 512 MiB each
-    for shard, bucket in [(False, BUCKET_BYTES), (True, vocabulary)]:
+    for shard, added in [(False, 3 * BUCKET_BYTES), (True, vocabulary + 3 * vocabulary // 2)]:
         state = estimate.state_memory(parts, [], LLMLayout(dp=2), working_weights=False, shard_optimizer=shard)
-        assert state.reduction == 3 * bucket
+        assert state.reduction == added
     assert estimate.state_memory(parts, [], LLMLayout(), working_weights=False, shard_optimizer=True).reduction == 0
 
 
