@@ -38,6 +38,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         ("fp8_convergence.py", []),
         ("worker_threads.py", []),
         ("checkpoint_io.py", []),
+        ("memory_plan.py", ["--steps", "2"]),
         ("compiled_gradients.py", ["--variants", "eager,all-blocks,moe-eager,dyad-compile"]),
     ],
 )
@@ -61,6 +62,8 @@ def test_the_gpu_configs_of_the_scripts_load():
     try:
         from e2e_8gpu import EIGHT_GPU, LARGER_ENCODER
         from e2e_hetero import VIT_L_224, WORKLOADS, layouts_for
+        from memory_plan import GPU as MEMORY_PLAN
+        from memory_plan import VARIANTS as MEMORY_PLAN_VARIANTS
         from resize import GPU_POOLS, RESIZE, device_lists, gpu_pools, parse_devices, pool_overrides
         from worker_threads import GPU_POOLS as THREAD_POOLS
 
@@ -70,6 +73,7 @@ def test_the_gpu_configs_of_the_scripts_load():
     resize_eight = pool_overrides(GPU_POOLS, device_lists(GPU_POOLS["encoder"], GPU_POOLS["llm"], GPU_POOLS["move"]))
     resize_two = pool_overrides(gpu_pools("1+2"), parse_devices("0,1/1,0"))
     configs = [EIGHT_GPU, [*RESIZE, *resize_eight], [*RESIZE, *resize_two], [*VIT_L_224, *LARGER_ENCODER, *THREAD_POOLS]]
+    configs += [[*MEMORY_PLAN, *variant] for variant in MEMORY_PLAN_VARIANTS.values()]
     configs += [
         [*workload, f"train.global_batch={samples}", *overrides]
         for workload in WORKLOADS.values()
