@@ -84,7 +84,7 @@ def _models(config, plan: BoundaryPlan) -> list[str]:
     llm_parts = estimate.llm_parts(llm, layout)
     encoder, encoder_layout = config.encoder, config.parallel.encoder
     tower = estimate.total(estimate.encoder_tower_parts(encoder, encoder_layout)
-                           + estimate.held_parts(encoder, encoder_layout))
+                           + estimate.deepstack_parts(encoder, encoder_layout))
     projector = estimate.total(estimate.projector_parts(encoder, encoder_layout))
     sparse = llm.n_layers - len(llm.dense_layers)
     if encoder.native is None:
@@ -149,16 +149,19 @@ class _Pool:
 
 
 def _pools(config) -> dict[str, _Pool]:
-    """The encoder: nothing trains under train.freeze "encoder", only the projector under
-    "vision_tower", and a native tower's DeepStack mergers are held; what trains is cast (no
-    gradient flows through the rest). The LLM: nothing trains under "llm"; its matrices are cast
-    wherever a gradient flows through it (into the encoder's rows when the LLM is frozen)."""
+    """The encoder: nothing trains under train.freeze "encoder", only the projector (with a native
+    tower's DeepStack mergers where the LLM reads their levels, else they are held unread) under
+    "vision_tower"; what trains is cast (no gradient flows through the rest). The LLM: nothing
+    trains under "llm"; its matrices are cast wherever a gradient flows through it (into the
+    encoder's rows when the LLM is frozen)."""
     train, parallel = config.train, config.parallel
     enc, enc_layout = config.encoder, parallel.encoder
     tower, projector = estimate.encoder_tower_parts(enc, enc_layout), estimate.projector_parts(enc, enc_layout)
+    deepstack = estimate.deepstack_parts(enc, enc_layout)
+    read, unread = (deepstack, []) if config.llm.deepstack_levels else ([], deepstack)
     encoder_frozen = "encoder" in train.freeze
-    trained = [] if encoder_frozen else projector + ([] if "vision_tower" in train.freeze else tower)
-    held = [part for part in tower + projector if part not in trained] + estimate.held_parts(enc, enc_layout)
+    trained = [] if encoder_frozen else projector + read + ([] if "vision_tower" in train.freeze else tower)
+    held = [part for part in tower + projector + read if part not in trained] + unread
     encoder = _Pool(enc_layout, trained, held, estimate.weight_casts(trained) if _casts(train) else 0)
     parts = estimate.llm_parts(config.llm, parallel.llm, sequence_parallel=parallel.sequence_parallel)
     llm_frozen = "llm" in train.freeze
@@ -333,7 +336,7 @@ def _encoder_in_flight(config, rounds: Sequence[int], plan: BoundaryPlan, dp_ran
                                                     recompute=recompute)
     tokens = 0 if held else estimate.encoder_tokens_in_flight(plan, rounds, depth, dp_rank)
     return tokens, estimate.native_activations(enc.native, layout, tokens, element_size=element_size,
-                                               recompute=recompute)
+                                               recompute=recompute, deepstack_levels=config.llm.deepstack_levels)
 
 
 def _microbatch_shapes(dataset, image_tokens: ImageTokens, spec: StepSpec) -> list[tuple[int, int]]:

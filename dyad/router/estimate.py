@@ -182,9 +182,9 @@ def projector_parts(encoder: EncoderConfig, layout: EncoderLayout) -> list[Part]
     ]
 
 
-def held_parts(encoder: EncoderConfig, layout: EncoderLayout) -> list[Part]:
-    """What the encoder holds untrained and unused whatever train.freeze says: a native tower's
-    DeepStack mergers, whose features do not cross the boundary yet."""
+def deepstack_parts(encoder: EncoderConfig, layout: EncoderLayout) -> list[Part]:
+    """A native tower's DeepStack mergers: they train with the patch merger where the LLM reads
+    their levels (`llm.deepstack_levels`), and are held unread where it does not."""
     if encoder.native is None:
         return []
     native, levels = encoder.native, len(encoder.native.deepstack_layers)
@@ -342,13 +342,13 @@ def encoder_activations(encoder: EncoderConfig, layout: EncoderLayout, images: i
 
 
 def native_activations(native: Qwen3VLVisionConfig, layout: EncoderLayout, tokens: int, *, element_size: int,
-                       recompute: bool) -> int:
+                       recompute: bool, deepstack_levels: int = 0) -> int:
     """Bytes one encoder rank of a native tower keeps for the backward pass of `tokens` merged
     image tokens in flight, s² patches each: per patch and block as `encoder_activations` counts
     a position; per token the merger's normalized input and its hidden before and after the GELU
-    (Q + 2·Q / tp)."""
+    (Q + 2·Q / tp), and as much for each DeepStack level the LLM reads."""
     kept = _kept_per_position(native.dim, native.mlp_hidden, native.depth, layout.tp, recompute)
-    merger = native.merged_dim + 2 * native.merged_dim // layout.tp
+    merger = (1 + deepstack_levels) * (native.merged_dim + 2 * native.merged_dim // layout.tp)
     return tokens * (native.spatial_merge**2 * kept + merger) * element_size
 
 

@@ -76,7 +76,7 @@ def test_the_counts_are_the_models_own():
                                                           deepstack_layers=(0, 2)))
         model = Qwen3VLVision(native.native)
         trained = estimate.encoder_tower_parts(native, EncoderLayout()) + estimate.projector_parts(native, EncoderLayout())
-        held = estimate.held_parts(native, EncoderLayout())
+        held = estimate.deepstack_parts(native, EncoderLayout())
         assert estimate.total(held) == sum(p.numel() for p in model.deepstack_mergers.parameters())
         check(trained + held, model)
 
@@ -143,6 +143,9 @@ def test_the_activations_by_hand():
     native = Qwen3VLVisionConfig(dim=8, depth=2, heads=2, mlp_hidden=16, spatial_merge=2, out_dim=12)
     per_token = (4 * 2 * 64 + 64) * 4
     assert estimate.native_activations(native, ENCODER_LAYOUT, 3, element_size=4, recompute=False) == 3 * per_token
+    with_levels = (4 * 2 * 64 + 3 * 64) * 4  # two DeepStack levels the LLM reads: their mergers' too
+    assert estimate.native_activations(native, ENCODER_LAYOUT, 3, element_size=4, recompute=False,
+                                       deepstack_levels=2) == 3 * with_levels
 
 
 def test_what_the_plan_puts_on_a_rank():
