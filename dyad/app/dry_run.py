@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dyad.data import ImageTokens
+from dyad.layout import EncoderLayout, LLMLayout
 from dyad.router import estimate
 from dyad.router.boundary import BoundaryPlan
 from dyad.router.steps import StepPlanner, StepSpec
@@ -138,7 +139,7 @@ def _gpus(parallel) -> str:
 class _Pool:
     """A pool's parameters on one rank: what trains, what is held, and what autocast casts."""
 
-    layout: object
+    layout: EncoderLayout | LLMLayout
     trained: list[estimate.Part]
     held: list[estimate.Part]
     casts: int
