@@ -9,9 +9,10 @@ its positions restarting). Reports tokens/s of real tokens and the padding fract
     python bench/packing.py --out $OUT/packing.json     # GPU: Qwen3-MoE's shape at ~1 B active (llm_step.py's)
     python bench/packing.py --toy                       # CPU, tiny (CI)
 
-Both run eager in bf16 autocast with float32 master weights, fused AdamW, the same microbatches
+Both run eager (or with `--compile`, each block compiled) in bf16 autocast with float32 master weights, fused AdamW, the same microbatches
 (gradients accumulated over them), the same optimizer step. Packed rows attend through the
-model's document mask (`MoELM(documents_BS=)`), the right-padded ones causally.
+model's segments of whole rows (`MoELM(documents_BS=, document_bounds=)`: flash attention's
+variable-length kernel, causal within each sample), the right-padded ones causally.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from llm_step import CONFIGS  # beside this script
 from moe_layer import median_ms  # beside this script
 from run_info import bench_device, run_header, write_json  # beside this script
 
+from dyad.compile import compile_blocks
 from dyad.llm_service.model import MoELM
+from dyad.llm_service.sharding import document_segments
 from dyad.optim import build_optimizer
 from dyad.router.packing import pack_rows
 
@@ -62,7 +65,11 @@ def microbatch_inputs(lengths: list[int], seq_len: int, packed: bool, vocab: int
     inputs = {"input_ids_BS": ids, "valid_BS": documents >= 0}
     if packed:
         inputs |= {"documents_BS": documents, "sample_positions_BS": positions}
-    return {"inputs": {k: v.to(device) for k, v in inputs.items()}, "targets": targets.to(device),
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    if packed:  # the segments' bounds, as a rank holding whole rows builds them on the host (shard_microbatch)
+        cu_seqlens, longest = document_segments(documents)
+        inputs["document_bounds"] = (cu_seqlens.to(device), longest)
+    return {"inputs": inputs, "targets": targets.to(device),
             "tokens": sum(lengths), "columns": len(rows) * S, "rows": len(rows)}
 
 
@@ -72,6 +79,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--samples", type=int, default=64, help="samples a step (GPU)")
     parser.add_argument("--per-microbatch", type=int, default=4, help="samples a microbatch (GPU)")
+    parser.add_argument("--compile", action="store_true", help="GPU: each block compiled (train.compile)")
     parser.add_argument("--out")
     args = parser.parse_args()
     device = bench_device(args.toy)
@@ -82,10 +90,12 @@ def main() -> None:
     if device == "cpu":  # the toy's 64-token rows: the same mix, 32 times shorter
         lengths = [max(4, n // 32) for n in sample_lengths(samples, 32 * seq_len)]
     result = {**run_header(device), "config": "toy" if device == "cpu" else "qwen3-1b-active", "seq_len": seq_len,
-              "samples": samples, "per_microbatch": per_microbatch, "real_tokens": sum(lengths), "variants": {}}
+              "samples": samples, "per_microbatch": per_microbatch, "compiled": args.compile and device == "cuda", "real_tokens": sum(lengths), "variants": {}}
     for name, packed in (("right-padded", False), ("packed", True)):
         torch.manual_seed(0)
         model = MoELM(cfg).to(device)
+        if args.compile and device == "cuda":
+            compile_blocks(model)
         train = argparse.Namespace(weight_decay=0.01, beta1=0.9, beta2=0.95, eps=1e-8, lr=1e-4)
         optimizer = build_optimizer(model, train)
         microbatches = [microbatch_inputs(lengths[i : i + per_microbatch], seq_len, packed, cfg.vocab_size, device)

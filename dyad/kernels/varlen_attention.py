@@ -13,6 +13,7 @@ non-flash path computes it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +24,7 @@ try:
 except ImportError:  # torch < 2.10
     varlen_attn = None
 
+_TAKES_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
 _DTYPES = (torch.bfloat16, torch.float16)  # flash attention's; float32 runs verify the math: they take the reference
 
 
@@ -62,8 +64,14 @@ def varlen_attention(
     if not _flash_applies(q_RADh, v_RGDh, cu_seqlens_S1):
         lengths = cu_seqlens_S1.diff().tolist()
         return varlen_attention_reference(q_RADh, k_RGDh, v_RGDh, lengths, scale=scale, causal=causal)
+    grouped = {}
+    if q_RADh.shape[1] != k_RGDh.shape[1]:
+        if _TAKES_GQA:
+            grouped = {"enable_gqa": True}
+        else:  # torch 2.11's takes as many key heads as query heads: each key head repeated for its queries
+            k_RGDh, v_RGDh = (x.repeat_interleave(q_RADh.shape[1] // x.shape[1], dim=1) for x in (k_RGDh, v_RGDh))
     return varlen_attn(q_RADh, k_RGDh, v_RGDh, cu_seqlens_S1, cu_seqlens_S1, longest, longest, scale=scale,
-                       window_size=(-1, 0) if causal else (-1, -1), enable_gqa=q_RADh.shape[1] != k_RGDh.shape[1])
+                       window_size=(-1, 0) if causal else (-1, -1), **grouped)
 
 
 def _flash_applies(q_RADh: torch.Tensor, v_RGDh: torch.Tensor, cu_seqlens_S1: torch.Tensor) -> bool:
