@@ -15,11 +15,11 @@ from math import prod
 from typing import ClassVar
 
 
-def _check_positive(section: str, layout) -> None:
-    for field in fields(layout):
-        value = getattr(layout, field.name)
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{section}.{field.name} must be a positive integer, got {value!r}")
+def _check_positive(section: str, layout, names: Sequence[str]) -> None:
+    for name in names:
+        value = getattr(layout, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{section}.{name} must be a positive integer, got {value!r}")
 
 
 def _coords(rank: int, sizes: dict[str, int]) -> dict[str, int]:
@@ -72,7 +72,7 @@ class EncoderLayout:
     tp: int = 1
 
     def __post_init__(self) -> None:
-        _check_positive("parallel.encoder", self)
+        _check_positive("parallel.encoder", self, [field.name for field in fields(self)])
 
     @property
     def world_size(self) -> int:
@@ -102,9 +102,15 @@ class EncoderLayout:
 
 @dataclass(frozen=True, kw_only=True)
 class LLMLayout:
-    """The LLM pool, folded: attention view `tp × cp × dp`, expert view `etp × ep × edp`.
+    """The LLM pool: `pp` pipeline stages (pp slowest, so a stage's ranks are contiguous), each
+    folded: attention view `tp × cp × dp`, expert view `etp × ep × edp` over the same ranks of the
+    stage, so `tp·cp·dp == etp·ep·edp`; edp is derived. Every group but `pp` and `world` lies
+    inside one stage.
 
-    Both views cover the same ranks, so `tp·cp·dp == etp·ep·edp`; edp is derived.
+    The decoder's layers are cut into `pp·pp_virtual` stages in pipeline order: stage s is chunk
+    s // pp of pipeline rank s % pp (`rank_stages`), each holding `pp_layers[s]` consecutive
+    layers, or an even share when `pp_layers` is empty (`stage_layers`). `pp_virtual > 1` runs
+    the interleaved schedule (`dyad.parallel.pipeline`).
     """
 
     tp: int = 1
@@ -112,28 +118,72 @@ class LLMLayout:
     dp: int = 1
     ep: int = 1
     etp: int = 1
+    pp: int = 1
+    pp_virtual: int = 1  # chunks of layers each pipeline rank holds
+    pp_layers: tuple[int, ...] = ()  # layers of each stage in pipeline order; empty: an even split
+
+    _DEGREES: ClassVar[tuple[str, ...]] = ("tp", "cp", "dp", "ep", "etp", "pp", "pp_virtual")
 
     def __post_init__(self) -> None:
-        _check_positive("parallel.llm", self)
-        if self.world_size % (self.etp * self.ep) != 0:
+        _check_positive("parallel.llm", self, self._DEGREES)
+        if self.stage_size % (self.etp * self.ep) != 0:
             raise ValueError(
                 f"parallel.llm: etp*ep ({self.etp}*{self.ep}) must divide "
-                f"tp*cp*dp ({self.tp}*{self.cp}*{self.dp} = {self.world_size})"
+                f"tp*cp*dp ({self.tp}*{self.cp}*{self.dp} = {self.stage_size})"
             )
+        if self.pp_virtual > 1 and self.pp == 1:
+            raise ValueError(f"parallel.llm.pp_virtual ({self.pp_virtual}) needs parallel.llm.pp > 1")
+        if self.pp_layers:
+            if len(self.pp_layers) != self.stages:
+                raise ValueError(
+                    f"parallel.llm.pp_layers has {len(self.pp_layers)} entries, one per stage: "
+                    f"pp*pp_virtual ({self.pp}*{self.pp_virtual} = {self.stages})"
+                )
+            if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in self.pp_layers):
+                raise ValueError(f"parallel.llm.pp_layers must hold positive integers, got {list(self.pp_layers)}")
 
     @property
     def world_size(self) -> int:
+        return self.stage_size * self.pp
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage: tp·cp·dp."""
         return self.tp * self.cp * self.dp
 
     @property
     def edp(self) -> int:
-        return self.world_size // (self.etp * self.ep)
+        return self.stage_size // (self.etp * self.ep)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages, virtual ones counted: pp·pp_virtual."""
+        return self.pp * self.pp_virtual
+
+    def rank_stages(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank `pp_rank` holds, its chunks in order."""
+        return [chunk * self.pp + pp_rank for chunk in range(self.pp_virtual)]
+
+    def stage_layers(self, n_layers: int) -> list[range]:
+        """Each stage's decoder layers (of `n_layers`), in pipeline order."""
+        counts = list(self.pp_layers)
+        if not counts:
+            if n_layers % self.stages:
+                raise ValueError(
+                    f"parallel.llm: pp*pp_virtual ({self.pp}*{self.pp_virtual} = {self.stages}) stages must "
+                    f"divide n_layers ({n_layers}); parallel.llm.pp_layers splits them unevenly"
+                )
+            counts = [n_layers // self.stages] * self.stages
+        elif sum(counts) != n_layers:
+            raise ValueError(f"parallel.llm.pp_layers {list(counts)} sums to {sum(counts)}, not n_layers ({n_layers})")
+        starts = [sum(counts[:s]) for s in range(len(counts))]
+        return [range(start, start + count) for start, count in zip(starts, counts)]
 
     def attention_axes(self) -> dict[str, int]:
-        return {"tp": self.tp, "cp": self.cp, "dp": self.dp}
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
 
     def expert_axes(self) -> dict[str, int]:
-        return {"etp": self.etp, "ep": self.ep, "edp": self.edp}
+        return {"etp": self.etp, "ep": self.ep, "edp": self.edp, "pp": self.pp}
 
     def coords(self, rank: int) -> dict[str, int]:
         return _coords(rank, self.attention_axes()) | _coords(rank, self.expert_axes())
@@ -142,14 +192,17 @@ class LLMLayout:
         return _rank(coords, self.attention_axes())
 
     # group name -> (view, varying axes). dp_cp reduces dense gradients, edp expert gradients;
-    # tp_cp spans one data-parallel replica, ep_etp the ranks that hold all experts once.
+    # tp_cp spans one data-parallel replica of a stage, ep_etp the ranks of a stage that hold
+    # all its experts once, stage all ranks of one stage; pp carries one pipeline's activations.
     _GROUPS: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {
         "tp": ("attention", ("tp",)),
         "cp": ("attention", ("cp",)),
         "dp": ("attention", ("dp",)),
         "dp_cp": ("attention", ("cp", "dp")),
         "tp_cp": ("attention", ("tp", "cp")),
-        "world": ("attention", ("tp", "cp", "dp")),
+        "stage": ("attention", ("tp", "cp", "dp")),
+        "pp": ("attention", ("pp",)),
+        "world": ("attention", ("tp", "cp", "dp", "pp")),
         "etp": ("expert", ("etp",)),
         "ep": ("expert", ("ep",)),
         "edp": ("expert", ("edp",)),
@@ -179,6 +232,7 @@ def validate_llm_layout(layout: LLMLayout, llm_cfg) -> None:
     if moe.num_experts % layout.ep:
         raise ValueError(f"{section}: num_experts ({moe.num_experts}) must be divisible by ep ({layout.ep})")
     _check_divides(section, "etp", layout.etp, "moe.expert_dim", moe.expert_dim)
+    layout.stage_layers(llm_cfg.n_layers)
 
 
 def validate_encoder_layout(layout: EncoderLayout, enc_cfg) -> None:

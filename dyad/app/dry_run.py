@@ -112,10 +112,18 @@ def _layouts(config) -> list[str]:
     return [
         "layouts (one GPU per rank)",
         f"  encoder dp {enc.dp} x tp {enc.tp} = {enc.world_size} ranks{_devices(parallel.encoder_devices)}",
-        (f"  llm     tp {llm.tp} x cp {llm.cp} x dp {llm.dp} = {llm.world_size} ranks; experts etp {llm.etp} x "
-        f"ep {llm.ep} x edp {llm.edp}{_devices(parallel.llm_devices)}"),
+        (f"  llm     tp {llm.tp} x cp {llm.cp} x dp {llm.dp} x pp {llm.pp} = {llm.world_size} ranks; experts etp "
+        f"{llm.etp} x ep {llm.ep} x edp {llm.edp} in each stage{_stages(llm)}{_devices(parallel.llm_devices)}"),
         f"  GPUs: {_gpus(parallel)}",
     ]
+
+
+def _stages(llm) -> str:
+    if llm.pp == 1:
+        return ""
+    chunks = f", {llm.pp_virtual} chunks a rank (interleaved)" if llm.pp_virtual > 1 else ""
+    layers = f", layers per stage {list(llm.pp_layers)}" if llm.pp_layers else ""
+    return f"{chunks}{layers}"
 
 
 def _devices(devices: Sequence[int]) -> str:

@@ -40,6 +40,11 @@ def _resolve(run, vocab_size: int | None) -> LLMConfig:
     if train.seq_len > llm.max_seq_len:
         raise ValueError(f"train.seq_len ({train.seq_len}) must be <= llm.max_seq_len ({llm.max_seq_len}): "
                          "a packed row is one LLM sequence")
+    if layout.pp_virtual > 1 and train.microbatches % layout.pp:
+        raise ValueError(
+            f"train.microbatches ({train.microbatches}) must be a multiple of parallel.llm.pp ({layout.pp}) "
+            f"for the interleaved schedule (parallel.llm.pp_virtual {layout.pp_virtual}): it runs them in rounds of pp"
+        )
     needed = train.microbatches * layout.dp
     if train.global_batch < needed:
         raise ValueError(
@@ -69,10 +74,10 @@ def _scale(run, replicas: int):
     """The step keeps its microbatches (the aux losses are per microbatch): each of the new
     data-parallel ranks takes an equal share of them."""
     layout = run.parallel.llm
-    per_replica = layout.tp * layout.cp
+    per_replica = layout.tp * layout.cp * layout.pp
     if replicas % per_replica:
         raise ValueError(
-            f"replicas ({replicas}) must be a multiple of parallel.llm.tp*cp ({layout.tp}*{layout.cp})"
+            f"replicas ({replicas}) must be a multiple of parallel.llm.tp*cp*pp ({layout.tp}*{layout.cp}*{layout.pp})"
         )
     dp = replicas // per_replica
     total = run.train.microbatches * layout.dp

@@ -10,10 +10,11 @@ without a pool. Two independent decisions:
    step.
    A group's output for a microbatch ("source rows") is its images' rows in global order.
 2. Delivery. An LLM rank gets only the image rows whose sequence position falls in its
-   context-parallel shard (`dyad.sequence_shards`, as `shard_microbatch` lays them out). Only tp
-   rank 0 of each shard receives them over the boundary; it broadcasts them to its
-   tensor-parallel replicas inside the LLM pool and returns their gradient, so each row crosses
-   once each way.
+   context-parallel shard (`dyad.sequence_shards`, as `shard_microbatch` lays them out), and
+   only a rank of the first pipeline stage, which splices them: the other stages never see
+   encoder traffic. Only tp rank 0 of each shard receives them over the boundary; it broadcasts
+   them to its tensor-parallel replicas inside the LLM pool and returns their gradient, so each
+   row crosses once each way.
 
 Rows of one microbatch, "global image-row order": samples in batch order, then images in
 sequence order, then tokens. A rank's local row k is the k-th global row in its shard.
@@ -87,7 +88,7 @@ class EncoderWork:
 @dataclass(frozen=True)
 class Transfer:
     src_rank: int  # encoder rank: tp rank 0 of the encoding group
-    dst_rank: int  # LLM rank: tp rank 0 of a shard, which sends the rows' gradient back
+    dst_rank: int  # LLM rank: tp rank 0 of a first-stage shard, which sends the rows' gradient back
     microbatch: int
     segments: tuple[Segment, ...]  # ascending in both src_row and dst_row
 
@@ -219,14 +220,14 @@ def _deliver(mb, group_of, encoder, llm) -> tuple[list[Transfer], list[LocalRows
             transfers.append(
                 Transfer(
                     src_rank=encoder.rank(tp=0, dp=group),
-                    dst_rank=llm.rank(tp=0, cp=cp_rank, dp=mb.llm_dp_rank),
+                    dst_rank=llm.rank(tp=0, cp=cp_rank, dp=mb.llm_dp_rank, pp=0),
                     microbatch=mb.index,
                     segments=tuple(group_segments),
                 )
             )
         if rows:
             local_rows += [
-                LocalRows(llm.rank(tp=tp_rank, cp=cp_rank, dp=mb.llm_dp_rank), mb.index, rows)
+                LocalRows(llm.rank(tp=tp_rank, cp=cp_rank, dp=mb.llm_dp_rank, pp=0), mb.index, rows)
                 for tp_rank in range(llm.tp)
             ]
     transfers.sort(key=lambda t: (t.src_rank, t.dst_rank))

@@ -12,6 +12,7 @@ from tests.helpers.distributed import run_distributed
 LAYOUTS = [
     LLMLayout(tp=2, cp=2, dp=2, ep=4, etp=1),
     LLMLayout(tp=2, cp=1, dp=4, ep=2, etp=2),
+    LLMLayout(tp=2, dp=2, ep=2, pp=2),
     EncoderLayout(dp=4, tp=2),
 ]
 

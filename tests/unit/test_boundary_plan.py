@@ -53,9 +53,10 @@ def n_rows(mb: PlannedMicrobatch) -> int:
 
 
 def expected_local_rows(mb: PlannedMicrobatch, llm: LLMLayout, rank: int) -> list[int]:
-    """The global image rows `shard_microbatch` places on `rank`, in local-row order."""
+    """The global image rows `shard_microbatch` places on `rank`, in local-row order: none on a
+    later pipeline stage, which never splices them."""
     coords = llm.coords(rank)
-    if coords["dp"] != mb.llm_dp_rank or n_rows(mb) == 0:
+    if coords["dp"] != mb.llm_dp_rank or coords["pp"] > 0 or n_rows(mb) == 0:
         return []
     S = max(sample.seq_len for sample in mb.samples)
     positions = [
@@ -108,7 +109,7 @@ def deliver(plan, microbatches, encoder, llm) -> dict[tuple[int, int], list[int]
         coords = llm.coords(rank)
         if coords["tp"] > 0:
             assert buffer == [None] * len(buffer), "a tp > 0 rank received over the boundary"
-            leader = llm.rank(tp=0, cp=coords["cp"], dp=coords["dp"])
+            leader = llm.rank(tp=0, cp=coords["cp"], dp=coords["dp"], pp=coords["pp"])
             buffer[:] = buffers[(leader, microbatch)]
     for buffer in buffers.values():
         assert None not in buffer, "a local row never written"
@@ -134,7 +135,8 @@ def samples(draw, sample_id: int, next_image_id: list[int]) -> PlannedSample:
 @st.composite
 def steps(draw):
     encoder = EncoderLayout(dp=draw(st.integers(1, 4)), tp=draw(st.integers(1, 2)))
-    llm = LLMLayout(tp=draw(st.integers(1, 2)), cp=draw(st.integers(1, 3)), dp=draw(st.integers(1, 4)))
+    llm = LLMLayout(tp=draw(st.integers(1, 2)), cp=draw(st.integers(1, 3)), dp=draw(st.integers(1, 4)),
+                    pp=draw(st.integers(1, 3)))
     next_image_id, next_sample_id, microbatches = [0], 0, []
     for index in range(draw(st.integers(0, 5))):
         mb_samples = []
@@ -174,6 +176,7 @@ def test_every_gradient_row_returns_to_its_source_exactly_once(step):
     returned = Counter()
     for transfer in plan.transfers:  # each returns its rows' gradient
         assert llm.coords(transfer.dst_rank)["tp"] == 0, "only tp rank 0 of a shard receives and returns"
+        assert llm.coords(transfer.dst_rank)["pp"] == 0, "only the first pipeline stage receives and returns"
         local = expected_local_rows(by_index[transfer.microbatch], llm, transfer.dst_rank)
         src = sources[(transfer.src_rank, transfer.microbatch)]
         for segment in transfer.segments:  # mirrored: local rows -> source rows
@@ -358,9 +361,9 @@ def planned_sample(dataset, sample_id: int, tokens_per_image: int, first_image_i
 
 
 @pytest.mark.parametrize("tokens_per_image", [4, 16])
-@pytest.mark.parametrize("cp, tp", [(1, 2), (2, 1), (2, 2), (3, 2)])
-def test_local_rows_match_shard_microbatch_on_digits(digits, tokens_per_image, cp, tp):
-    llm, encoder = LLMLayout(cp=cp, tp=tp, dp=2), EncoderLayout(dp=3)
+@pytest.mark.parametrize("cp, tp, pp", [(1, 2, 1), (2, 1, 1), (2, 2, 1), (3, 2, 1), (2, 1, 2)])
+def test_local_rows_match_shard_microbatch_on_digits(digits, tokens_per_image, cp, tp, pp):
+    llm, encoder = LLMLayout(cp=cp, tp=tp, dp=2, pp=pp), EncoderLayout(dp=3)
     sample_ids = digits.train_ids[:40]
     microbatches, batches = [], []
     for index in range(5):
@@ -379,7 +382,7 @@ def test_local_rows_match_shard_microbatch_on_digits(digits, tokens_per_image, c
         assert batch.image_positions.numel() == n_rows(mb)
         for rank in range(llm.world_size):
             coords = llm.coords(rank)
-            if coords["dp"] != mb.llm_dp_rank:
+            if coords["dp"] != mb.llm_dp_rank or coords["pp"] > 0:  # later stages never see image rows
                 assert (rank, mb.index) not in buffers
                 continue
             local = shard_microbatch(batch, pad_id=digits.tokenizer.pad_id, cp=cp, cp_rank=coords["cp"], tp=tp)

@@ -29,7 +29,9 @@ LLM_REFERENCE = {
     "dp": ("attention", {"dp"}),
     "dp_cp": ("attention", {"dp", "cp"}),
     "tp_cp": ("attention", {"tp", "cp"}),
-    "world": ("attention", {"tp", "cp", "dp"}),
+    "stage": ("attention", {"tp", "cp", "dp"}),
+    "pp": ("attention", {"pp"}),
+    "world": ("attention", {"tp", "cp", "dp", "pp"}),
     "etp": ("expert", {"etp"}),
     "ep": ("expert", {"ep"}),
     "edp": ("expert", {"edp"}),
@@ -51,8 +53,8 @@ def reference_groups(names: list[str], sizes: list[int], varying: set[str]) -> l
 def llm_reference(layout: LLMLayout, name: str) -> list[list[int]]:
     view, varying = LLM_REFERENCE[name]
     if view == "attention":
-        return reference_groups(["dp", "cp", "tp"], [layout.dp, layout.cp, layout.tp], varying)
-    return reference_groups(["edp", "ep", "etp"], [layout.edp, layout.ep, layout.etp], varying)
+        return reference_groups(["pp", "dp", "cp", "tp"], [layout.pp, layout.dp, layout.cp, layout.tp], varying)
+    return reference_groups(["pp", "edp", "ep", "etp"], [layout.pp, layout.edp, layout.ep, layout.etp], varying)
 
 
 def divisors(n: int) -> list[int]:
@@ -62,12 +64,14 @@ def divisors(n: int) -> list[int]:
 def all_llm_layouts() -> list[LLMLayout]:
     layouts = []
     for world in WORLD_SIZES:
-        for tp, cp in itertools.product(divisors(world), repeat=2):
-            if world % (tp * cp):
-                continue
-            for etp, ep in itertools.product(divisors(world), repeat=2):
-                if world % (etp * ep) == 0:
-                    layouts.append(LLMLayout(tp=tp, cp=cp, dp=world // (tp * cp), ep=ep, etp=etp))
+        for pp in divisors(world):
+            stage = world // pp
+            for tp, cp in itertools.product(divisors(stage), repeat=2):
+                if stage % (tp * cp):
+                    continue
+                for etp, ep in itertools.product(divisors(stage), repeat=2):
+                    if stage % (etp * ep) == 0:
+                        layouts.append(LLMLayout(tp=tp, cp=cp, dp=stage // (tp * cp), ep=ep, etp=etp, pp=pp))
     return layouts
 
 
@@ -113,6 +117,8 @@ def test_llm_groups_golden():
         "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
         "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
         "tp_cp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "stage": [list(range(8))],
+        "pp": [[r] for r in range(8)],
         "world": [list(range(8))],
         "etp": [[0, 1], [2, 3], [4, 5], [6, 7]],
         "ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
@@ -120,6 +126,65 @@ def test_llm_groups_golden():
         "ep_etp": [[0, 1, 2, 3], [4, 5, 6, 7]],
     }
     assert {name: layout.groups(name) for name in layout.GROUP_NAMES} == expected
+
+
+def test_llm_pipeline_groups_golden():
+    """pp slowest: each stage's ranks contiguous, every group but pp and world inside a stage."""
+    layout = LLMLayout(tp=2, dp=2, ep=2, pp=2)  # stage 0: ranks 0-3, stage 1: ranks 4-7
+    expected = {
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "cp": [[r] for r in range(8)],
+        "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "dp_cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "tp_cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "stage": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "world": [list(range(8))],
+        "etp": [[r] for r in range(8)],
+        "ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "edp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "ep_etp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    }
+    assert {name: layout.groups(name) for name in layout.GROUP_NAMES} == expected
+    assert [layout.coords(r)["pp"] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert layout.rank(tp=1, cp=0, dp=1, pp=1) == 7
+
+
+@pytest.mark.parametrize(
+    "kwargs, n_layers, stages",
+    [
+        (dict(pp=2), 4, [range(0, 2), range(2, 4)]),
+        (dict(pp=4), 8, [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]),
+        # interleaved: stage s is chunk s // pp of pipeline rank s % pp
+        (dict(pp=2, pp_virtual=2), 4, [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]),
+        (dict(pp=2, pp_layers=(1, 3)), 4, [range(0, 1), range(1, 4)]),
+        (dict(pp=2, pp_virtual=2, pp_layers=(2, 1, 1, 2)), 6, [range(0, 2), range(2, 3), range(3, 4), range(4, 6)]),
+        (dict(), 3, [range(0, 3)]),
+    ],
+)
+def test_llm_stage_layers(kwargs, n_layers, stages):
+    layout = LLMLayout(**kwargs)
+    assert layout.stage_layers(n_layers) == stages
+    held = sorted(s for r in range(layout.pp) for s in layout.rank_stages(r))
+    assert held == list(range(layout.stages))
+
+
+def test_llm_rank_stages_interleave():
+    assert [LLMLayout(pp=4, pp_virtual=2).rank_stages(r) for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert LLMLayout(pp=2).rank_stages(1) == [1]
+
+
+@pytest.mark.parametrize(
+    "kwargs, n_layers, message",
+    [
+        (dict(pp=4), 6, "parallel.llm: pp*pp_virtual (4*1 = 4) stages must divide n_layers (6); "
+                        "parallel.llm.pp_layers splits them unevenly"),
+        (dict(pp=2, pp_layers=(2, 3)), 4, "parallel.llm.pp_layers [2, 3] sums to 5, not n_layers (4)"),
+    ],
+)
+def test_llm_stage_layers_messages(kwargs, n_layers, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLMLayout(**kwargs).stage_layers(n_layers)
 
 
 # --- LLM layouts over the whole grid ---------------------------------------------------------
@@ -137,20 +202,21 @@ def test_llm_groups_match_reference_and_partition_world(layout):
 
 @pytest.mark.parametrize("layout", LLM_LAYOUTS, ids=layout_id)
 def test_llm_folding_and_coordinates(layout):
-    tp, cp, dp, etp, ep, edp = layout.tp, layout.cp, layout.dp, layout.etp, layout.ep, layout.edp
-    assert tp * cp * dp == etp * ep * edp == layout.world_size
+    tp, cp, dp, etp, ep, edp, pp = layout.tp, layout.cp, layout.dp, layout.etp, layout.ep, layout.edp, layout.pp
+    assert tp * cp * dp == etp * ep * edp == layout.stage_size == layout.world_size // pp
     sizes = {name: len(layout.groups(name)[0]) for name in layout.GROUP_NAMES}
     assert sizes == {
-        "tp": tp, "cp": cp, "dp": dp, "dp_cp": dp * cp, "tp_cp": tp * cp, "world": tp * cp * dp,
-        "etp": etp, "ep": ep, "edp": edp, "ep_etp": ep * etp,
+        "tp": tp, "cp": cp, "dp": dp, "dp_cp": dp * cp, "tp_cp": tp * cp, "stage": tp * cp * dp, "pp": pp,
+        "world": tp * cp * dp * pp, "etp": etp, "ep": ep, "edp": edp, "ep_etp": ep * etp,
     }
-    # Both views cover the same ranks: one world, two coordinate systems.
-    assert layout.groups("world") == [sorted(r for g in layout.groups("ep_etp") for r in g)]
+    # Both views cover the same ranks of each stage: one stage, two coordinate systems.
+    stages = [sorted(r for g in layout.groups("ep_etp") for r in g if g[0] // layout.stage_size == s) for s in range(pp)]
+    assert layout.groups("stage") == stages
     for rank in range(layout.world_size):
         c = layout.coords(rank)
-        assert rank == c["tp"] + tp * (c["cp"] + cp * c["dp"])
-        assert rank == c["etp"] + etp * (c["ep"] + ep * c["edp"])
-        assert layout.rank(tp=c["tp"], cp=c["cp"], dp=c["dp"]) == rank
+        assert rank == c["tp"] + tp * (c["cp"] + cp * (c["dp"] + dp * c["pp"]))
+        assert rank == c["etp"] + etp * (c["ep"] + ep * (c["edp"] + edp * c["pp"]))
+        assert layout.rank(tp=c["tp"], cp=c["cp"], dp=c["dp"], pp=c["pp"]) == rank
 
 
 @pytest.mark.parametrize("layout", LLM_LAYOUTS, ids=layout_id)
@@ -166,13 +232,14 @@ def test_llm_dp_cp_is_the_product_of_dp_and_cp(layout):
 
 def test_llm_rank_rejects_out_of_range_coordinate():
     with pytest.raises(ValueError, match=re.escape("coordinate cp=2 outside [0, 2)")):
-        LLMLayout(tp=2, cp=2, dp=2).rank(tp=0, cp=2, dp=0)
+        LLMLayout(tp=2, cp=2, dp=2).rank(tp=0, cp=2, dp=0, pp=0)
 
 
 def test_llm_unknown_group_name():
-    message = "parallel.llm: unknown group 'pp'; valid names: tp, cp, dp, dp_cp, tp_cp, world, etp, ep, edp, ep_etp"
+    message = ("parallel.llm: unknown group 'vpp'; valid names: tp, cp, dp, dp_cp, tp_cp, stage, pp, world, "
+               "etp, ep, edp, ep_etp")
     with pytest.raises(ValueError, match=re.escape(message)):
-        LLMLayout().groups("pp")
+        LLMLayout().groups("vpp")
 
 
 # --- encoder layouts -------------------------------------------------------------------------
@@ -207,6 +274,12 @@ def test_encoder_unknown_group_name():
         ({"cp": 1.5}, "parallel.llm.cp must be a positive integer, got 1.5"),
         ({"tp": 2, "ep": 4}, "parallel.llm: etp*ep (1*4) must divide tp*cp*dp (2*1*1 = 2)"),
         ({"tp": 2, "dp": 3, "ep": 2, "etp": 2}, "parallel.llm: etp*ep (2*2) must divide tp*cp*dp (2*1*3 = 6)"),
+        ({"pp": 0}, "parallel.llm.pp must be a positive integer, got 0"),
+        ({"pp_virtual": 2}, "parallel.llm.pp_virtual (2) needs parallel.llm.pp > 1"),
+        ({"pp": 2, "pp_layers": (1, 1, 2)}, "parallel.llm.pp_layers has 3 entries, one per stage: pp*pp_virtual (2*1 = 2)"),
+        ({"pp": 2, "pp_layers": (0, 2)}, "parallel.llm.pp_layers must hold positive integers, got [0, 2]"),
+        # ep folds inside a stage: 4 ranks in all, 2 a stage
+        ({"dp": 2, "pp": 2, "ep": 4}, "parallel.llm: etp*ep (1*4) must divide tp*cp*dp (1*1*2 = 2)"),
     ],
 )
 def test_llm_layout_post_init_messages(kwargs, message):
@@ -252,6 +325,7 @@ def llm_cfg(moe: MoEConfig | None = None, **kwargs) -> LLMConfig:
             llm_cfg(MoEConfig(num_experts=8, expert_dim=100)),
             "parallel.llm: etp (8) must divide moe.expert_dim (100)",
         ),
+        (LLMLayout(pp=4), llm_cfg(n_layers=6), "parallel.llm: pp*pp_virtual (4*1 = 4) stages must divide n_layers (6)"),
     ],
 )
 def test_validate_llm_layout_messages(layout, cfg, message):
