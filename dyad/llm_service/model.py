@@ -12,7 +12,6 @@ its multimodal rotary positions (t, h, w per token, `rope_positions_3BS`) and De
 rows per image token, level i added to the residual stream after layer i.
 """
 
-
 from dataclasses import dataclass
 
 import torch
@@ -254,6 +253,23 @@ class WholeSequence:
         return h_BSD
 
 
+@dataclass
+class LayerInputs:
+    """What every decoder layer of a batch takes besides the residual stream (`MoELM.layer_inputs`):
+    the rotary's cos and sin, the columns' positions, the real tokens and each token's sequence
+    as the stream held here has them, the packed rows' documents, DeepStack's (rows, positions)
+    per level; and the stream's shape here."""
+
+    cos_SDh: torch.Tensor
+    sin_SDh: torch.Tensor
+    positions_S: torch.Tensor
+    valid_T: torch.Tensor | None
+    seq_ids_T: torch.Tensor
+    documents: Documents | None
+    deepstack: list[tuple[torch.Tensor, torch.Tensor]]
+    stream_shape: tuple[int, int, int]
+
+
 class MoELM(nn.Module):
     def __init__(self, cfg: LLMConfig):
         super().__init__()
@@ -300,35 +316,91 @@ class MoELM(nn.Module):
         sample_positions_BS, each column's position in its sample, the rotary's (restarting at
         each sample, as the sample alone would be); document_bounds, where the rows are held
         whole (no context parallelism), their samples' and padding's segments of the flattened
-        rows (`segment_bounds`): attention then runs over them with no work across samples."""
-        B, S = input_ids_BS.shape
-        if S > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length ({S}) exceeds llm.max_seq_len ({self.cfg.max_seq_len})")
+        rows (`segment_bounds`): attention then runs over them with no work across samples.
+
+        The pass is `embed`, `decode` over every layer with the `layer_inputs`, `head`: a pipeline
+        stage (`dyad.llm_service.pipeline`) runs the parts it holds."""
+        h_BSD = self.embed(input_ids_BS, image_embeds_ND, image_positions_N)
+        inputs = self.layer_inputs(
+            input_ids_BS, image_positions_N, position_ids_S=position_ids_S, valid_BS=valid_BS,
+            rope_positions_3BS=rope_positions_3BS, deepstack_embeds=deepstack_embeds, documents_BS=documents_BS,
+            sample_positions_BS=sample_positions_BS, document_bounds=document_bounds,
+        )
+        h_BSD, aux_loss = self.decode(h_BSD, inputs, range(len(self.layers)))
+        return self.head(h_BSD), aux_loss
+
+    def embed(self, input_ids_BS, image_embeds_ND=None, image_positions_N=None) -> torch.Tensor:
+        """The residual stream entering the first layer, as the layers hold it (`sequence`): the
+        token embeddings with the image embeddings spliced in."""
+        self._check_length(input_ids_BS.shape[1])
         if (image_embeds_ND is None) != (image_positions_N is None):
             raise ValueError("image_embeds and image_positions must be given together")
         h_BSD = self.tok_embeddings(input_ids_BS)
         if image_embeds_ND is not None:
             h_BSD = splice_image_embeds(h_BSD, image_embeds_ND, image_positions_N)
+        return self.sequence.scatter(h_BSD)
+
+    def layer_inputs(
+        self,
+        input_ids_BS: torch.Tensor,
+        image_positions_N: torch.Tensor | None = None,
+        *,
+        position_ids_S: torch.Tensor | None = None,
+        valid_BS: torch.Tensor | None = None,
+        rope_positions_3BS: torch.Tensor | None = None,
+        deepstack_embeds: list[torch.Tensor] | None = None,
+        documents_BS: torch.Tensor | None = None,
+        sample_positions_BS: torch.Tensor | None = None,
+        document_bounds: tuple[torch.Tensor, int] | None = None,
+    ) -> LayerInputs:
+        """What every layer takes besides the residual stream, from the batch's shape, positions
+        and masks (`forward`'s arguments): no weight is read."""
+        B, S = input_ids_BS.shape
+        device = input_ids_BS.device
+        self._check_length(S)
         if position_ids_S is None:
-            position_ids_S = torch.arange(S, device=h_BSD.device)
-        cos_SDh, sin_SDh = self._cos_sin(position_ids_S, rope_positions_3BS, sample_positions_BS, (B, S), h_BSD.device)
+            position_ids_S = torch.arange(S, device=device)
+        cos_SDh, sin_SDh = self._cos_sin(position_ids_S, rope_positions_3BS, sample_positions_BS, (B, S), device)
         deepstack = self._deepstack_rows(deepstack_embeds, image_positions_N, S)
-        h_BSD = self.sequence.scatter(h_BSD)
         valid_T = None if valid_BS is None else self.sequence.columns(valid_BS).reshape(-1)
         if documents_BS is not None and documents_BS.shape != (B, S):
             raise ValueError(f"documents must have shape {[B, S]}, got {list(documents_BS.shape)}")
-        seq_ids_BS = torch.arange(B, device=h_BSD.device).unsqueeze(1).expand(B, S) if documents_BS is None else documents_BS
+        seq_ids_BS = torch.arange(B, device=device).unsqueeze(1).expand(B, S) if documents_BS is None else documents_BS
         documents = None if documents_BS is None else Documents(documents_BS, document_bounds)
-        seq_ids_T = self.sequence.columns(seq_ids_BS).reshape(-1)
+        seq_ids_BSl = self.sequence.columns(seq_ids_BS)
+        return LayerInputs(
+            cos_SDh, sin_SDh, position_ids_S, valid_T, seq_ids_BSl.reshape(-1), documents, deepstack,
+            stream_shape=(*seq_ids_BSl.shape, self.cfg.dim),
+        )
+
+    def decode(self, h_BSD: torch.Tensor, inputs: LayerInputs, layers: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after `layers` (consecutive indices), and the sum of their aux
+        losses; DeepStack's level i is added after layer i."""
         aux_loss = torch.zeros((), device=h_BSD.device, dtype=torch.float32)
-        for i, layer in enumerate(self.layers):
-            h_BSD, layer_aux = layer(h_BSD, cos_SDh, sin_SDh, position_ids_S, valid_T, seq_ids_T, documents)
+        for i in layers:
+            h_BSD, layer_aux = self.layers[i](
+                h_BSD, inputs.cos_SDh, inputs.sin_SDh, inputs.positions_S, inputs.valid_T, inputs.seq_ids_T,
+                inputs.documents,
+            )
             if layer_aux is not None:
                 aux_loss = aux_loss + layer_aux
-            if i < len(deepstack):
-                h_BSD = add_rows(h_BSD, *deepstack[i])
-        logits_BSV = self.output(self.sequence.gather(self.norm(h_BSD)))
-        return logits_BSV, aux_loss
+            if i < len(inputs.deepstack):
+                h_BSD = add_rows(h_BSD, *inputs.deepstack[i])
+        return h_BSD, aux_loss
+
+    @property
+    def stream_dtype(self) -> torch.dtype:
+        """The residual stream's dtype: its norms' (autocast and bf16 working weights cast only
+        the matmuls' weights, whose outputs the stream adds in its own dtype)."""
+        return next(module.weight.dtype for module in self.modules() if isinstance(module, nn.RMSNorm))
+
+    def head(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        """The logits of the residual stream after the last layer."""
+        return self.output(self.sequence.gather(self.norm(h_BSD)))
+
+    def _check_length(self, S: int) -> None:
+        if S > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length ({S}) exceeds llm.max_seq_len ({self.cfg.max_seq_len})")
 
     def _cos_sin(self, position_ids_S, rope_positions_3BS, sample_positions_BS, shape: tuple[int, int], device):
         """cos and sin: [S, Dh] of the sequence positions, or [B, S, Dh] of each sample's or of
