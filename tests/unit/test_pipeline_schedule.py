@@ -1,0 +1,98 @@
+"""dyad.parallel.pipeline's schedules, walked without processes: every rank's actions run to the
+end in some order that respects each rank's order and every dependency (sends never wait,
+receives do), every forward and backward of every stage and microbatch exactly once, the messages
+between two ranks received in the order they are sent, and 1F1B's bound on held activations."""
+
+import re
+
+import pytest
+
+from dyad.parallel.pipeline import Action, forward_only, schedule
+
+SHAPES = [(pp, chunks, m) for pp in (2, 3, 4, 8) for chunks in (1, 2, 3) for m in range(1, 17)
+          if chunks == 1 or m % pp == 0]
+
+
+def _walk(pp: int, chunks: int, actions: list[list[Action]]) -> bool:
+    """Whether the ranks, each blocking only where an action waits for another rank's output,
+    finish every action."""
+    stages, done, next_ = pp * chunks, set(), [0] * pp
+    moved = True
+    while moved:
+        moved = False
+        for rank in range(pp):
+            while next_[rank] < len(actions[rank]):
+                action = actions[rank][next_[rank]]
+                stage = action.chunk * pp + rank
+                if action.forward:
+                    needs = None if stage == 0 else ("F", stage - 1, action.microbatch)
+                else:
+                    assert ("F", stage, action.microbatch) in done, "a backward before its forward"
+                    needs = None if stage == stages - 1 else ("B", stage + 1, action.microbatch)
+                if needs is not None and needs not in done:
+                    break
+                done.add(("F" if action.forward else "B", stage, action.microbatch))
+                next_[rank] += 1
+                moved = True
+    return all(next_[rank] == len(actions[rank]) for rank in range(pp))
+
+
+def _messages(pp: int, chunks: int, actions: list[list[Action]]) -> tuple[dict, dict]:
+    """(rank, peer) -> the messages in the order the rank sends them, and in the order the peer
+    receives them."""
+    stages, sent, received = pp * chunks, {}, {}
+    for rank in range(pp):
+        for action in actions[rank]:
+            stage, m = action.chunk * pp + rank, action.microbatch
+            if action.forward and stage > 0:
+                received.setdefault(((stage - 1) % pp, rank), []).append(("F", stage, m))
+            if action.forward and stage < stages - 1:
+                sent.setdefault((rank, (stage + 1) % pp), []).append(("F", stage + 1, m))
+            if not action.forward and stage < stages - 1:
+                received.setdefault(((stage + 1) % pp, rank), []).append(("B", stage, m))
+            if not action.forward and stage > 0:
+                sent.setdefault((rank, (stage - 1) % pp), []).append(("B", stage - 1, m))
+    return sent, received
+
+
+@pytest.mark.parametrize("pp, chunks, microbatches", SHAPES)
+def test_a_step_runs_every_pass_once_without_deadlock(pp, chunks, microbatches):
+    actions = [schedule(pp, rank, microbatches, chunks) for rank in range(pp)]
+    for rank_actions in actions:
+        expected = {Action(f, c, m) for f in (True, False) for c in range(chunks) for m in range(microbatches)}
+        assert len(rank_actions) == len(expected) and set(rank_actions) == expected
+    assert _walk(pp, chunks, actions)
+    sent, received = _messages(pp, chunks, actions)
+    assert sent == received  # also in order: what NCCL, whose receives match sends in order, needs
+
+
+@pytest.mark.parametrize("pp, microbatches", [(2, 1), (2, 6), (4, 3), (4, 8), (8, 16)])
+def test_1f1b_holds_at_most_pp_minus_rank_microbatches(pp, microbatches):
+    for rank in range(pp):
+        held, most = 0, 0
+        for action in schedule(pp, rank, microbatches):
+            held += 1 if action.forward else -1
+            most = max(most, held)
+        assert most == min(pp - rank, microbatches)
+
+
+def test_interleaved_order_goes_in_rounds_of_pp():
+    forwards = [(a.chunk, a.microbatch) for a in schedule(2, 0, 4, 2) if a.forward]
+    assert forwards == [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3)]
+    backwards = [(a.chunk, a.microbatch) for a in schedule(2, 0, 4, 2) if not a.forward]
+    assert backwards == [(1, 0), (1, 1), (0, 0), (0, 1), (1, 2), (1, 3), (0, 2), (0, 3)]
+
+
+def test_interleaved_refuses_microbatches_not_a_multiple_of_pp():
+    message = "the interleaved schedule needs microbatches (3) to be a multiple of pp (2)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        schedule(2, 0, 3, 2)
+
+
+@pytest.mark.parametrize("pp, chunks, microbatches", [(2, 1, 3), (4, 1, 2), (2, 2, 4), (4, 2, 1)])
+def test_forward_only_runs_every_forward_once_without_deadlock(pp, chunks, microbatches):
+    actions = [forward_only(pp, rank, microbatches, chunks) for rank in range(pp)]
+    assert all(len(set(a)) == len(a) == microbatches * chunks for a in actions)
+    assert _walk(pp, chunks, actions)
+    sent, received = _messages(pp, chunks, actions)
+    assert sent == received
