@@ -3,6 +3,8 @@ gradients are reduced and counted.
 
 Every step replaces modules of the single-device model with their parallel counterparts (classes
 that say what they do), never a method. Order (fixed):
+0. pipeline parallelism (dyad/llm_service/pipeline.py): what this rank's stages do not hold
+   becomes `OnAnotherStage`, which holds no weights; the steps below parallelize what is held;
 1. tensor parallelism (dyad/parallel/tensor.py, dyad/llm_service/tensor_parallel.py): attention's,
    the dense FFNs' and the output's linears become `ColumnParallelLinear` / `RowParallelLinear`,
    the embedding `VocabParallelEmbedding`, the caption loss `VocabParallelCrossEntropy`, the
@@ -24,8 +26,9 @@ order.
 Gradient groups:
 - expert weights: summed over edp (every token reaches its expert exactly once in the world);
 - MoE router and shared expert, and with sequence parallelism the norms and MLA's
-  down-projections: summed over the whole pool (each rank sees distinct tokens);
+  down-projections: summed over the stage (each of its ranks sees distinct tokens);
 - everything else: summed over dp×cp (tp ranks hold shards, or identical replicas).
+Every group lies inside one pipeline stage, which alone holds the parameters.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from torch import nn
 from dyad.llm_service.context_parallel import ContextParallelAttention
 from dyad.llm_service.expert_parallel import SplitTokens, expert_param_names, parallelize_moe
 from dyad.llm_service.model import Attention, LatentAttention, ProjectionNorm
+from dyad.llm_service.pipeline import cut_stages, held
 from dyad.llm_service.tensor_parallel import (
     EnterHeadParallel,
     ProjectionParallelRMSNorm,
@@ -54,22 +58,24 @@ from dyad.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 def parallelize_llm(model: nn.Module, groups: ProcessGroups, *, sequence_parallel: bool = False) -> GradientPlan:
     layout = groups.layout
     sequence_parallel = sequence_parallel and layout.tp > 1
+    if layout.pp > 1:
+        cut_stages(model, layout, groups.index("pp"))
     tp_sharded: set[int] = set()
     if layout.tp > 1:
         tp_sharded = _apply_tensor_parallel(model, groups.group("tp"), sequence_parallel)
     if layout.cp > 1:
-        for block in model.layers:
+        for block in _blocks(model):
             block.attention.core = ContextParallelAttention(groups.group("cp"))
     # Parameters each rank trains on its own tokens (or, the per-head query/key norms under tp,
     # on its own heads): their gradients are summed over every rank.
     token_distinct: set[int] = set()
     if layout.tp > 1:
         token_distinct |= {
-            id(p) for block in model.layers if isinstance(block.attention, Attention)
+            id(p) for block in _blocks(model) if isinstance(block.attention, Attention)
             for norm in (block.attention.q_norm, block.attention.k_norm)
             if isinstance(norm, nn.RMSNorm) for p in norm.parameters()
         }
-    for block in model.layers:
+    for block in _blocks(model):
         if block.is_moe:
             token_distinct |= _apply_expert_parallel(block.feed_forward, groups, sequence_parallel)
     if sequence_parallel:
@@ -80,17 +86,24 @@ def parallelize_llm(model: nn.Module, groups: ProcessGroups, *, sequence_paralle
     return _gradient_plan(model, groups, tp_sharded, token_distinct, experts)
 
 
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers this rank holds."""
+    return [block for block in model.layers if held(block)]
+
+
 def _apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool) -> set[int]:
-    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, tp_group)
-    model.output = ColumnParallelLinear(model.output, tp_group)
-    model.caption_loss = VocabParallelCrossEntropy(model.output, model.cfg.vocab_size)
-    model.predicted_targets = VocabParallelPredictedTargets(model.output, model.cfg.vocab_size)
+    if held(model.tok_embeddings):
+        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, tp_group)
+    if held(model.output):
+        model.output = ColumnParallelLinear(model.output, tp_group)
+        model.caption_loss = VocabParallelCrossEntropy(model.output, model.cfg.vocab_size)
+        model.predicted_targets = VocabParallelPredictedTargets(model.output, model.cfg.vocab_size)
     tp = dist.get_world_size(tp_group)
     column = functools.partial(ColumnParallelLinear, group=tp_group, sequence_parallel=sequence_parallel)
     row = functools.partial(RowParallelLinear, group=tp_group, sequence_parallel=sequence_parallel)
     if sequence_parallel:
         model.sequence = SequenceParallel(tp_group)
-    for block in model.layers:
+    for block in _blocks(model):
         attention = block.attention
         if isinstance(attention, LatentAttention):
             _latent_attention_tensor_parallel(attention, tp_group, sequence_parallel)
@@ -132,7 +145,7 @@ def _latent_attention_tensor_parallel(attention: LatentAttention, tp_group, sequ
 
 def _latent_down_projections(model: nn.Module) -> list[nn.Linear]:
     """MLA's projections into its latents, whole on every tensor-parallel rank."""
-    attentions = [block.attention for block in model.layers if isinstance(block.attention, LatentAttention)]
+    attentions = [block.attention for block in _blocks(model) if isinstance(block.attention, LatentAttention)]
     return [a.wkv_a for a in attentions] + [a.wq_a for a in attentions if a.wq is None]
 
 
@@ -163,7 +176,7 @@ def _gradient_plan(model, groups, tp_sharded, token_distinct, experts) -> Gradie
         if id(param) in experts:
             group, counted = "edp", True
         elif id(param) in token_distinct:
-            group, counted = "world", True
+            group, counted = "stage", True
         elif id(param) in tp_sharded:
             group, counted = "dp_cp", True
         else:  # the same on every tp rank
