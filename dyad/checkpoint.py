@@ -15,6 +15,9 @@ by the single-device model's names and holding full (unsharded) tensors:
 Saving gathers one sharded tensor at a time to its full shape (a collective) and keeps it, in
 host memory, only on the rank chosen to write it (the ranks take turns by bytes), so a rank
 holds about 1/world of the full state and the GPUs one full tensor beyond their own state.
+"The ranks" are those that hold the same parameters, each its own pieces (`holders`): the whole
+pool, or one pipeline stage of the LLM's, whose stages hold disjoint parameters; each tensor is
+then written once, by a rank of the stage that holds it.
 Restoring reads the full tensors in batches of bounded size, each tensor by one rank into its
 host memory (the ranks take turns by bytes, as in saving; a rank reads its tensors of a batch
 with several threads), broadcasts it to the other ranks, and
@@ -136,14 +139,16 @@ def save_pool(
     step: int,
     writer_threads: int = WRITER_THREADS,
     sync_files: bool = True,
+    holders: dist.ProcessGroup | None = None,
 ) -> Path:
     """Write the pool's model, AdamW state, step and this rank's RNG states, each rank's files with
     `writer_threads` threads; `sync_files`: each file is synced to stable storage before this
     returns (otherwise it is written to the page cache, and the router syncs it before it
-    commits the checkpoint: `dyad.router.checkpoints.commit`). Collective over the pool's default
-    process group; returns the pool's checkpoint path."""
+    commits the checkpoint: `dyad.router.checkpoints.commit`). `holders`: the ranks that hold the
+    same parameters as this one (default the whole pool), which share out their writing.
+    Collective over the pool's default process group; returns the pool's checkpoint path."""
     dcp = _dcp()
-    state = _owned_full_state(model, optimizer, dist.get_rank(), dist.get_world_size())
+    state = _owned_full_state(model, optimizer, dist.get_rank(holders), dist.get_world_size(holders))
     state.update(_rng_states(dist.get_rank(), _device(model)))
     state["step"] = step
     path = pool_dir(directory, pool)
@@ -195,13 +200,14 @@ def restore_pool(
     *,
     batch_bytes: int = RESTORE_BATCH_BYTES,
     reader_threads: int = READER_THREADS,
+    holders: dist.ProcessGroup | None = None,
 ) -> int:
     """Load the pool's checkpoint into the live `model` and `optimizer`, whatever layout wrote it.
 
     Each full tensor is read by one rank (the ranks take turns by bytes, as in saving), at most
     `batch_bytes` a rank at a time (or one tensor, when it is larger), with `reader_threads`
     threads, and broadcast to the others, so the pool reads the checkpoint once; each rank copies
-    its piece into place.
+    its piece into place. `holders`: as in `save_pool`, the ranks that share out the reading.
     Collective over the pool's default process group. Zeroes the gradients, restores this rank's
     RNG states when the checkpoint holds them, and returns the saved step."""
     dcp = _dcp()
@@ -212,11 +218,11 @@ def restore_pool(
     stored = metadata.state_dict_metadata
     targets = _restore_targets(model, optimizer)
     _check_holds(stored, targets, path)
-    turns = _TurnsByBytes(dist.get_world_size())
+    turns = _TurnsByBytes(dist.get_world_size(holders))
     staging = _Staging(_device(model))
     with _ThreadedReader(path, metadata, reader_threads) as reader:
         for batch in _batches(list(targets), stored, batch_bytes):
-            for key, full in _read_once_for_all(batch, stored, turns, staging, reader):
+            for key, full in _read_once_for_all(batch, stored, turns, staging, reader, holders):
                 module, name, load = targets[key]
                 load(local_part(module, name, full))
     staging.release()
@@ -278,12 +284,12 @@ def _restore_targets(model: nn.Module, optimizer: OptimizerState) -> dict:
     return targets
 
 
-def _read_once_for_all(keys: list[str], stored: dict, turns: _TurnsByBytes, staging: _Staging, reader):
+def _read_once_for_all(keys: list[str], stored: dict, turns: _TurnsByBytes, staging: _Staging, reader, holders):
     """(key, full tensor on the staging's device) for each of `keys`, in order: each read from the
-    checkpoint into `staging` by the rank whose turn it is and broadcast from it to the others.
-    Collective."""
+    checkpoint into `staging` by the rank of `holders` whose turn it is and broadcast from it to
+    the others. Collective over `holders`."""
     owners = {key: turns.owner(_stored_bytes(stored[key])) for key in keys}
-    rank = dist.get_rank()
+    rank = dist.get_rank(holders)
     mine = staging.holders({key: stored[key] for key in keys if owners[key] == rank})
     with _reading(reader.path):
         reader.load(mine)
@@ -292,7 +298,7 @@ def _read_once_for_all(keys: list[str], stored: dict, turns: _TurnsByBytes, stag
             full = mine.pop(key).to(staging.device, non_blocking=True)
         else:
             full = _holder(stored[key], staging.device)
-        dist.broadcast(full, src=owners[key])
+        dist.broadcast(full, group=holders, group_src=owners[key])
         yield key, full
 
 

@@ -94,6 +94,7 @@ class EncoderLayout:
         "world": ("encoder", ("tp", "dp")),
     }
     GROUP_NAMES: ClassVar[tuple[str, ...]] = tuple(_GROUPS)  # also the order groups are built in
+    PARAMETER_GROUP: ClassVar[str] = "world"  # every rank holds (its pieces of) every parameter
 
     def groups(self, name: str) -> list[list[int]]:
         """All groups of the named kind (see `GROUP_NAMES`), as sorted global ranks."""
@@ -209,6 +210,7 @@ class LLMLayout:
         "ep_etp": ("expert", ("etp", "ep")),
     }
     GROUP_NAMES: ClassVar[tuple[str, ...]] = tuple(_GROUPS)  # also the order groups are built in
+    PARAMETER_GROUP: ClassVar[str] = "stage"  # a stage's ranks hold its parameters, no other rank does
 
     def groups(self, name: str) -> list[list[int]]:
         """All groups of the named kind (see `GROUP_NAMES`), as sorted global ranks."""

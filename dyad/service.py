@@ -226,7 +226,7 @@ class PoolService(ABC):
         try:
             path = save_pool(
                 command.path, self.pool, self.model, self.optimizer_state, step=command.step,
-                sync_files=command.sync_files,
+                sync_files=command.sync_files, holders=self.groups.group(self.layout.PARAMETER_GROUP),
             )
         except CheckpointException as error:  # a BaseException: the worker reports Exceptions
             raise _not_written(error, pool_dir(command.path, self.pool)) from error
@@ -235,7 +235,8 @@ class PoolService(ABC):
     def restore(self, path: str) -> int:
         """Load `<path>/<pool>/` into the live model and optimizer, whatever layout or pool size
         wrote it; returns the saved step. Collective over the pool."""
-        step = restore_pool(path, self.pool, self.model, self.optimizer_state)
+        step = restore_pool(path, self.pool, self.model, self.optimizer_state,
+                            holders=self.groups.group(self.layout.PARAMETER_GROUP))
         if self.working_weights and not self.shards:  # the sharded optimizer loads them itself
             self.working_weights.refresh()
         return step

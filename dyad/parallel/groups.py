@@ -22,6 +22,9 @@ class Layout(Protocol):
     """What groups are built from: any pool type's layout (`dyad.layout`'s, say)."""
 
     GROUP_NAMES: tuple[str, ...]  # every kind of group, in the order they are built
+    # the group whose ranks hold the same parameters, each its own pieces of them: the pool's
+    # "world", or one pipeline stage
+    PARAMETER_GROUP: str
 
     @property
     def world_size(self) -> int: ...

@@ -32,12 +32,14 @@ from dyad.layout import EncoderLayout, LLMLayout
 from dyad.llm_service.config import MoEConfig
 from dyad.llm_service.moe import MoELayer, update_expert_biases
 from dyad.llm_service.parallelize import parallelize_llm
+from dyad.llm_service.pipeline import StageMicrobatch, StageSteps
 from dyad.llm_service.sharding import shard_microbatch
 from dyad.llm_service.step import microbatch_loss
 from dyad.optim import apply_update, build_optimizer
 from dyad.parallel.gradients import GradientPlan, full_tensors, pool_grad_sq_norm
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.overlap import GradientReduction
+from dyad.parallel.pipeline import Pipeline, schedule
 from dyad.parallel.sharded_optimizer import ShardedOptimizer
 from dyad.router.sampler import EpochSampler, split_microbatches
 from dyad.service import build_model, has_replicas
@@ -92,7 +94,7 @@ class _Pool:
         """The pool's loss for `step`'s batch, after updating the model."""
         loss = self._encoder_loss(step) if self.pool == "encoder" else self._llm_loss(step)
         if self.pool == "llm":
-            update_expert_biases(self.model, group=self.groups.group("world"))
+            update_expert_biases(self.model, group=self.groups.group("stage"))
         self.reduction.finish()
         sq_norm = self.shards.grad_sq_norm() if self.shards else pool_grad_sq_norm(self.plan, self.groups)
         apply_update(self.adamw, lr=lr, grad_scale=clip_scale(sq_norm, self.config.train.grad_clip))
@@ -120,7 +122,7 @@ class _Pool:
         batches = [collate(dataset.tokenizer, [dataset.sample(s) for s in mb], image_tokens)
                    for mb in microbatches]
         targets = sum(b.n_targets for b in batches)
-        total = 0.0
+        mine = []
         for index, batch in enumerate(batches):
             if index * layout.dp // MICROBATCHES != self.groups.index("dp"):
                 continue
@@ -128,22 +130,52 @@ class _Pool:
                                generator=torch.Generator().manual_seed(1000 * step + index))
             local = shard_microbatch(batch, pad_id=dataset.tokenizer.pad_id, cp=layout.cp,
                                      cp_rank=self.groups.index("cp"), tp=layout.tp)
-            loss = microbatch_loss(self.model, local, rows[local.image_rows_Nl] if rows.numel() else None,
+            spliced = rows.numel() > 0 and self.groups.index("pp") == 0
+            mine.append(StageMicrobatch(local, rows[local.image_rows_Nl] if spliced else None))
+        if layout.pp > 1:
+            return self._pipelined_llm_loss(mine, targets)
+        total = 0.0
+        for micro in mine:
+            loss = microbatch_loss(self.model, micro.local, micro.rows_NlD,
                                    global_target_tokens=targets, global_microbatches=MICROBATCHES)
             loss.total.backward()
             total += (float(loss.lm) if self.groups.index("tp") == 0 else 0.0) + float(loss.aux)
         return total
 
+    def _pipelined_llm_loss(self, mine, targets):
+        layout, pp_rank = self.groups.layout, self.groups.index("pp")
+        work = StageSteps(self.model, layout, pp_rank, mine, global_target_tokens=targets,
+                          global_microbatches=MICROBATCHES)
+        pipeline = Pipeline(self.groups.ranks("pp"), self.groups.group("pp"), pp_rank, layout.pp_virtual)
+        pipeline.run(schedule(layout.pp, pp_rank, len(mine), layout.pp_virtual), work, len(mine))
+        return (float(work.lm) if self.groups.index("tp") == 0 else 0.0) + float(work.aux)
+
+    @property
+    def holders(self):
+        return self.groups.group(self.groups.layout.PARAMETER_GROUP)
+
     def save(self, directory):
-        save_pool(directory, self.pool, self.model, self.optimizer, step=SAVED_STEP)
+        save_pool(directory, self.pool, self.model, self.optimizer, step=SAVED_STEP, holders=self.holders)
 
     def restore(self, directory, batch_bytes=None) -> int:
         extra = {} if batch_bytes is None else {"batch_bytes": batch_bytes}
-        return restore_pool(directory, self.pool, self.model, self.optimizer, **extra)
+        return restore_pool(directory, self.pool, self.model, self.optimizer, holders=self.holders, **extra)
 
     def state(self) -> dict:
-        return {k: v.clone() if isinstance(v, torch.Tensor) else v
-                for k, v in full_pool_state(self.model, self.optimizer).items()}
+        """The pool's full state (every stage's, under pipeline parallelism) on every rank."""
+        return self.whole({k: v.clone() if isinstance(v, torch.Tensor) else v
+                           for k, v in full_pool_state(self.model, self.optimizer).items()})
+
+    def full_tensors(self) -> dict:
+        return self.whole(full_tensors(self.model))
+
+    def whole(self, held: dict) -> dict:
+        """`held` (this rank's stage's tensors) with every other stage's of its pipeline."""
+        if self.pool == "encoder" or self.groups.size("pp") == 1:
+            return held
+        stages = [None] * self.groups.size("pp")
+        dist.all_gather_object(stages, held, group=self.groups.group("pp"))
+        return {key: value for stage in stages for key, value in stage.items()}
 
 
 def _assert_same_state(actual: dict, expected: dict, what: str) -> None:
@@ -160,12 +192,12 @@ def _save_body(rank, world_size, pool, layout_kwargs, tmp, shard=False):
         run.train_step(step)
     run.save(tmp / "checkpoint")
     saved = run.state()
-    _assert_rank_holds_its_share(run, saved, rank, world_size)
+    _assert_rank_holds_its_share(run)
     if pool == "llm":  # the expert biases are part of the state, and have moved
         assert all(saved[k].abs().sum() > 0 for k in saved if k.endswith("expert_bias_E"))
     draws = torch.rand(8)
     loss = run.train_step(SAVED_STEP)
-    params = {k: v.clone() for k, v in full_tensors(run.model).items()}
+    params = {k: v.clone() for k, v in run.full_tensors().items()}
     assert any(not torch.equal(params[k], saved[f"model.{k}"]) for k in params)  # the third step moved them
     if rank == 0:
         torch.save({"state": saved, "loss": loss, "params": params}, tmp / "expected.pt")
@@ -176,7 +208,7 @@ def _save_body(rank, world_size, pool, layout_kwargs, tmp, shard=False):
     assert torch.equal(torch.rand(8), draws)
     _assert_same_state(run.state(), saved, "restored under the same layout")
     assert run.train_step(SAVED_STEP) == loss
-    _assert_same_state(full_tensors(run.model), params, "the third step again")
+    _assert_same_state(run.full_tensors(), params, "the third step again")
 
 
 def _restore_body(rank, world_size, pool, layout_kwargs, tmp, shard=False):
@@ -193,24 +225,26 @@ def _restore_body(rank, world_size, pool, layout_kwargs, tmp, shard=False):
     assert_close(loss, expected["loss"], "the third step's loss")
     # 2-norm: AdamW turns a rounding difference of a near-zero gradient entry into a visible
     # difference of that entry's update (tests/helpers/parity.py).
-    assert_tensors_close(full_tensors(run.model), expected["params"], "the third step", norm="l2")
+    assert_tensors_close(run.full_tensors(), expected["params"], "the third step", norm="l2")
 
 
-def _assert_rank_holds_its_share(run, full_state, rank, world_size):
+def _assert_rank_holds_its_share(run):
     """While saving, a rank keeps in host memory only the full tensors it writes: about
-    1/world_size of the state (within the largest tensor)."""
+    1/holders of the state of its holders' parameters (within the largest tensor)."""
+    full_state = full_pool_state(run.model, run.optimizer)
     sizes = [v.numel() * v.element_size() for v in full_state.values() if isinstance(v, torch.Tensor)]
+    rank, world_size = dist.get_rank(run.holders), dist.get_world_size(run.holders)
     held = checkpoint._owned_full_state(run.model, run.optimizer, rank, world_size)
     held_bytes = sum(v.numel() * v.element_size() for v in held.values() if isinstance(v, torch.Tensor))
     assert all(v.device.type == "cpu" for v in held.values() if isinstance(v, torch.Tensor))
     assert 0 < held_bytes <= sum(sizes) / world_size + max(sizes), (held_bytes, sum(sizes))
 
 
-def _assert_ranks_share_the_writing(directory, pool, ranks):
-    """Each full tensor is written by one rank, and the ranks' bytes differ by at most the
-    largest tensor: no rank holds the whole state while saving."""
+def _assert_ranks_share_the_writing(directory, pool, holders: list[list[int]]):
+    """Each full tensor is written by one rank, and the bytes of the ranks of each group of
+    `holders` differ by at most the largest tensor: no rank holds the whole state while saving."""
     metadata = dcp.FileSystemReader(pool_dir(directory, pool)).read_metadata()
-    written = dict.fromkeys(range(ranks), 0)
+    written = dict.fromkeys((rank for group in holders for rank in group), 0)
     largest = 0
     for index, storage in metadata.storage_data.items():
         meta = metadata.state_dict_metadata[index.fqn]
@@ -220,14 +254,15 @@ def _assert_ranks_share_the_writing(directory, pool, ranks):
         written[int(storage.relative_path.split("_")[2])] += nbytes
         largest = max(largest, nbytes)
     assert all(written.values()), written
-    assert max(written.values()) - min(written.values()) <= largest, written
+    for group in holders:
+        assert max(written[r] for r in group) - min(written[r] for r in group) <= largest, written
 
 
 def _check_round_trip(tmp_path, pool, saved_under, restored_under, shard=False):
-    saving_ranks = LAYOUTS[pool](**saved_under).world_size
-    run_distributed(_save_body, saving_ranks, pool, saved_under, tmp_path, shard)
-    assert saved_ranks(tmp_path / "checkpoint", pool) == list(range(saving_ranks))
-    _assert_ranks_share_the_writing(tmp_path / "checkpoint", pool, saving_ranks)
+    layout = LAYOUTS[pool](**saved_under)
+    run_distributed(_save_body, layout.world_size, pool, saved_under, tmp_path, shard)
+    assert saved_ranks(tmp_path / "checkpoint", pool) == list(range(layout.world_size))
+    _assert_ranks_share_the_writing(tmp_path / "checkpoint", pool, layout.groups(layout.PARAMETER_GROUP))
     # A single process, no process group: the full model state.
     state = load_pool_state(tmp_path / "checkpoint", pool)
     expected = torch.load(tmp_path / "expected.pt")["state"]
@@ -239,8 +274,14 @@ def _check_round_trip(tmp_path, pool, saved_under, restored_under, shard=False):
 
 def test_llm_checkpoint_restores_under_other_layouts(tmp_path):
     # Saved with tp2 and the experts split over ep; restored with the experts' ffn dim split
-    # over etp (no tp), and on a single rank.
-    _check_round_trip(tmp_path, "llm", dict(tp=2, ep=2), [dict(dp=2, etp=2), dict()])
+    # over etp (no tp), in two pipeline stages, and on a single rank.
+    _check_round_trip(tmp_path, "llm", dict(tp=2, ep=2), [dict(dp=2, etp=2), dict(pp=2), dict()])
+
+
+def test_a_pipelines_checkpoint_restores_under_other_layouts(tmp_path):
+    # Saved by two stages, each of tp2 with the experts over ep2 (each stage writes its own
+    # parameters, shared out over its ranks); restored by two stages of dp2, and on a single rank.
+    _check_round_trip(tmp_path, "llm", dict(pp=2, tp=2, ep=2), [dict(pp=2, dp=2), dict()])
 
 
 def test_encoder_checkpoint_restores_under_other_layouts(tmp_path):

@@ -49,6 +49,7 @@ class AudioLayout:
         return self.dp
 
     GROUP_NAMES: ClassVar[tuple[str, ...]] = ("dp", "world")
+    PARAMETER_GROUP: ClassVar[str] = "world"
 
     def coords(self, rank: int) -> dict[str, int]:
         return {"dp": rank}
