@@ -7,6 +7,7 @@ import dataclasses
 from dyad.layout import LLMLayout, validate_llm_layout
 from dyad.llm_service.config import LLMConfig
 from dyad.llm_service.hf_config import pretrained, vocabulary_growth
+from dyad.pipeline_schedule import first_stage_lead
 from dyad.pools import PoolType
 
 
@@ -44,6 +45,14 @@ def _resolve(run, vocab_size: int | None) -> LLMConfig:
         raise ValueError(
             f"train.microbatches ({train.microbatches}) must be a multiple of parallel.llm.pp ({layout.pp}) "
             f"for the interleaved schedule (parallel.llm.pp_virtual {layout.pp_virtual}): it runs them in rounds of pp"
+        )
+    lead = first_stage_lead(layout.pp, train.microbatches, layout.pp_virtual)
+    if run.boundary.prefetch_depth < lead:
+        raise ValueError(
+            f"boundary.prefetch_depth ({run.boundary.prefetch_depth}) must be >= {lead} with parallel.llm.pp "
+            f"{layout.pp} (pp_virtual {layout.pp_virtual}) and train.microbatches {train.microbatches}: the first "
+            f"pipeline stage takes {lead} microbatches' image rows before it returns the first one's gradient, "
+            "and the encoder works only prefetch_depth microbatches ahead of the gradients it has"
         )
     needed = train.microbatches * layout.dp
     if train.global_batch < needed:

@@ -1,13 +1,13 @@
-"""Pipeline schedules, and the loop that runs one on a pipeline rank: the 1F1B schedule and its
-interleaved form (each rank holding several chunks of layers, "virtual stages"), as Megatron-LM
-orders them; and forward passes only, for an evaluation.
+"""The loop that runs a pipeline schedule (`dyad.pipeline_schedule`: 1F1B, its interleaved
+form, forward passes only) on a pipeline rank, moving activations and their gradients between the
+ranks of the pipeline.
 
 Stages are numbered in pipeline order: stage s is chunk s // pp of pipeline rank s % pp
 (`dyad.layout.LLMLayout.rank_stages`). Stage s's forward of microbatch m takes stage s - 1's
 output of m; its backward takes the gradient of that output from stage s + 1 and returns the
-gradient of its input to stage s - 1. A rank's actions come as a list (`schedule`,
-`forward_only`), and `run` walks it: it receives what an action needs just before it (blocking),
-sends what it produces without waiting, and waits for every send at the end.
+gradient of its input to stage s - 1. `Pipeline.run` walks a rank's list of actions: it receives
+what an action needs just before it (blocking), sends what it produces without waiting, and
+waits for every send at the end.
 
 Why not `torch.distributed.pipelining`: its `PipelineStage` infers the activations' shapes from
 the first microbatch of a step and receives every microbatch into buffers of that shape, where
@@ -30,48 +30,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class Action:
-    forward: bool  # False: the backward pass
-    chunk: int  # which of the rank's chunks of layers
-    microbatch: int
-
-
-def schedule(pp: int, pp_rank: int, microbatches: int, chunks: int = 1) -> list[Action]:
-    """Pipeline rank `pp_rank`'s actions for a training step: warm-up forwards, then one forward
-    and one backward in turn, then the remaining backwards. One chunk: 1F1B, at most pp - pp_rank
-    microbatches' activations held at once. Several: the interleaved 1F1B, which cuts the
-    pipeline's idle time by the chunks and needs `microbatches` to be a multiple of pp (it runs
-    them in rounds of pp through each chunk in turn)."""
-    total = microbatches * chunks
-    if chunks == 1:
-        warmup = min(pp - pp_rank - 1, microbatches)
-    else:
-        if microbatches % pp:
-            raise ValueError(f"the interleaved schedule needs microbatches ({microbatches}) to be a multiple of pp ({pp})")
-        warmup = min((pp - pp_rank - 1) * 2 + (chunks - 1) * pp, total)
-    forwards = [Action(True, *_chunk_and_microbatch(k, pp, chunks, backward=False)) for k in range(total)]
-    backwards = [Action(False, *_chunk_and_microbatch(k, pp, chunks, backward=True)) for k in range(total)]
-    actions = forwards[:warmup]
-    for k in range(total - warmup):
-        actions += [forwards[warmup + k], backwards[k]]
-    return actions + backwards[total - warmup :]
-
-
-def forward_only(pp: int, pp_rank: int, microbatches: int, chunks: int = 1) -> list[Action]:
-    """Forward passes only (an evaluation): each microbatch through the rank's chunks in turn."""
-    return [Action(True, chunk, m) for m in range(microbatches) for chunk in range(chunks)]
-
-
-def _chunk_and_microbatch(k: int, pp: int, chunks: int, backward: bool) -> tuple[int, int]:
-    """The k-th forward (or backward) of a rank: in rounds of pp microbatches, each round through
-    the chunks in order (backward: in reverse)."""
-    if chunks == 1:
-        return 0, k
-    round_, within = divmod(k, pp * chunks)
-    chunk = within // pp
-    return (chunks - 1 - chunk if backward else chunk), round_ * pp + within % pp
+from dyad.pipeline_schedule import Action
 
 
 class StageWork(Protocol):

@@ -39,7 +39,8 @@ from dyad.optim import apply_update, build_optimizer
 from dyad.parallel.gradients import GradientPlan, full_tensors, pool_grad_sq_norm
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.overlap import GradientReduction
-from dyad.parallel.pipeline import Pipeline, schedule
+from dyad.parallel.pipeline import Pipeline
+from dyad.pipeline_schedule import schedule
 from dyad.parallel.sharded_optimizer import ShardedOptimizer
 from dyad.router.sampler import EpochSampler, split_microbatches
 from dyad.service import build_model, has_replicas

@@ -28,7 +28,8 @@ from dyad.llm_service.pipeline import StageMicrobatch, StageSteps
 from dyad.llm_service.sharding import shard_microbatch
 from dyad.llm_service.step import microbatch_loss, whole_microbatch
 from dyad.parallel.groups import ProcessGroups
-from dyad.parallel.pipeline import Pipeline, schedule
+from dyad.parallel.pipeline import Pipeline
+from dyad.pipeline_schedule import schedule
 from dyad.router.sampler import EpochSampler, split_microbatches
 from dyad.service import build_model
 from tests.dist.test_llm_layouts import _config, _sum_over

@@ -153,13 +153,13 @@ def test_llm_pipeline_groups_golden():
 @pytest.mark.parametrize(
     "kwargs, n_layers, stages",
     [
-        (dict(pp=2), 4, [range(0, 2), range(2, 4)]),
-        (dict(pp=4), 8, [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]),
+        ({"pp": 2}, 4, [range(2), range(2, 4)]),
+        ({"pp": 4}, 8, [range(2), range(2, 4), range(4, 6), range(6, 8)]),
         # interleaved: stage s is chunk s // pp of pipeline rank s % pp
-        (dict(pp=2, pp_virtual=2), 4, [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]),
-        (dict(pp=2, pp_layers=(1, 3)), 4, [range(0, 1), range(1, 4)]),
-        (dict(pp=2, pp_virtual=2, pp_layers=(2, 1, 1, 2)), 6, [range(0, 2), range(2, 3), range(3, 4), range(4, 6)]),
-        (dict(), 3, [range(0, 3)]),
+        ({"pp": 2, "pp_virtual": 2}, 4, [range(1), range(1, 2), range(2, 3), range(3, 4)]),
+        ({"pp": 2, "pp_layers": (1, 3)}, 4, [range(1), range(1, 4)]),
+        ({"pp": 2, "pp_virtual": 2, "pp_layers": (2, 1, 1, 2)}, 6, [range(2), range(2, 3), range(3, 4), range(4, 6)]),
+        ({}, 3, [range(3)]),
     ],
 )
 def test_llm_stage_layers(kwargs, n_layers, stages):
@@ -177,9 +177,9 @@ def test_llm_rank_stages_interleave():
 @pytest.mark.parametrize(
     "kwargs, n_layers, message",
     [
-        (dict(pp=4), 6, "parallel.llm: pp*pp_virtual (4*1 = 4) stages must divide n_layers (6); "
-                        "parallel.llm.pp_layers splits them unevenly"),
-        (dict(pp=2, pp_layers=(2, 3)), 4, "parallel.llm.pp_layers [2, 3] sums to 5, not n_layers (4)"),
+        ({"pp": 4}, 6, ("parallel.llm: pp*pp_virtual (4*1 = 4) stages must divide n_layers (6); "
+                        "parallel.llm.pp_layers splits them unevenly")),
+        ({"pp": 2, "pp_layers": (2, 3)}, 4, "parallel.llm.pp_layers [2, 3] sums to 5, not n_layers (4)"),
     ],
 )
 def test_llm_stage_layers_messages(kwargs, n_layers, message):
@@ -391,3 +391,35 @@ def test_a_resize_moves_a_gpu_that_both_device_lists_name():
     resized = config_lib.scaled(config_lib.scaled(config, "llm", 5), "encoder", 3)
     assert placement(resized) == {"encoder": [0, 1, 7], "llm": [2, 3, 4, 5, 6]}
     assert resized.train.microbatches == 6  # the step's 30 microbatches over 5 LLM ranks
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.llm.pp=2", "parallel.llm.pp_virtual=2", "llm.n_layers=4", "train.microbatches=3"],
+         "train.microbatches (3) must be a multiple of parallel.llm.pp (2) for the interleaved schedule"),
+        (["parallel.llm.pp=4", "llm.n_layers=4", "train.microbatches=4"],
+         "boundary.prefetch_depth (2) must be >= 4 with parallel.llm.pp 4 (pp_virtual 1) and train.microbatches 4"),
+        (["parallel.llm.pp=2", "parallel.llm.pp_virtual=2", "llm.n_layers=4", "train.microbatches=4",
+          "boundary.prefetch_depth=3"], "boundary.prefetch_depth (3) must be >= 4"),
+        (["parallel.llm.pp=2", "parallel.llm.pp_layers=[1, 2]"], "parallel.llm.pp_layers [1, 2] sums to 3, not n_layers (2)"),
+    ],
+)
+def test_a_pipeline_that_cannot_run_the_step_is_refused_naming_the_fields(overrides, message):
+    from dyad import config as config_lib
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config_lib.resolve(config_lib.load(None, overrides), vocab_size=32)
+
+
+def test_a_pipeline_resizes_by_whole_pipelines():
+    """A resize of the LLM pool changes dp; pp, like tp and cp, stays."""
+    from dyad import config as config_lib
+
+    config = config_lib.load(None, ["parallel.llm.pp=2", "train.global_batch=8", "train.microbatches=4"])
+    resized = config_lib.scaled(config, "llm", 4)
+    assert (resized.parallel.llm.pp, resized.parallel.llm.dp, resized.train.microbatches) == (2, 2, 2)
+    with pytest.raises(ValueError, match=re.escape("replicas (3) must be a multiple of parallel.llm.tp*cp*pp (1*1*2)")):
+        config_lib.scaled(config, "llm", 3)
+    config_lib.resolve(config_lib.load(None, ["parallel.llm.pp=4", "llm.n_layers=4", "boundary.prefetch_depth=4",
+                                              "train.microbatches=4"]), vocab_size=32)

@@ -1,4 +1,4 @@
-"""dyad.parallel.pipeline's schedules, walked without processes: every rank's actions run to the
+"""dyad.pipeline_schedule, walked without processes: every rank's actions run to the
 end in some order that respects each rank's order and every dependency (sends never wait,
 receives do), every forward and backward of every stage and microbatch exactly once, the messages
 between two ranks received in the order they are sent, and 1F1B's bound on held activations."""
@@ -7,15 +7,17 @@ import re
 
 import pytest
 
-from dyad.parallel.pipeline import Action, forward_only, schedule
+from dyad.pipeline_schedule import Action, first_stage_lead, forward_only, schedule
 
 SHAPES = [(pp, chunks, m) for pp in (2, 3, 4, 8) for chunks in (1, 2, 3) for m in range(1, 17)
           if chunks == 1 or m % pp == 0]
 
 
-def _walk(pp: int, chunks: int, actions: list[list[Action]]) -> bool:
+def _walk(pp: int, chunks: int, actions: list[list[Action]], prefetch: int | None = None) -> bool:
     """Whether the ranks, each blocking only where an action waits for another rank's output,
-    finish every action."""
+    finish every action. `prefetch`: the first stage's inputs come from a producer that works
+    that many microbatches ahead of the oldest whose gradient it has not got back (the encoder
+    pool); None: they are there from the start."""
     stages, done, next_ = pp * chunks, set(), [0] * pp
     moved = True
     while moved:
@@ -24,7 +26,10 @@ def _walk(pp: int, chunks: int, actions: list[list[Action]]) -> bool:
             while next_[rank] < len(actions[rank]):
                 action = actions[rank][next_[rank]]
                 stage = action.chunk * pp + rank
-                if action.forward:
+                if action.forward and stage == 0 and prefetch is not None:
+                    oldest = next(m for m in range(action.microbatch + 1) if ("B", 0, m) not in done)
+                    needs = None if action.microbatch < oldest + prefetch else ("B", 0, oldest)
+                elif action.forward:
                     needs = None if stage == 0 else ("F", stage - 1, action.microbatch)
                 else:
                     assert ("F", stage, action.microbatch) in done, "a backward before its forward"
@@ -64,6 +69,16 @@ def test_a_step_runs_every_pass_once_without_deadlock(pp, chunks, microbatches):
     assert _walk(pp, chunks, actions)
     sent, received = _messages(pp, chunks, actions)
     assert sent == received  # also in order: what NCCL, whose receives match sends in order, needs
+
+
+@pytest.mark.parametrize("pp, chunks, microbatches", SHAPES)
+def test_inputs_produced_the_first_stage_lead_ahead_suffice_and_no_fewer(pp, chunks, microbatches):
+    actions = [schedule(pp, rank, microbatches, chunks) for rank in range(pp)]
+    lead = first_stage_lead(pp, microbatches, chunks)
+    assert _walk(pp, chunks, actions, prefetch=lead)
+    assert not _walk(pp, chunks, actions, prefetch=lead - 1)
+    if chunks == 1:
+        assert lead == min(pp, microbatches)
 
 
 @pytest.mark.parametrize("pp, microbatches", [(2, 1), (2, 6), (4, 3), (4, 8), (8, 16)])
