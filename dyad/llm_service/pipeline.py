@@ -20,7 +20,7 @@ parts add up to `microbatch_loss`'s total exactly.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +79,42 @@ class StageMicrobatch:
     rows_NlD: torch.Tensor | None
 
 
-class StageSteps:
+class _StagePasses:
+    """What the forward passes of a pipeline rank's stages share: the microbatches' layer inputs,
+    the buffers the previous stage's outputs land in, a chunk's run through its layers.
+    `microbatches[m]` is read when microbatch m's first pass here starts (in microbatch order on
+    the first stage): its image rows need not have arrived before."""
+
+    def __init__(self, model: MoELM, layout: LLMLayout, pp_rank: int, microbatches: Sequence[StageMicrobatch],
+                 device: torch.device):
+        self.model, self.microbatches, self.device = model, microbatches, device
+        self.stages = layout.rank_stages(pp_rank)
+        self.layers = [layout.stage_layers(len(model.layers))[stage] for stage in self.stages]
+        self.last_stage = layout.stages - 1
+        self._inputs: dict[int, LayerInputs] = {}
+
+    def receive_buffer(self, chunk: int, m: int) -> torch.Tensor:
+        shape = self._layer_inputs(m).stream_shape
+        return torch.empty(shape, dtype=self.model.stream_dtype, device=self.device)
+
+    def _through_layers(self, chunk: int, m: int, h_in: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the chunk's output, its layers' aux loss) of microbatch m."""
+        if self.stages[chunk] == 0:
+            micro = self.microbatches[m]
+            positions = None if micro.rows_NlD is None else micro.local.image_positions_Nl
+            h_in = self.model.embed(micro.local.input_ids_BSl, micro.rows_NlD, positions)
+        return self.model.decode(h_in, self._layer_inputs(m), self.layers[chunk])
+
+    def _layer_inputs(self, m: int) -> LayerInputs:
+        if m not in self._inputs:
+            local = self.microbatches[m].local
+            self._inputs[m] = self.model.layer_inputs(
+                local.input_ids_BSl, position_ids_S=local.positions_Sl, valid_BS=local.valid_BSl,
+            )
+        return self._inputs[m]
+
+
+class StageSteps(_StagePasses):
     """A pipeline rank's forward and backward passes of a step's microbatches (a `StageWork`).
 
     `lm` (on the last stage) and `aux` sum the microbatches' losses as `microbatch_loss` reports
@@ -91,46 +126,33 @@ class StageSteps:
         model: MoELM,
         layout: LLMLayout,
         pp_rank: int,
-        microbatches: list[StageMicrobatch],
+        microbatches: Sequence[StageMicrobatch],
         *,
+        device: torch.device,
         global_target_tokens: int,
         global_microbatches: int,
         compute: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         returned: Callable[[int], None] = lambda m: None,
     ):
-        self.model, self.microbatches = model, microbatches
-        self.stages = layout.rank_stages(pp_rank)
-        self.layers = [layout.stage_layers(len(model.layers))[stage] for stage in self.stages]
-        self.last_stage = layout.stages - 1
+        super().__init__(model, layout, pp_rank, microbatches, device)
         self.global_target_tokens, self.global_microbatches = global_target_tokens, global_microbatches
         self.compute, self.returned = compute, returned
-        self._inputs: dict[int, LayerInputs] = {}
         self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, list[torch.Tensor]]] = {}
-        device = microbatches[0].local.input_ids_BSl.device if microbatches else None
         self.lm = torch.zeros((), dtype=torch.float64, device=device)
         self.aux = torch.zeros((), dtype=torch.float64, device=device)
 
-    def receive_buffer(self, chunk: int, m: int) -> torch.Tensor:
-        shape = self._layer_inputs(m).stream_shape
-        return torch.empty(shape, dtype=self.model.stream_dtype, device=self.lm.device)
-
     def forward(self, chunk: int, m: int, h_in: torch.Tensor | None) -> torch.Tensor | None:
-        stage, micro = self.stages[chunk], self.microbatches[m]
+        if h_in is not None:
+            h_in.requires_grad_(True)
         with self.compute():
-            if stage == 0:
-                local = micro.local
-                positions = None if micro.rows_NlD is None else local.image_positions_Nl
-                h_BSD = self.model.embed(local.input_ids_BSl, micro.rows_NlD, positions)
-            else:
-                h_BSD = h_in.requires_grad_(True)
-            h_BSD, aux = self.model.decode(h_BSD, self._layer_inputs(m), self.layers[chunk])
+            h_BSD, aux = self._through_layers(chunk, m, h_in)
             aux = aux / self.global_microbatches
             self.aux = self.aux + aux.detach()
-            if stage < self.last_stage:
+            if self.stages[chunk] < self.last_stage:
                 self._saved[(chunk, m)] = (h_in, [h_BSD, aux])
                 return h_BSD
-            logits_BSV = self.model.head(h_BSD)
-            lm = self.model.loss_sum(logits_BSV, micro.local.targets_BSl) / self.global_target_tokens
+            targets_BSl = self.microbatches[m].local.targets_BSl
+            lm = self.model.loss_sum(self.model.head(h_BSD), targets_BSl) / self.global_target_tokens
         self.lm = self.lm + lm.detach()
         self._saved[(chunk, m)] = (h_in, [lm + aux])
         return None
@@ -146,10 +168,25 @@ class StageSteps:
             return None
         return h_in.grad if h_in.grad is not None else torch.zeros_like(h_in)
 
-    def _layer_inputs(self, m: int) -> LayerInputs:
-        if m not in self._inputs:
-            local = self.microbatches[m].local
-            self._inputs[m] = self.model.layer_inputs(
-                local.input_ids_BSl, position_ids_S=local.positions_Sl, valid_BS=local.valid_BSl,
-            )
-        return self._inputs[m]
+
+class StageHeldOut(_StagePasses):
+    """A pipeline rank's forward passes of an evaluation's microbatches (a `StageWork`, forward
+    only): on the last stage `held_out(m, logits_BSV)` takes each microbatch's logits."""
+
+    def __init__(self, model: MoELM, layout: LLMLayout, pp_rank: int, microbatches: Sequence[StageMicrobatch], *,
+                 device: torch.device, held_out: Callable[[int, torch.Tensor], None],
+                 compute: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        super().__init__(model, layout, pp_rank, microbatches, device)
+        self.held_out, self.compute = held_out, compute
+
+    @torch.no_grad()
+    def forward(self, chunk: int, m: int, h_in: torch.Tensor | None) -> torch.Tensor | None:
+        with self.compute():
+            h_BSD, _ = self._through_layers(chunk, m, h_in)
+            if self.stages[chunk] < self.last_stage:
+                return h_BSD
+            self.held_out(m, self.model.head(h_BSD))
+        return None
+
+    def backward(self, chunk: int, m: int, grad_out: torch.Tensor | None) -> torch.Tensor | None:
+        raise RuntimeError("an evaluation runs forward passes only")

@@ -83,6 +83,15 @@ def heldout_microbatch(
     each sample's [start, stop) of sequence positions whose targets are its answer
     (`dyad.data.answer_targets`); the shard checks those among its own columns."""
     logits_BSV, _ = _forward(model, local, image_rows_NlD)
+    return held_out(model, logits_BSV, local, answer_spans_B2, heldout_target_tokens=heldout_target_tokens)
+
+
+@torch.no_grad()
+def held_out(
+    model: nn.Module, logits_BSV: torch.Tensor, local: LocalMicrobatch, answer_spans_B2: torch.Tensor, *,
+    heldout_target_tokens: int,
+) -> HeldOut:
+    """`heldout_microbatch` of the logits the model gave the shard (a pipeline's last stage has them)."""
     lm = model.loss_sum(logits_BSV, local.targets_BSl) / heldout_target_tokens
     positions_1S = local.positions_Sl.unsqueeze(0)
     answer_BS = (positions_1S >= answer_spans_B2[:, :1]) & (positions_1S < answer_spans_B2[:, 1:])

@@ -3,6 +3,11 @@ exactly the image-token rows of its context shard (tp rank 0 gets one packed buf
 peer and broadcasts the rows to its tp group), splice them, run forward and backward, and send
 each row's gradient back exactly once (tp rank 0 does).
 
+With pipeline parallelism (parallel.llm.pp > 1) the microbatches go through the rank's stages in
+the pipeline's schedule (`dyad.parallel.pipeline`: 1F1B, or interleaved with pp_virtual > 1);
+only first-stage ranks receive image rows and return their gradients, the last stage computes
+the caption loss, every stage its layers' aux losses.
+
 Every receive of the step is posted up front, so rows the encoder sends early land while this
 rank is still busy with an earlier microbatch. An evaluation runs the same microbatches forward
 only, batch by batch, and sends nothing back.
@@ -12,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -29,8 +36,11 @@ from dyad.llm_service.hf_config import text_config
 from dyad.llm_service.model import MoELM
 from dyad.llm_service.moe import update_expert_biases
 from dyad.llm_service.parallelize import parallelize_llm
+from dyad.llm_service.pipeline import StageHeldOut, StageMicrobatch, StageSteps
 from dyad.llm_service.sharding import shard_microbatch
-from dyad.llm_service.step import heldout_microbatch, microbatch_loss
+from dyad.llm_service.step import HeldOut, held_out, heldout_microbatch, microbatch_loss
+from dyad.parallel.pipeline import Pipeline
+from dyad.pipeline_schedule import forward_only, schedule
 from dyad.service import PoolService, boundary_dtype, compute_context, transfer_segments
 from dyad.slices import load_pieces
 from dyad.transport import Direction, MessageTag, Phase
@@ -48,6 +58,36 @@ class Arrival:
     segments: RowSegments
     buffer_ND: torch.Tensor
     received: Future
+
+
+@dataclass
+class Trained:
+    """What a step's passes leave to report: the losses summed in float64 on the device (read, a
+    host sync, once the step's work is queued), the boundary bytes, the gradient sends."""
+
+    lm: torch.Tensor
+    aux: torch.Tensor
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    sends: list[Future] = field(default_factory=list)
+
+
+class Taken(Sequence):
+    """A step's inputs (`LLMWorker._inputs`: microbatch, shard, image rows, their arrivals), each
+    taken, its rows waited for, when a pass first asks for it: the first stage asks in microbatch
+    order, so the encoder's rows of later microbatches may still be on their way."""
+
+    def __init__(self, inputs, count: int):
+        self._inputs, self._count, self.items = iter(inputs), count, []
+
+    def __getitem__(self, m: int) -> StageMicrobatch:
+        while len(self.items) <= m:
+            self.items.append(next(self._inputs))
+        _, local, rows_NlD, _ = self.items[m]
+        return StageMicrobatch(local, rows_NlD)
+
+    def __len__(self) -> int:
+        return self._count
 
 
 class LLMWorker(PoolService):
@@ -81,20 +121,55 @@ class LLMWorker(PoolService):
     def parallelize(self, model, groups):
         return parallelize_llm(model, groups, sequence_parallel=self.config.parallel.sequence_parallel)
 
+    @cached_property
+    def pipeline(self) -> Pipeline:
+        return Pipeline(self.groups.ranks("pp"), self.groups.group("pp"), self.groups.index("pp"), self.layout.pp_virtual)
+
+    @property
+    def splices(self) -> bool:
+        """Whether this rank splices image rows: one of the first pipeline stage's."""
+        return self.groups.index("pp") == 0
+
+    @property
+    def computes_logits(self) -> bool:
+        """Whether this rank computes the logits and the caption loss: one of the last stage's."""
+        return self.layout.stages - 1 in self.layout.rank_stages(self.groups.index("pp"))
+
     def step(self, command: pb.StepCommand) -> pb.StepResult:
         self.lr = command.lr
         self.model.train()
         arrivals = self._post_receives(command, Phase.TRAIN)
-        tp_rank = self.groups.index("tp")
-        # Summed in float64 on the device, as Python floats would be, and read (a host sync) once
-        # the step's work is queued.
-        lm_sum = aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        bytes_sent = bytes_received = 0
         waits = ExposedWait(self.device)
-        sends: list[Future] = []
         ours = self._microbatches_of_this_lane(command)
-        for position, (_, local, rows_NlD, mine) in enumerate(self._inputs(command, ours, arrivals, waits)):
-            bytes_received += sum(arrival.buffer_ND.nbytes for arrival in mine)
+        inputs = self._inputs(command, ours, arrivals, waits)
+        passes = self._pipelined if self.layout.pp > 1 else self._one_at_a_time
+        trained = passes(command, len(ours), inputs)
+        # Before the biases' all-reduce over the stage: the gradient reduction may still have
+        # buckets of that group to send, and every rank must send them in the same order.
+        grad_sq_norm = self.finish_backward()
+        if "llm" not in self.config.train.freeze:
+            update_expert_biases(self.model, group=self.groups.group("stage"))
+        for sent in trained.sends:
+            sent.result()
+        waited = waits.each_seconds()
+        return pb.StepResult(
+            step=command.step,
+            grad_sq_norm=grad_sq_norm,
+            lm_loss_sum=float(trained.lm),
+            aux_loss=float(trained.aux),
+            boundary_bytes_sent=trained.bytes_sent,
+            boundary_bytes_received=trained.bytes_received,
+            boundary_wait_s=sum(waited),
+            boundary_fill_wait_s=waited[0] if waited else 0.0,
+            peak_memory_gb=self.peak_memory_gb(),
+        )
+
+    def _one_at_a_time(self, command: pb.StepCommand, count: int, inputs) -> Trained:
+        """Each microbatch's forward and backward in turn, the whole model on this rank."""
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        trained = Trained(zero, zero)
+        for position, (_, local, rows_NlD, mine) in enumerate(inputs):
+            trained.bytes_received += sum(arrival.buffer_ND.nbytes for arrival in mine)
             with compute_context(self.config):
                 loss = microbatch_loss(
                     self.model,
@@ -103,63 +178,65 @@ class LLMWorker(PoolService):
                     global_target_tokens=command.global_target_tokens,
                     global_microbatches=command.global_microbatches,
                 )
-            if position == len(ours) - 1:
+            if position == count - 1:
                 self.reduction.arm()  # the step's last backward: reduce buckets as it ends them
             if loss.total.requires_grad:  # not where nothing before it trains (a frozen LLM, no images)
                 loss.total.backward()
-            if tp_rank == 0:  # tp ranks hold the same loss
-                lm_sum = lm_sum + loss.lm
-            aux_sum = aux_sum + loss.aux  # each rank holds its share
-            if rows_NlD is not None and rows_NlD.requires_grad:  # not to a frozen encoder
-                returned = self._send_gradients(command.step, mine, rows_NlD.grad)
-                sends += [future for future, _ in returned]
-                bytes_sent += sum(nbytes for _, nbytes in returned)
-        # Before the biases' all-reduce over "world": the gradient reduction may still have
-        # buckets of that group to send, and every rank must send them in the same order.
-        grad_sq_norm = self.finish_backward()
-        if "llm" not in self.config.train.freeze:
-            update_expert_biases(self.model, group=self.groups.group("world"))
-        for sent in sends:
-            sent.result()
-        waited = waits.each_seconds()
-        return pb.StepResult(
-            step=command.step,
-            grad_sq_norm=grad_sq_norm,
-            lm_loss_sum=float(lm_sum),
-            aux_loss=float(aux_sum),
-            boundary_bytes_sent=bytes_sent,
-            boundary_bytes_received=bytes_received,
-            boundary_wait_s=sum(waited),
-            boundary_fill_wait_s=waited[0] if waited else 0.0,
-            peak_memory_gb=self.peak_memory_gb(),
+            if self.groups.index("tp") == 0:  # tp ranks hold the same loss
+                trained.lm = trained.lm + loss.lm
+            trained.aux = trained.aux + loss.aux  # each rank holds its share
+            self._return_gradients(trained, command.step, rows_NlD, mine)
+        return trained
+
+    def _pipelined(self, command: pb.StepCommand, count: int, inputs) -> Trained:
+        """The microbatches through this rank's pipeline stages in the pipeline's schedule."""
+        taken = Taken(inputs, count)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        trained = Trained(zero, zero)
+
+        def returned(m: int) -> None:  # microbatch m's image rows have their gradient
+            _, _, rows_NlD, mine = taken.items[m]
+            trained.bytes_received += sum(arrival.buffer_ND.nbytes for arrival in mine)
+            self._return_gradients(trained, command.step, rows_NlD, mine)
+
+        work = StageSteps(
+            self.model, self.layout, self.groups.index("pp"), taken, device=self.device,
+            global_target_tokens=command.global_target_tokens, global_microbatches=command.global_microbatches,
+            compute=lambda: compute_context(self.config), returned=returned,
         )
+        actions = schedule(self.layout.pp, self.groups.index("pp"), count, self.layout.pp_virtual)
+        self.pipeline.run(actions, work, count, before_last_backward=self.reduction.arm)
+        if self.groups.index("tp") == 0:  # tp ranks hold the same loss; 0 but on the last stage
+            trained.lm = work.lm
+        trained.aux = work.aux  # each rank holds its share
+        return trained
+
+    def _return_gradients(self, trained: Trained, step: int, rows_NlD, mine) -> None:
+        if rows_NlD is not None and rows_NlD.requires_grad:  # not to a frozen encoder
+            returned = self._send_gradients(step, mine, rows_NlD.grad)
+            trained.sends += [future for future, _ in returned]
+            trained.bytes_sent += sum(nbytes for _, nbytes in returned)
 
     @torch.no_grad()
     def evaluate(self, command: pb.EvalCommand) -> pb.EvalResult:
-        """The held-out batches' caption loss and answer checks (tp rank 0 of each shard reports
-        them: its tp group holds the same), forward only: the image rows' gradients stay here."""
+        """The held-out batches' caption loss and answer checks (tp rank 0 of each shard of the
+        last stage reports them: its tp group holds the same), forward only: the image rows'
+        gradients stay here."""
         self.model.eval()
-        reports = self.groups.index("tp") == 0
+        reports = self.groups.index("tp") == 0 and self.computes_logits
         lm_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         answers: dict[int, list[int]] = {}
         received = 0
         for batch in command.batches:
             arrivals = self._post_receives(batch, Phase.EVAL)
             ours = self._microbatches_of_this_lane(batch)
-            for microbatch, local, rows_NlD, mine in self._inputs(batch, ours, arrivals, ExposedWait(self.device)):
-                received += sum(arrival.buffer_ND.nbytes for arrival in mine)
-                image_tokens = planned_image_tokens(batch.plan, microbatch.index)
-                spans = [
-                    answer_targets(self.dataset.tokenizer, self.dataset.sample(s), image_tokens)
-                    for s in microbatch.sample_ids
-                ]
-                spans_B2 = torch.tensor([[span.start, span.stop] for span in spans], device=self.device)
-                with compute_context(self.config):
-                    held_out = heldout_microbatch(
-                        self.model, local, rows_NlD, spans_B2, heldout_target_tokens=batch.global_target_tokens
-                    )
-                lm_sum = lm_sum + held_out.lm
-                checks = zip(microbatch.sample_ids, spans, held_out.checked_B.tolist(), held_out.wrong_B.tolist())
+            inputs = self._inputs(batch, ours, arrivals, ExposedWait(self.device))
+            held_out_of = self._pipelined_held_out if self.layout.pp > 1 else self._held_out
+            results, batch_received = held_out_of(batch, len(ours), inputs)
+            received += batch_received
+            for microbatch, spans, held in results:
+                lm_sum = lm_sum + held.lm
+                checks = zip(microbatch.sample_ids, spans, held.checked_B.tolist(), held.wrong_B.tolist())
                 for sample_id, span, checked, wrong in checks:
                     if span:
                         answers[sample_id] = [checked, wrong]
@@ -171,6 +248,45 @@ class LLMWorker(PoolService):
             ] if reports else [],
             boundary_bytes_received=received,
         )
+
+    def _held_out(self, batch: pb.StepCommand, count: int, inputs) -> tuple[list, int]:
+        """([(microbatch, its answer spans, its HeldOut)], the image bytes received)."""
+        results, received = [], 0
+        for microbatch, local, rows_NlD, mine in inputs:
+            received += sum(arrival.buffer_ND.nbytes for arrival in mine)
+            spans, spans_B2 = self._answer_spans(batch, microbatch)
+            with compute_context(self.config):
+                held = heldout_microbatch(
+                    self.model, local, rows_NlD, spans_B2, heldout_target_tokens=batch.global_target_tokens
+                )
+            results.append((microbatch, spans, held))
+        return results, received
+
+    def _pipelined_held_out(self, batch: pb.StepCommand, count: int, inputs) -> tuple[list, int]:
+        """`_held_out` through the pipeline: the last stage's ranks have the results."""
+        taken, results = Taken(inputs, count), []
+
+        def logits(m: int, logits_BSV: torch.Tensor) -> None:
+            microbatch, local, _, _ = taken.items[m]
+            spans, spans_B2 = self._answer_spans(batch, microbatch)
+            held: HeldOut = held_out(self.model, logits_BSV, local, spans_B2,
+                                     heldout_target_tokens=batch.global_target_tokens)
+            results.append((microbatch, spans, held))
+
+        work = StageHeldOut(self.model, self.layout, self.groups.index("pp"), taken, device=self.device,
+                            held_out=logits, compute=lambda: compute_context(self.config))
+        actions = forward_only(self.layout.pp, self.groups.index("pp"), count, self.layout.pp_virtual)
+        self.pipeline.run(actions, work, count)
+        received = sum(arrival.buffer_ND.nbytes for _, _, _, mine in taken.items for arrival in mine)
+        return results, received
+
+    def _answer_spans(self, batch: pb.StepCommand, microbatch: pb.Microbatch) -> tuple[list, torch.Tensor]:
+        image_tokens = planned_image_tokens(batch.plan, microbatch.index)
+        spans = [
+            answer_targets(self.dataset.tokenizer, self.dataset.sample(s), image_tokens)
+            for s in microbatch.sample_ids
+        ]
+        return spans, torch.tensor([[span.start, span.stop] for span in spans], device=self.device)
 
     def _microbatches_of_this_lane(self, command: pb.StepCommand) -> list[pb.Microbatch]:
         dp_rank = self.groups.index("dp")
@@ -192,7 +308,7 @@ class LLMWorker(PoolService):
                 tp=self.layout.tp,
                 multimodal_rope=bool(self.config.llm.mrope_section),
             )
-            expected = local.image_rows_Nl.numel()
+            expected = local.image_rows_Nl.numel() if self.splices else 0
             local = local.to(self.device)
             if local_rows.get(microbatch.index, 0) != expected:
                 raise RuntimeError(
@@ -201,7 +317,7 @@ class LLMWorker(PoolService):
                 )
             mine = arrivals.get(microbatch.index, [])
             with waits.measuring():
-                rows_NlD = self._splice_rows(command, expected, mine) if batch.image_ids else None
+                rows_NlD = self._splice_rows(command, expected, mine) if batch.image_ids and self.splices else None
             yield microbatch, local, rows_NlD, mine
 
     def _post_receives(self, command: pb.StepCommand, phase: Phase) -> dict[int, list]:

@@ -40,8 +40,8 @@ from dyad.parallel.gradients import GradientPlan, full_tensors, pool_grad_sq_nor
 from dyad.parallel.groups import ProcessGroups
 from dyad.parallel.overlap import GradientReduction
 from dyad.parallel.pipeline import Pipeline
-from dyad.pipeline_schedule import schedule
 from dyad.parallel.sharded_optimizer import ShardedOptimizer
+from dyad.pipeline_schedule import schedule
 from dyad.router.sampler import EpochSampler, split_microbatches
 from dyad.service import build_model, has_replicas
 from dyad.working_weights import WorkingWeights, trained_parameters
@@ -145,7 +145,7 @@ class _Pool:
 
     def _pipelined_llm_loss(self, mine, targets):
         layout, pp_rank = self.groups.layout, self.groups.index("pp")
-        work = StageSteps(self.model, layout, pp_rank, mine, global_target_tokens=targets,
+        work = StageSteps(self.model, layout, pp_rank, mine, device=torch.device("cpu"), global_target_tokens=targets,
                           global_microbatches=MICROBATCHES)
         pipeline = Pipeline(self.groups.ranks("pp"), self.groups.group("pp"), pp_rank, layout.pp_virtual)
         pipeline.run(schedule(layout.pp, pp_rank, len(mine), layout.pp_virtual), work, len(mine))

@@ -46,14 +46,14 @@ TEST_BUCKET_BYTES = 16 * 2**10
 MODEL = ["llm.n_layers=4", "llm.moe.expert_bias=true", "llm.moe.expert_bias_rate=0.05"]
 
 LAYOUTS = {
-    "pp2": dict(pp=2),
-    "pp4": dict(pp=4),
-    "pp2-interleaved": dict(pp=2, pp_virtual=2),
-    "pp2-uneven": dict(pp=2, pp_layers=(1, 3)),
-    "pp2-tp2": dict(pp=2, tp=2),
-    "pp2-tp2-sp": dict(pp=2, tp=2, sp=True),
-    "pp2-dp2-ep2": dict(pp=2, dp=2, ep=2),
-    "pp2-cp2": dict(pp=2, cp=2),
+    "pp2": {"pp": 2},
+    "pp4": {"pp": 4},
+    "pp2-interleaved": {"pp": 2, "pp_virtual": 2},
+    "pp2-uneven": {"pp": 2, "pp_layers": (1, 3)},
+    "pp2-tp2": {"pp": 2, "tp": 2},
+    "pp2-tp2-sp": {"pp": 2, "tp": 2, "sp": True},
+    "pp2-dp2-ep2": {"pp": 2, "dp": 2, "ep": 2},
+    "pp2-cp2": {"pp": 2, "cp": 2},
 }
 
 
@@ -102,14 +102,14 @@ def _pipeline_body(rank, world_size, layout_kwargs, options, shard=False):
             mine.append(StageMicrobatch(local, my_rows[local.image_rows_Nl] if spliced else None))
             rows_of[len(mine) - 1] = (my_rows, ref_rows)
 
-        def boundary_gradient(m):  # after microbatch m's backward on the first stage
+        def boundary_gradient(m, rows_of=rows_of, step=step):  # after m's backward on the first stage
             my_rows, ref_rows = rows_of[m]
             if my_rows.numel():  # CP shards add up, TP replicas agree
                 boundary = my_rows.grad.clone()
                 dist.all_reduce(boundary, group=groups.group("cp"))
                 assert_tensors_close({"rows": boundary}, {"rows": ref_rows.grad}, f"step {step} mb {m}")
 
-        work = StageSteps(model, layout, pp_rank, mine, global_target_tokens=targets,
+        work = StageSteps(model, layout, pp_rank, mine, device=torch.device("cpu"), global_target_tokens=targets,
                           global_microbatches=total_microbatches, returned=boundary_gradient)
         actions = schedule(layout.pp, pp_rank, len(mine), layout.pp_virtual)
         pipeline.run(actions, work, len(mine), before_last_backward=stepper.reduction.arm)
@@ -148,12 +148,12 @@ def test_pipeline_layout_matches_single_device(name):
 
 
 def test_pp4_interleaved_matches_single_device():
-    kwargs = dict(pp=4, pp_virtual=2)
+    kwargs = {"pp": 4, "pp_virtual": 2}
     run_distributed(_pipeline_body, 4, kwargs, ["llm.n_layers=8", "llm.dense_layers=[0, 5]"])
 
 
 # The optimizer sharded over each stage's replicas: dense parameters over dp, the expert weights
 # over edp, whose group in pp2-dp2-ep2 is one rank.
 def test_sharded_optimizer_under_pipeline_layouts_matches_single_device_adamw():
-    layouts = [dict(pp=2, dp=2), dict(pp=2, dp=2, ep=2)]
+    layouts = [{"pp": 2, "dp": 2}, {"pp": 2, "dp": 2, "ep": 2}]
     run_each([(_pipeline_body, (kwargs, [], True)) for kwargs in layouts], 4)

@@ -57,6 +57,9 @@ LAYOUTS = {
     "encoder_dp2_llm_tp2": ["parallel.encoder.dp=2", "parallel.llm.tp=2"],
     "encoder_tp2_llm_cp2": ["parallel.encoder.tp=2", "parallel.llm.cp=2"],
     "llm_dp2_ep2": ["parallel.llm.dp=2", "parallel.llm.ep=2"],
+    # resumed from one rank's checkpoint into two stages, which evaluate forward only through
+    # the pipeline: the last stage's ranks report
+    "llm_pp2_dp2": ["parallel.llm.pp=2", "parallel.llm.dp=2"],
 }
 
 

@@ -17,10 +17,12 @@ from dyad.data import make_dataset
 from dyad.service import build_model
 from tests.helpers.resilience import BASE
 
-MODES = {
-    "encoder": ["parallel.encoder.dp=2", "parallel.llm.tp=2"],
-    "llm": ["parallel.encoder.tp=2", "parallel.llm.dp=2", "parallel.llm.ep=2"],
-    "vision_tower,llm": ["parallel.encoder.dp=2", "parallel.llm.cp=2"],
+MODES = {  # case: (train.freeze, the layouts)
+    "encoder": ("encoder", ["parallel.encoder.dp=2", "parallel.llm.tp=2"]),
+    "llm": ("llm", ["parallel.encoder.tp=2", "parallel.llm.dp=2", "parallel.llm.ep=2"]),
+    # the image rows' gradients through both stages of a frozen LLM
+    "llm-pp2": ("llm", ["parallel.llm.pp=2", "parallel.llm.dp=2"]),
+    "vision_tower,llm": ("vision_tower,llm", ["parallel.encoder.dp=2", "parallel.llm.cp=2"]),
 }
 
 
@@ -31,10 +33,11 @@ def _held(name: str, frozen: list[str]) -> bool:
     return pool == "encoder" and "vision_tower" in frozen and not param.startswith(("proj_in.", "proj_out."))
 
 
-@pytest.mark.parametrize("frozen", MODES)
-def test_a_frozen_part_holds_and_the_rest_trains_as_on_one_device(frozen, tmp_path):
+@pytest.mark.parametrize("case", MODES)
+def test_a_frozen_part_holds_and_the_rest_trains_as_on_one_device(case, tmp_path):
+    frozen, layouts = MODES[case]
     config = config_lib.load(None, [*BASE, "checkpoint.interval_steps=0", "train.steps=4", "eval.final=false",
-                                    f"train.freeze=[{frozen}]", *MODES[frozen]])
+                                    f"train.freeze=[{frozen}]", *layouts])
     config = dataclasses.replace(config, out_dir=str(tmp_path))
     job = run_job(config, progress=False)
     assert job.succeeded, job.info.message

@@ -51,6 +51,12 @@ LAYOUT_CASES = {
     "enc-dp4-llm-cp2-dp2-ep4": [*VARIABLE_IMAGES, "parallel.encoder.dp=4", "parallel.llm.cp=2",
                                 "parallel.llm.dp=2", "parallel.llm.ep=4", "train.global_batch=8",
                                 "llm.moe.expert_bias=true", "llm.moe.expert_bias_rate=0.05"],
+    # Two pipeline stages of two data-parallel ranks each: the image rows go to the first stage's
+    # ranks only, which return their gradients; the stages' expert biases move by their own
+    # ranks' counts.
+    "enc-dp3-llm-pp2-dp2": [*VARIABLE_IMAGES, "parallel.encoder.dp=3", "parallel.llm.pp=2", "parallel.llm.dp=2",
+                            "llm.n_layers=4", "train.global_batch=12", "llm.moe.expert_bias=true",
+                            "llm.moe.expert_bias_rate=0.05"],
     # The experts' w13 sliced over etp in (gate, up) pairs.
     "llm-dp4-ep2-etp2": [*VARIABLE_IMAGES, "parallel.llm.dp=4", "parallel.llm.ep=2", "parallel.llm.etp=2",
                          "train.global_batch=8"],
