@@ -234,7 +234,13 @@ def validate_llm_layout(layout: LLMLayout, llm_cfg) -> None:
     if moe.num_experts % layout.ep:
         raise ValueError(f"{section}: num_experts ({moe.num_experts}) must be divisible by ep ({layout.ep})")
     _check_divides(section, "etp", layout.etp, "moe.expert_dim", moe.expert_dim)
-    layout.stage_layers(llm_cfg.n_layers)
+    first_stage = layout.stage_layers(llm_cfg.n_layers)[0]
+    if llm_cfg.deepstack_levels > len(first_stage):
+        raise ValueError(
+            f"{section}: the first pipeline stage holds {len(first_stage)} layers, fewer than llm.deepstack_levels "
+            f"({llm_cfg.deepstack_levels}): the image rows, DeepStack's with them, reach that stage alone "
+            f"(parallel.llm.pp_layers gives it more)"
+        )
 
 
 def validate_encoder_layout(layout: EncoderLayout, enc_cfg) -> None:

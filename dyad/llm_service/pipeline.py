@@ -6,8 +6,9 @@ The cut keeps the single-device model and its names (`layers.<i>`), so checkpoin
 gathered to full shapes and pretrained weights address every parameter as before; what the rank's
 stages do not hold becomes `OnAnotherStage`, which holds no weights. Stage 0 holds the
 embedding (image rows are spliced there, and only there: the boundary delivers them to its ranks
-alone), the last stage the final norm, the output and the loss, each stage its layers
-(`LLMLayout.stage_layers`).
+alone; so are their DeepStack levels, added after layers the first stage must hold:
+`validate_llm_layout`), the last stage the final norm, the output and the loss, each stage its
+layers (`LLMLayout.stage_layers`).
 
 A microbatch's loss, stage by stage: every stage computes the microbatch's layer inputs itself
 (`MoELM.layer_inputs`: positions, rotary, masks; no weights), runs its layers (`MoELM.decode`)
@@ -29,6 +30,7 @@ from torch import nn
 from dyad.layout import LLMLayout
 from dyad.llm_service.model import LayerInputs, MoELM
 from dyad.llm_service.sharding import LocalMicrobatch
+from dyad.llm_service.step import model_inputs
 
 _LAST_STAGE_PARTS = ("norm", "output", "caption_loss", "predicted_targets")
 
@@ -91,6 +93,7 @@ class _StagePasses:
         self.stages = layout.rank_stages(pp_rank)
         self.layers = [layout.stage_layers(len(model.layers))[stage] for stage in self.stages]
         self.last_stage = layout.stages - 1
+        self._model_inputs: dict[int, tuple[tuple, dict]] = {}
         self._inputs: dict[int, LayerInputs] = {}
 
     def receive_buffer(self, chunk: int, m: int) -> torch.Tensor:
@@ -99,18 +102,22 @@ class _StagePasses:
 
     def _through_layers(self, chunk: int, m: int, h_in: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the chunk's output, its layers' aux loss) of microbatch m."""
+        (input_ids_BSl, rows_NlD, positions_Nl), _ = self._arguments(m)
         if self.stages[chunk] == 0:
-            micro = self.microbatches[m]
-            positions = None if micro.rows_NlD is None else micro.local.image_positions_Nl
-            h_in = self.model.embed(micro.local.input_ids_BSl, micro.rows_NlD, positions)
+            h_in = self.model.embed(input_ids_BSl, rows_NlD, positions_Nl)
         return self.model.decode(h_in, self._layer_inputs(m), self.layers[chunk])
+
+    def _arguments(self, m: int) -> tuple[tuple, dict]:
+        """Microbatch m's `MoELM.forward` arguments (`model_inputs`)."""
+        if m not in self._model_inputs:
+            micro = self.microbatches[m]
+            self._model_inputs[m] = model_inputs(self.model, micro.local, micro.rows_NlD)
+        return self._model_inputs[m]
 
     def _layer_inputs(self, m: int) -> LayerInputs:
         if m not in self._inputs:
-            local = self.microbatches[m].local
-            self._inputs[m] = self.model.layer_inputs(
-                local.input_ids_BSl, position_ids_S=local.positions_Sl, valid_BS=local.valid_BSl,
-            )
+            (input_ids_BSl, _, positions_Nl), kwargs = self._arguments(m)
+            self._inputs[m] = self.model.layer_inputs(input_ids_BSl, positions_Nl, **kwargs)
         return self._inputs[m]
 
 

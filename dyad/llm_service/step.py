@@ -49,16 +49,22 @@ def microbatch_loss(
 
 
 def _forward(model: nn.Module, local: LocalMicrobatch, image_rows_NlD: torch.Tensor | None):
-    """(logits_BSV, aux) of the shard `local`, its image rows spliced where it has any: each row
-    its merged token, then each DeepStack level's (llm.deepstack_levels), side by side."""
+    """(logits_BSV, aux) of the shard `local`, its image rows spliced where it has any."""
+    args, kwargs = model_inputs(model, local, image_rows_NlD)
+    return model(*args, **kwargs)
+
+
+def model_inputs(model: nn.Module, local: LocalMicrobatch, image_rows_NlD: torch.Tensor | None) -> tuple[tuple, dict]:
+    """`MoELM.forward`'s arguments (positional, keyword) for the shard `local` and its image rows:
+    each row its merged token, then each DeepStack level's (llm.deepstack_levels), side by side."""
     positions = deepstack = None
     if image_rows_NlD is not None:
         positions = local.image_positions_Nl
         image_rows_NlD, *deepstack = image_rows_NlD.split(model.cfg.dim, dim=1)
     multimodal = local.rope_positions_3BSl is not None  # its positions restart at each packed sample already
-    return model(
-        local.input_ids_BSl, image_rows_NlD, positions, position_ids_S=local.positions_Sl, valid_BS=local.valid_BSl,
-        rope_positions_3BS=local.rope_positions_3BSl, deepstack_embeds=deepstack, documents_BS=local.documents_BSl,
+    return (local.input_ids_BSl, image_rows_NlD, positions), dict(
+        position_ids_S=local.positions_Sl, valid_BS=local.valid_BSl, rope_positions_3BS=local.rope_positions_3BSl,
+        deepstack_embeds=deepstack, documents_BS=local.documents_BSl,
         sample_positions_BS=None if multimodal else local.sample_positions_BSl, document_bounds=local.document_bounds,
     )
 

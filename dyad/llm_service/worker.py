@@ -102,13 +102,16 @@ class LLMWorker(PoolService):
 
     @staticmethod
     def load_pretrained(model: MoELM, config) -> None:
-        """The `llm.from_hf` checkpoint's weights; rows the tokenizer added past its embedding
-        keep their drawn values."""
+        """The `llm.from_hf` checkpoint's weights, those of the tensors `model` holds (a pipeline
+        stage's, under pipeline parallelism); rows the tokenizer added past its embedding keep
+        their drawn values."""
         if not config.llm.from_hf:
             return
         checkpoint = HFCheckpoint(config.llm.from_hf)
         rows = text_config(checkpoint.config)["vocab_size"]
         sources = llm_sources(checkpoint, dataclasses.replace(config.llm, vocab_size=rows))
+        held = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        sources = {name: source for name, source in sources.items() if name in held}
         load_pieces(model, sources, rows=dict.fromkeys(_VOCABULARY_ROWS, config.llm.vocab_size))
         log.info("loaded the weights of %s", config.llm.from_hf)
 

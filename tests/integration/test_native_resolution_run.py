@@ -5,9 +5,9 @@ dataset's images), and the run's losses and updated parameters match the single-
 at every step. With dyad's own LLM (encoder dp1 -> LLM dp1) only the merged tokens cross and the
 DeepStack mergers are held; with the checkpoint's own LLM too (`llm.from_hf`: multimodal rotary
 positions from each image's grid, a DeepStack level in every image row) under encoder dp1 -> LLM
-tp2·ep2, dp3 -> cp2·dp2 (its samples packed into rows) and tp2 -> dp2, the DeepStack mergers
-train with the rest; the held-out
-loss the pools report is the trained model's on one device."""
+tp2·ep2, dp3 -> cp2·dp2 (its samples packed into rows), tp2 -> dp2 and dp1 -> pp2 (packed), the
+DeepStack mergers train with the rest; the held-out loss the pools report is the trained model's
+on one device."""
 
 from __future__ import annotations
 
@@ -42,6 +42,9 @@ LAYOUTS = {
     "whole-enc-dp3-llm-cp2-dp2-packed": ["parallel.encoder.dp=3", "parallel.llm.cp=2", "parallel.llm.dp=2",
                                          "train.global_batch=8", "train.seq_len=256"],
     "whole-enc-tp2-llm-dp2": ["parallel.encoder.tp=2", "parallel.llm.dp=2", "eval.final=true"],
+    # and in two pipeline stages of a layer each, packed: the first stage alone takes the rows,
+    # DeepStack's level with them, and returns their gradients
+    "whole-enc-dp1-llm-pp2-packed": ["parallel.llm.pp=2", "train.seq_len=256", "eval.final=true"],
 }
 
 

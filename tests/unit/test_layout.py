@@ -326,6 +326,8 @@ def llm_cfg(moe: MoEConfig | None = None, **kwargs) -> LLMConfig:
             "parallel.llm: etp (8) must divide moe.expert_dim (100)",
         ),
         (LLMLayout(pp=4), llm_cfg(n_layers=6), "parallel.llm: pp*pp_virtual (4*1 = 4) stages must divide n_layers (6)"),
+        (LLMLayout(pp=2), llm_cfg(n_layers=4, deepstack_levels=3),
+         "parallel.llm: the first pipeline stage holds 2 layers, fewer than llm.deepstack_levels (3)"),
     ],
 )
 def test_validate_llm_layout_messages(layout, cfg, message):
@@ -337,6 +339,7 @@ def test_validate_llm_layout_accepts_a_fitting_layout():
     cfg = llm_cfg(MoEConfig(num_experts=8, expert_dim=96, shared_expert_dim=0))  # 0: no shared expert
     validate_llm_layout(LLMLayout(tp=4, cp=2, dp=2, ep=8, etp=2), cfg)
     validate_llm_layout(LLMLayout(), LLMConfig())
+    validate_llm_layout(LLMLayout(pp=2, pp_layers=(3, 1)), llm_cfg(n_layers=4, deepstack_levels=3))
 
 
 @pytest.mark.parametrize(
