@@ -112,10 +112,14 @@ def _layouts(config) -> list[str]:
     return [
         "layouts (one GPU per rank)",
         f"  encoder dp {enc.dp} x tp {enc.tp} = {enc.world_size} ranks{_devices(parallel.encoder_devices)}",
-        (f"  llm     tp {llm.tp} x cp {llm.cp} x dp {llm.dp} x pp {llm.pp} = {llm.world_size} ranks; experts etp "
-        f"{llm.etp} x ep {llm.ep} x edp {llm.edp} in each stage{_stages(llm)}{_devices(parallel.llm_devices)}"),
+        (f"  llm     tp {llm.tp} x cp {llm.cp} x dp {llm.dp}{_pipeline(llm)} = {llm.world_size} ranks; experts etp "
+        f"{llm.etp} x ep {llm.ep} x edp {llm.edp}{_stages(llm)}{_devices(parallel.llm_devices)}"),
         f"  GPUs: {_gpus(parallel)}",
     ]
+
+
+def _pipeline(llm) -> str:
+    return f" x pp {llm.pp}" if llm.pp > 1 else ""
 
 
 def _stages(llm) -> str:
@@ -123,7 +127,8 @@ def _stages(llm) -> str:
         return ""
     chunks = f", {llm.pp_virtual} chunks a rank (interleaved)" if llm.pp_virtual > 1 else ""
     layers = f", layers per stage {list(llm.pp_layers)}" if llm.pp_layers else ""
-    return f"{chunks}{layers}"
+    return (f" in each stage{chunks}{layers} (the memory estimate counts every layer on every rank: "
+            "stages are not cut in it yet)")
 
 
 def _devices(devices: Sequence[int]) -> str:

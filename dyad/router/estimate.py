@@ -9,7 +9,9 @@ FFNs' linears, the vocabulary and the projector; expert parallelism (ep x etp) t
 parallelism replicates everything. Each part's gradient is summed over one group of ranks, as
 the pools' `parallelize` plans it (`GradientPlan.reduce_over`): the LLM's experts over edp, its
 expert routers, shared experts (and with tp its per-head q/k norms, with sequence parallelism its
-norms) over the whole pool, the rest over dp x cp; the encoder's over dp.
+norms) over the pipeline stage (the whole pool without pp), the rest over dp x cp; the encoder's
+over dp. Pipeline stages are not cut yet: every LLM rank is counted as holding every layer, the
+embedding and the output, and one microbatch's activations at a time.
 
 Memory per rank, in bytes, an estimate of what lives at once late in a step's last backward
 pass (each term a column of the plan's table):
@@ -127,21 +129,21 @@ def llm_parts(llm: LLMConfig, layout: LLMLayout, *, sequence_parallel: bool = Fa
     experts = sparse * E * 3 * D * F
     gate = D if moe.shared_expert_gate else 0  # a linear outside the router: cast like the others
     sequence_parallel = sequence_parallel and tp > 1
-    norms = "world" if sequence_parallel else "dp_cp"
+    norms = "stage" if sequence_parallel else "dp_cp"
     parts = [
         Part("embedding", V * D, tp, largest=V * D, group="dp_cp", row=D),
         Part("attention", L * (weights + biases), tp, matrices=L * weights, largest=D * H * Dh, group="dp_cp"),
         Part("norms", (2 * L + 1) * D, largest=D, group=norms),
-        Part("expert router", sparse * (D * E + gate), matrices=sparse * gate, largest=D * E, group="world"),
+        Part("expert router", sparse * (D * E + gate), matrices=sparse * gate, largest=D * E, group="stage"),
         Part("experts", experts, layout.ep * layout.etp, per_token=experts * moe.top_k // E, matrices=experts,
              largest=E * D * 2 * F, group="edp"),
-        Part("shared experts", sparse * 3 * D * Fs, matrices=sparse * 3 * D * Fs, largest=D * Fs, group="world"),
+        Part("shared experts", sparse * 3 * D * Fs, matrices=sparse * 3 * D * Fs, largest=D * Fs, group="stage"),
         Part("dense FFN", dense * 3 * D * llm.dense_ffn_dim, tp, matrices=dense * 3 * D * llm.dense_ffn_dim,
              largest=D * llm.dense_ffn_dim, group="dp_cp"),
         Part("output", D * V, tp, matrices=D * V, largest=D * V, group="dp_cp", row=D),
     ]
     if llm.qk_norm == "head":  # one weight of Dh per projection, shared by its heads (over tp: by this rank's)
-        group = "world" if tp > 1 else norms
+        group = "stage" if tp > 1 else norms
         parts.append(Part("q/k norms", L * 2 * Dh, largest=Dh, group=group))
     elif llm.qk_norm == "projection":  # over all heads, which tp splits
         parts.append(Part("q/k norms", L * (H + G) * Dh, tp, largest=H * Dh, group="dp_cp"))

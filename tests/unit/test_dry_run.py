@@ -136,7 +136,7 @@ def test_the_memory_of_an_llm_rank_is_the_hand_count(tmp_path, capsys):
     pool = [L * D * E, L * 2 * 128]  # routers, q/k norms
     experts = L * E * 3 * D * F // 6
     held = sum(dense) + sum(pool) + experts
-    assert f"llm: {held:,} parameters per rank; AdamW sharded over the ranks of dp_cp (3), world (6), edp (1)" in out
+    assert f"llm: {held:,} parameters per rank; AdamW sharded over the ranks of dp_cp (3), stage (6), edp (1)" in out
     row = next(cells for cells in map(str.split, out.splitlines()) if cells[:2] == ["llm", "0-5"])
     weights, casts, grads, adamw, activations, boundary, reduction, total = (float(cell) for cell in row[2:])
     gib = 2**30

@@ -82,18 +82,19 @@ def test_the_counts_are_the_models_own():
 
 
 def test_the_gradient_groups_follow_the_layout():
-    """As `parallelize_llm` plans them: experts over edp, routers and shared experts over the pool,
-    per-head q/k norms over the pool under tp (each rank normalizes its own heads), and with
-    sequence parallelism the norms too; the rest over dp x cp."""
+    """As `parallelize_llm` plans them: experts over edp, routers and shared experts over the
+    stage (the pool without pp), per-head q/k norms over the stage under tp (each rank normalizes
+    its own heads), and with sequence parallelism the norms too; the rest over dp x cp."""
     qwen_like = LLMConfig(vocab_size=50, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, qk_norm="head",
                           dense_layers=(), moe=MoEConfig(num_experts=4, top_k=2, expert_dim=8, shared_expert_dim=12))
     groups = {part.name: part.group for part in estimate.llm_parts(qwen_like, LLMLayout(dp=2))}
-    assert groups == {"embedding": "dp_cp", "attention": "dp_cp", "norms": "dp_cp", "expert router": "world",
-                      "experts": "edp", "shared experts": "world", "output": "dp_cp", "q/k norms": "dp_cp"}
+    assert groups == {"embedding": "dp_cp", "attention": "dp_cp", "norms": "dp_cp", "expert router": "stage",
+                      "experts": "edp", "shared experts": "stage", "output": "dp_cp", "q/k norms": "dp_cp"}
     tp = {part.name: part.group for part in estimate.llm_parts(qwen_like, LLMLayout(tp=2), sequence_parallel=True)}
-    assert (tp["q/k norms"], tp["norms"]) == ("world", "world")
+    assert (tp["q/k norms"], tp["norms"]) == ("stage", "stage")
     layout = LLMLayout(tp=2, cp=2, dp=3, ep=4)
-    assert [estimate.group_size(layout, group) for group in ("dp_cp", "world", "edp")] == [6, 12, 3]
+    assert [estimate.group_size(layout, group) for group in ("dp_cp", "stage", "edp")] == [6, 12, 3]
+    assert [estimate.group_size(LLMLayout(dp=3, pp=2), group) for group in ("dp_cp", "stage", "world")] == [3, 3, 6]
 
 
 def test_the_state_by_hand():
