@@ -55,9 +55,8 @@ def held(module: nn.Module) -> bool:
     return not isinstance(module, OnAnotherStage)
 
 
-def cut_stages(model: MoELM, layout: LLMLayout, pp_rank: int) -> list[range]:
-    """Keep on `model` only what pipeline rank `pp_rank`'s stages hold; returns the layers of
-    each of its chunks, in order."""
+def cut_stages(model: MoELM, layout: LLMLayout, pp_rank: int) -> None:
+    """Keep on `model` only what pipeline rank `pp_rank`'s stages hold."""
     stages = layout.stage_layers(len(model.layers))
     mine = layout.rank_stages(pp_rank)
     kept = {i for stage in mine for i in stages[stage]}
@@ -69,7 +68,6 @@ def cut_stages(model: MoELM, layout: LLMLayout, pp_rank: int) -> list[range]:
     if layout.stages - 1 not in mine:
         for name in _LAST_STAGE_PARTS:
             setattr(model, name, OnAnotherStage(name))
-    return [stages[stage] for stage in mine]
 
 
 @dataclass

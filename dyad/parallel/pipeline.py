@@ -18,7 +18,11 @@ microbatch's shapes itself (every rank of the pool collates the same microbatche
 Every message carries its own tag (stage, microbatch, direction), so a receive matches its send
 whatever order two ranks exchange them in. A schedule is free of deadlock when the sends never
 wait: some order of all ranks' actions then respects both each rank's order and every
-dependency (`tests/unit/test_pipeline_schedule.py` walks them all).
+dependency (`tests/unit/test_pipeline_schedule.py` walks them all). That holds on gloo, where
+this runs in the tests. NCCL ignores tags and runs two ranks' point-to-point operations in order
+on one stream, where a large send waits for its receive: the schedules do exchange the messages
+between any two ranks in one order on both sides, but whether a send queued ahead of a receive
+stalls (Megatron-LM issues such pairs together, `batch_isend_irecv`) has not been run on GPUs yet.
 """
 
 from __future__ import annotations
