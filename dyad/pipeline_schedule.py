@@ -61,6 +61,16 @@ def first_stage_lead(pp: int, microbatches: int, chunks: int = 1) -> int:
     return lead
 
 
+def live_passes(pp: int, pp_rank: int, microbatches: int, chunks: int = 1) -> int:
+    """The most forward passes (of one chunk and microbatch each) rank `pp_rank` has run, under
+    `schedule`, whose backward it has not: how many passes' activations it keeps at once."""
+    live = most = 0
+    for action in schedule(pp, pp_rank, microbatches, chunks):
+        live += 1 if action.forward else -1
+        most = max(most, live)
+    return most
+
+
 def _chunk_and_microbatch(k: int, pp: int, chunks: int, backward: bool) -> tuple[int, int]:
     """The k-th forward (or backward) of a rank: in rounds of pp microbatches, each round through
     the chunks in order (backward: in reverse)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from dyad.data import ImageTokens
 from dyad.layout import EncoderLayout, LLMLayout
+from dyad.pipeline_schedule import live_passes
 from dyad.router import estimate
 from dyad.router.boundary import BoundaryPlan
 from dyad.router.steps import StepPlanner, StepSpec
@@ -127,8 +128,7 @@ def _stages(llm) -> str:
         return ""
     chunks = f", {llm.pp_virtual} chunks a rank (interleaved)" if llm.pp_virtual > 1 else ""
     layers = f", layers per stage {list(llm.pp_layers)}" if llm.pp_layers else ""
-    return (f" in each stage{chunks}{layers} (the memory estimate counts every layer on every rank: "
-            "stages are not cut in it yet)")
+    return f" in each stage{chunks}{layers}"
 
 
 def _devices(devices: Sequence[int]) -> str:
@@ -162,12 +162,12 @@ class _Pool:
                                      shard_optimizer=train.shard_optimizer)
 
 
-def _pools(config) -> dict[str, _Pool]:
+def _pools(config, pp_rank: int = 0) -> dict[str, _Pool]:
     """The encoder: nothing trains under train.freeze "encoder", only the projector (with a native
     tower's DeepStack mergers where the LLM reads their levels, else they are held unread) under
     "vision_tower"; what trains is cast (no gradient flows through the rest). The LLM: nothing
     trains under "llm"; its matrices are cast wherever a gradient flows through it (into the
-    encoder's rows when the LLM is frozen)."""
+    encoder's rows when the LLM is frozen); a rank of pipeline rank `pp_rank` holds its stages'."""
     train, parallel = config.train, config.parallel
     enc, enc_layout = config.encoder, parallel.encoder
     tower, projector = estimate.encoder_tower_parts(enc, enc_layout), estimate.projector_parts(enc, enc_layout)
@@ -177,7 +177,7 @@ def _pools(config) -> dict[str, _Pool]:
     trained = [] if encoder_frozen else projector + read + ([] if "vision_tower" in train.freeze else tower)
     held = [part for part in tower + projector + read if part not in trained] + unread
     encoder = _Pool(enc_layout, trained, held, estimate.weight_casts(trained) if _casts(train) else 0)
-    parts = estimate.llm_parts(config.llm, parallel.llm, sequence_parallel=parallel.sequence_parallel)
+    parts = estimate.llm_parts(config.llm, parallel.llm, sequence_parallel=parallel.sequence_parallel, pp_rank=pp_rank)
     llm_frozen = "llm" in train.freeze
     casts = _casts(train) and not (llm_frozen and encoder_frozen)
     llm = _Pool(parallel.llm, [] if llm_frozen else parts, parts if llm_frozen else [],
@@ -207,16 +207,19 @@ def _encoder_ranks(config, spec: StepSpec, plan: BoundaryPlan) -> list[RankMemor
 
 
 def _llm_ranks(config, dataset, image_tokens: ImageTokens, spec: StepSpec, plan: BoundaryPlan) -> list[RankMemory]:
-    pool, layout, train = _pools(config)["llm"], config.parallel.llm, config.train
-    state = pool.state(train)
+    layout, train = config.parallel.llm, config.train
+    pools = [_pools(config, pp_rank)["llm"] for pp_rank in range(layout.pp)]
     shapes = _microbatch_shapes(dataset, image_tokens, spec)
     ranks = []
     for rank in range(layout.world_size):
         coords = layout.coords(rank)
+        pool = pools[coords["pp"]]
+        state = pool.state(train)
         lane = [shape for shape, dp_rank in zip(shapes, spec.llm_dp_ranks) if dp_rank == coords["dp"]]
         activations = estimate.llm_activations(
             config.llm, layout, estimate.llm_tokens_per_rank(lane, layout),
             element_size=estimate.ELEMENT_SIZE[train.dtype], recompute="llm" in train.recompute,
+            pp_rank=coords["pp"], live=live_passes(layout.pp, coords["pp"], len(lane), layout.pp_virtual),
         )
         boundary = estimate.llm_boundary(plan, rank, gradients="encoder" not in train.freeze)
         memory = estimate.Memory(state.weights, pool.casts, state.gradients, state.optimizer, activations, boundary,
@@ -250,6 +253,11 @@ def _pool_lines(config) -> list[str]:
     """Per pool: the parameters a rank holds, and how its optimizer state is kept."""
     lines = []
     for name, pool in _pools(config).items():
+        held = estimate.per_rank(pool.trained + pool.held)
+        if name == "llm" and config.parallel.llm.pp > 1:
+            stages = [estimate.per_rank(p.trained + p.held)
+                      for p in (_pools(config, r)["llm"] for r in range(config.parallel.llm.pp))]
+            held = f"{min(stages):,} to {max(stages):,}"
         if not pool.trained:
             optimizer = "nothing trains"
         elif not config.train.shard_optimizer:
@@ -259,7 +267,7 @@ def _pool_lines(config) -> list[str]:
             optimizer = "AdamW sharded over the ranks of " + ", ".join(f"{g} ({n})" for g, n in groups.items())
         else:
             optimizer = "AdamW whole: no parameter has replicas"
-        lines.append(f"  {name}: {estimate.per_rank(pool.trained + pool.held):,} parameters per rank; {optimizer}")
+        lines.append(f"  {name}: {held if isinstance(held, str) else f'{held:,}'} parameters per rank; {optimizer}")
     return lines
 
 

@@ -10,8 +10,8 @@ parallelism replicates everything. Each part's gradient is summed over one group
 the pools' `parallelize` plans it (`GradientPlan.reduce_over`): the LLM's experts over edp, its
 expert routers, shared experts (and with tp its per-head q/k norms, with sequence parallelism its
 norms) over the pipeline stage (the whole pool without pp), the rest over dp x cp; the encoder's
-over dp. Pipeline stages are not cut yet: every LLM rank is counted as holding every layer, the
-embedding and the output, and one microbatch's activations at a time.
+over dp. With pipeline stages (`pp`) an LLM rank holds its stages' layers, the embedding on the
+first stage's rank and the final norm and output on the last's (`llm_parts(pp_rank=)`).
 
 Memory per rank, in bytes, an estimate of what lives at once late in a step's last backward
 pass (each term a column of the plan's table):
@@ -30,9 +30,10 @@ pass (each term a column of the plan's table):
   tensor's last piece, under N values, is not counted), and the float32 pieces of the working
   weights' masters;
 - activations: what the blocks keep for the backward pass of the largest microbatch a rank holds
-  at once (the LLM one at a time; the encoder `boundary.prefetch_depth` rounds, whose gradients
-  come back later), at train.dtype's element size, counted per token and layer as the tensors
-  below; the output's logits in float32;
+  at once (the LLM one at a time, or a pipeline rank the passes its schedule has run forward and
+  not yet backward: `dyad.pipeline_schedule.live_passes`; the encoder `boundary.prefetch_depth`
+  rounds, whose gradients come back later), at train.dtype's element size, counted per token and
+  layer as the tensors below; the output's logits in float32;
 - boundary: the buffers of the boundary rows and their gradients (`llm_boundary`,
   `encoder_boundary`);
 - reduction: what the gradient reduction's buckets (`dyad/parallel/buckets.py`) add at once: the
@@ -118,10 +119,15 @@ def matrices_per_rank(parts: Sequence[Part]) -> int:
 # ---- parameters -----------------------------------------------------------------------------
 
 
-def llm_parts(llm: LLMConfig, layout: LLMLayout, *, sequence_parallel: bool = False) -> list[Part]:
-    """The parts of `MoELM` (a resolved `llm`: vocab_size set) on one rank of `layout`."""
-    D, L, H, G, Dh, V, tp = llm.dim, llm.n_layers, llm.n_heads, llm.n_kv_heads, llm.head_dim, llm.vocab_size, layout.tp
-    moe, dense = llm.moe, len(llm.dense_layers)
+def llm_parts(llm: LLMConfig, layout: LLMLayout, *, sequence_parallel: bool = False,
+              pp_rank: int | None = None) -> list[Part]:
+    """The parts of `MoELM` (a resolved `llm`: vocab_size set) on one rank of `layout`: of the
+    whole model, or (`pp_rank`) of the pipeline stages that rank holds (its layers; the embedding
+    on the first stage's rank, the final norm and the output on the last's)."""
+    D, H, G, Dh, V, tp = llm.dim, llm.n_heads, llm.n_kv_heads, llm.head_dim, llm.vocab_size, layout.tp
+    layers = held_layers(llm, layout, pp_rank)
+    first, last = (True, True) if pp_rank is None else (0 in layers, llm.n_layers - 1 in layers)
+    L, moe, dense = len(layers), llm.moe, len(set(llm.dense_layers) & set(layers))
     sparse = L - dense
     E, F, Fs = moe.num_experts, moe.expert_dim, moe.shared_expert_dim
     weights = D * (H + 2 * G) * Dh + H * Dh * D
@@ -131,16 +137,16 @@ def llm_parts(llm: LLMConfig, layout: LLMLayout, *, sequence_parallel: bool = Fa
     sequence_parallel = sequence_parallel and tp > 1
     norms = "stage" if sequence_parallel else "dp_cp"
     parts = [
-        Part("embedding", V * D, tp, largest=V * D, group="dp_cp", row=D),
+        Part("embedding", V * D * first, tp, largest=V * D, group="dp_cp", row=D),
         Part("attention", L * (weights + biases), tp, matrices=L * weights, largest=D * H * Dh, group="dp_cp"),
-        Part("norms", (2 * L + 1) * D, largest=D, group=norms),
+        Part("norms", (2 * L + last) * D, largest=D, group=norms),
         Part("expert router", sparse * (D * E + gate), matrices=sparse * gate, largest=D * E, group="stage"),
         Part("experts", experts, layout.ep * layout.etp, per_token=experts * moe.top_k // E, matrices=experts,
              largest=E * D * 2 * F, group="edp"),
         Part("shared experts", sparse * 3 * D * Fs, matrices=sparse * 3 * D * Fs, largest=D * Fs, group="stage"),
         Part("dense FFN", dense * 3 * D * llm.dense_ffn_dim, tp, matrices=dense * 3 * D * llm.dense_ffn_dim,
              largest=D * llm.dense_ffn_dim, group="dp_cp"),
-        Part("output", D * V, tp, matrices=D * V, largest=D * V, group="dp_cp", row=D),
+        Part("output", D * V * last, tp, matrices=D * V * last, largest=D * V, group="dp_cp", row=D),
     ]
     if llm.qk_norm == "head":  # one weight of Dh per projection, shared by its heads (over tp: by this rank's)
         group = "stage" if tp > 1 else norms
@@ -311,8 +317,20 @@ def weight_casts(parts: Sequence[Part]) -> int:
     return BF16 * matrices_per_rank(parts)
 
 
-def llm_activations(llm: LLMConfig, layout: LLMLayout, tokens: int, *, element_size: int, recompute: bool) -> int:
-    """Bytes one LLM rank keeps for the backward pass of `tokens` (its share of a microbatch).
+def held_layers(llm: LLMConfig, layout: LLMLayout, pp_rank: int | None = None) -> list[int]:
+    """The decoder layers a rank holds: all, or (`pp_rank`) those of its pipeline stages."""
+    if pp_rank is None:
+        return list(range(llm.n_layers))
+    stages = layout.stage_layers(llm.n_layers)
+    return [i for stage in layout.rank_stages(pp_rank) for i in stages[stage]]
+
+
+def llm_activations(llm: LLMConfig, layout: LLMLayout, tokens: int, *, element_size: int, recompute: bool,
+                    pp_rank: int | None = None, live: int = 1) -> int:
+    """Bytes one LLM rank keeps for the backward pass of `tokens` (its share of a microbatch),
+    of its layers (`pp_rank`: its stages'; the logits on the last stage's rank), `live` such
+    passes at once (a pipeline rank's forward passes whose backward has not run yet: each of one
+    of its `parallel.llm.pp_virtual` chunks, taken as an even share of its layers).
 
     Per token and layer: the two norms' inputs and outputs (4D), q, k, v and the attention's
     output ((2H + 2G)·Dh / tp); an MoE layer's routed copies, in and out (2kD), and its experts'
@@ -323,11 +341,13 @@ def llm_activations(llm: LLMConfig, layout: LLMLayout, tokens: int, *, element_s
     attention = 4 * D + (2 * llm.n_heads + 2 * llm.n_kv_heads) * Dh // tp
     routed = moe.top_k * (2 * D + 3 * moe.expert_dim // layout.etp) // tp
     dense_ffn = 3 * llm.dense_ffn_dim // tp
-    dense = len(llm.dense_layers)
-    sparse = llm.n_layers - dense
+    held = held_layers(llm, layout, pp_rank)
+    dense = len(set(llm.dense_layers) & set(held))
+    sparse = len(held) - dense
     layers = [attention + routed] * sparse + [attention + dense_ffn] * dense
-    kept = D * llm.n_layers + max(layers) if recompute else sum(layers)
-    return tokens * (kept * element_size + llm.vocab_size // tp * FLOAT32)
+    kept = D * len(held) + max(layers, default=0) if recompute else sum(layers)
+    logits = llm.vocab_size // tp * FLOAT32 if pp_rank is None or llm.n_layers - 1 in held else 0
+    return tokens * (live * kept // layout.pp_virtual * element_size + logits)
 
 
 def encoder_activations(encoder: EncoderConfig, layout: EncoderLayout, images: int, *, element_size: int,

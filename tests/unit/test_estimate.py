@@ -183,3 +183,41 @@ def test_the_boundary_buffers_by_hand():
     assert estimate.encoder_boundary(plan, [0, 1], 1, rank=0, dp_rank=0, frozen=False) == row * (6 + 2 * 6 + 6)
     assert estimate.encoder_boundary(plan, [0, 1], 1, rank=1, dp_rank=0, frozen=False) == row * (6 + 6)  # tp 1: rows
     assert estimate.encoder_boundary(plan, [0, 1], 1, rank=0, dp_rank=0, frozen=True) == row * (6 + 3 + 6 + 3)
+
+
+@pytest.mark.parametrize("layout", [LLMLayout(pp=2), LLMLayout(pp=2, pp_virtual=2, pp_layers=(1, 2, 2, 1)),
+                                    LLMLayout(pp=3, pp_layers=(1, 3, 2)),
+                                    LLMLayout(pp=2, tp=2, ep=2)], ids=["pp2", "pp2-interleaved", "pp3-uneven", "pp2-tp2-ep2"])
+def test_a_pipeline_ranks_parts_are_its_stages_as_cut(layout):
+    """Each pipeline rank's parts are what `cut_stages` leaves on its model (its layers; the
+    embedding on the first stage's rank, the final norm and output on the last's), cut further by
+    its other degrees; together the ranks hold the model once."""
+    torch = pytest.importorskip("torch")
+    from dyad.llm_service.model import MoELM
+    from dyad.llm_service.pipeline import cut_stages
+
+    llm = LLMConfig(vocab_size=50, dim=16, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=8, qk_norm="head",
+                    dense_layers=(0, 3), moe=MoEConfig(num_experts=4, top_k=2, expert_dim=8))
+    whole = LLMLayout(tp=layout.tp, ep=layout.ep)
+    held = []
+    for pp_rank in range(layout.pp):
+        with torch.device("meta"):
+            model = MoELM(llm)
+        cut_stages(model, layout, pp_rank)
+        parts = estimate.llm_parts(llm, layout, pp_rank=pp_rank)
+        assert estimate.total(parts) == sum(p.numel() for p in model.parameters())
+        held.append(estimate.per_rank(parts))
+    assert sum(held) == estimate.per_rank(estimate.llm_parts(llm, whole))
+
+
+def test_a_pipeline_ranks_activations_are_its_layers_times_its_live_passes():
+    """1F1B on pp2 of four microbatches: the first stage keeps two passes of its layers, the
+    last one and the logits; as many layers in all as one rank without pp keeps for one pass."""
+    from dyad.pipeline_schedule import live_passes
+
+    layout = LLMLayout(pp=2, tp=2, dp=2, ep=2)
+    kept = [estimate.llm_activations(LLM, layout, 10, element_size=2, recompute=False, pp_rank=r,
+                                     live=live_passes(2, r, 4)) for r in range(2)]
+    dense_layer, moe_layer, logits = (32 + 12 + 18) * 2, (32 + 12 + 34) * 2, 50 * 4  # LLM: layer 0 dense, 1 MoE
+    assert kept == [10 * 2 * dense_layer, 10 * (moe_layer + logits)]
+    assert sum(kept) - 10 * dense_layer == estimate.llm_activations(LLM, LLM_LAYOUT, 10, element_size=2, recompute=False)
