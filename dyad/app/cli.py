@@ -271,16 +271,20 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """A committed checkpoint as a Hugging Face model directory: a LLaVA, or its LLM alone
+    """A committed checkpoint as a Hugging Face model directory: a LLaVA, a whole Qwen3-VL, or its LLM alone
     (dyad/app/export.py)."""
     args.device = None
     committed, config = _committed_and_config(args)
-    from dyad.app.export import export_llava, export_llm, llava_shaped  # torch and safetensors
+    from dyad.app.export import export_llava, export_llm, export_qwen3_vl, llava_shaped, qwen3_vl_whole
 
     resolved, _ = _resolved(config)
-    whole = llava_shaped(resolved) and not args.llm_only
-    written = (export_llava if whole else export_llm)(resolved, committed.path, Path(args.to_hf))
-    print(f"{committed.path} (step {committed.step}): {'the LLaVA' if whole else 'the LLM'} written to {args.to_hf} "
+    export, what = export_llm, "the LLM"
+    if qwen3_vl_whole(resolved) and not args.llm_only:
+        export, what = export_qwen3_vl, "the whole Qwen3-VL"
+    elif llava_shaped(resolved) and not args.llm_only:
+        export, what = export_llava, "the LLaVA"
+    written = export(resolved, committed.path, Path(args.to_hf))
+    print(f"{committed.path} (step {committed.step}): {what} written to {args.to_hf} "
           f"({len(written)} safetensors file{'s' if len(written) > 1 else ''})")
     return 0
 

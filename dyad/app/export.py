@@ -1,8 +1,10 @@
 """`dyad export CHECKPOINT --to-hf OUT`: a committed checkpoint as a Hugging Face model directory
 that transformers loads with `from_pretrained`, whatever layout wrote it. A run of a pretrained
 tower and LLM (`encoder.from_hf`, `llm.from_hf`, the projector LLaVA's shape: `spatial_merge` 1)
-is written whole, as a `LlavaForConditionalGeneration` (`export_llava`); otherwise, or with
-`--llm-only`, the LLM alone as its family's class (`export_llm`). A directory holds config.json
+is written whole, as a `LlavaForConditionalGeneration` (`export_llava`); a run of a whole
+Qwen3-VL(-MoE) (its native tower and its LLM from the same checkpoint) as its own class
+(`export_qwen3_vl`); otherwise, or with `--llm-only`, the LLM alone as its family's class
+(`export_llm`). A directory holds config.json
 (the sources', the vocabulary the run's), the weights in safetensors files (shards of at most
 `SHARD_BYTES` and their index where there is more than one), the run's tokenizer.json and the
 LLM source's other tokenizer and generation files.
@@ -21,20 +23,30 @@ from dyad.config import RunConfig
 from dyad.data import make_dataset
 from dyad.encoder_service.hf import tower_prefix, tower_tensors
 from dyad.encoder_service.hf_config import vision_config
+from dyad.hf import qwen3_vl_to_hf
 from dyad.hf_checkpoint import HFCheckpoint, read_config
 from dyad.llm_service.hf import hf_tensors
-from dyad.llm_service.hf_config import exported_config, text_config
+from dyad.llm_service.hf_config import QWEN3_VL, exported_config, text_config
 
 SHARD_BYTES = 5 * 2**30
 # Beside the weights in a model directory, what describes its tokenizer and generation.
 _SOURCE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")  # a native tower's image processor
 
 
 def llava_shaped(config: RunConfig) -> bool:
     """Whether the run is a LLaVA: a pretrained fixed-resolution tower, its projector LLaVA's, a
-    pretrained LLM. (A native-resolution Qwen3-VL tower's run exports its LLM alone, as yet.)"""
+    pretrained LLM."""
     encoder = config.encoder
     return bool(encoder.from_hf and config.llm.from_hf) and encoder.native is None and encoder.spatial_merge == 1
+
+
+def qwen3_vl_whole(config: RunConfig) -> bool:
+    """Whether the run is a whole Qwen3-VL(-MoE): its native tower and its LLM, both from one
+    checkpoint of the whole model."""
+    encoder, llm = config.encoder, config.llm
+    return (encoder.native is not None and bool(llm.from_hf)
+            and read_config(llm.from_hf, "llm.from_hf").get("model_type") in QWEN3_VL)
 
 
 def export_llm(config: RunConfig, checkpoint: Path, out: Path) -> list[Path]:
@@ -83,6 +95,22 @@ def export_llava(config: RunConfig, checkpoint: Path, out: Path) -> list[Path]:
         "tie_word_embeddings": False,
     }
     return _write(out, tensors | trained, hf_config, config)
+
+
+def export_qwen3_vl(config: RunConfig, checkpoint: Path, out: Path) -> list[Path]:
+    """Write the whole of `checkpoint` (a `qwen3_vl_whole` run of `config`) to `out` as its
+    checkpoint's class (`dyad.hf.qwen3_vl_to_hf`), the run's `<image>` id as the image
+    placeholder; with the source's image processor config; returns the weight files written."""
+    _check_empty(out)
+    source = read_config(config.llm.from_hf, "llm.from_hf")
+    tensors, hf_config = qwen3_vl_to_hf(load_pool_state(checkpoint, "encoder"), config.encoder.native,
+                                        load_pool_state(checkpoint, "llm"), config.llm, source)
+    hf_config |= {"image_token_id": make_dataset(config.data).tokenizer.image_id}
+    written = _write(out, tensors, hf_config, config)
+    for name in _PROCESSOR_FILES:
+        if (Path(config.encoder.from_hf) / name).is_file():
+            shutil.copyfile(Path(config.encoder.from_hf) / name, out / name)
+    return written
 
 
 def _check_empty(out: Path) -> None:

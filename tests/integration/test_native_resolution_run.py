@@ -16,12 +16,15 @@ import dataclasses
 import pytest
 import torch
 
+import dyad.hf
 from dyad import config as config_lib
+from dyad.app.cli import main
 from dyad.app.evaluate import heldout_loss, load_trained
 from dyad.app.jobs import run_job
 from dyad.app.verify import compare_with_reference
 from dyad.checkpoint import load_pool_state
 from dyad.data import make_dataset
+from dyad.data.batch import collate
 from dyad.encoder_service.hf import qwen3_vl_state_dict
 from dyad.encoder_service.hf_config import image_processor
 from dyad.encoder_service.step import encode_rows
@@ -113,3 +116,35 @@ def test_a_native_resolution_run_matches_single_process(tmp_path, layout):
         [evaluation] = job.evaluations
         loss, _ = heldout_loss(config, dataset, *load_trained(config, job.final_checkpoint()))
         assert evaluation["loss"] == pytest.approx(loss, rel=TOLERANCE)
+    if layout == "whole-enc-tp2-llm-dp2":
+        _check_export(config, dataset, job, tmp_path / "exported")
+
+
+def _check_export(config, dataset, job, out):
+    """`dyad export --to-hf` writes the trained whole model: `dyad.hf.load` of the directory holds
+    every tensor of the final checkpoint, bit for bit, and transformers' class of it computes
+    dyad's logits on a batch of the run's conversations and images."""
+    with pytest.raises(SystemExit) as exited:
+        main(["export", config.out_dir, "--to-hf", str(out)])
+    assert exited.value.code == 0
+    ours = dyad.hf.load(out).eval()
+    for pool, model in (("encoder", ours.encoder), ("llm", ours.llm)):
+        trained = load_pool_state(job.final_checkpoint(), pool)
+        state = model.state_dict()
+        assert state.keys() == trained.keys(), pool
+        for name, tensor in trained.items():
+            assert torch.equal(state[name], tensor), f"{pool}.{name}"
+    planner = StepPlanner(config, dataset)
+    # one image a sample: transformers' positions take two images side by side as one (dyad's data
+    # puts no text between them, a processor's template would)
+    samples = [dataset.sample(s) for s in dataset.train_ids if len(dataset.sample(s).image_ids) == 1][:3]
+    batch = collate(dataset.tokenizer, samples, planner.image_tokens)
+    pixel_values, image_grid_thw = dataset.patches(batch.image_ids, image_processor(config.encoder))
+    real_BS = torch.arange(batch.input_ids.shape[1]) < batch.lengths[:, None]
+    inputs = {"input_ids": batch.input_ids, "attention_mask": real_BS.long(), "pixel_values": pixel_values,
+              "image_grid_thw": image_grid_thw, "mm_token_type_ids": (batch.input_ids == dataset.tokenizer.image_id).long()}
+    theirs = transformers.AutoModelForImageTextToText.from_pretrained(out).eval()
+    assert type(theirs).__name__ == "Qwen3VLMoeForConditionalGeneration"
+    with torch.no_grad():
+        expected, got = theirs(**inputs).logits, ours(**inputs).logits
+    torch.testing.assert_close(got[real_BS], expected[real_BS], rtol=1e-5, atol=1e-5)
