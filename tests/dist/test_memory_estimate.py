@@ -69,10 +69,10 @@ def _matches(rank, world_size, pool, overrides, sharded_over):
 def test_the_estimate_is_what_the_workers_hold():
     run_each([
         # dp 2: every group of two ranks, the masters of the bf16 working weights in pieces too
-        (_matches, ("llm", ["parallel.llm.dp=2", *QWEN_LIKE, *WORKING], {"dp_cp": 2, "world": 2, "edp": 2})),
+        (_matches, ("llm", ["parallel.llm.dp=2", *QWEN_LIKE, *WORKING], {"dp_cp": 2, "stage": 2, "edp": 2})),
         # tp 2, ep 2: the dense parts held whole (no replicas), the routers, shared experts and
         # per-head q/k norms over both ranks, each expert on one
         (_matches, ("llm", ["parallel.llm.tp=2", "parallel.llm.ep=2", *QWEN_LIKE, "train.dtype=bfloat16"],
-                    {"dp_cp": 1, "world": 2, "edp": 1})),
+                    {"dp_cp": 1, "stage": 2, "edp": 1})),
         (_matches, ("encoder", ["parallel.encoder.dp=2", *WORKING], {"dp": 2})),
     ], 2)
