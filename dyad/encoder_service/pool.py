@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
+from dyad.data.image_tokens import FixedTokens
 from dyad.data.samples import FILE_DATASETS
 from dyad.encoder_service.config import EncoderConfig, Qwen3VLVisionConfig
 from dyad.encoder_service.hf_config import image_processor, native_tower, pretrained
@@ -29,7 +29,7 @@ def _resolve(run, vocab_size: int | None) -> EncoderConfig:
         encoder, out_dim=run.llm.dim, image_size=run.data.image_size, channels=run.data.channels
     )
     image_processor(encoder)  # its images are the size the tower's processor prepares
-    if run.llm.mrope_section and math.isqrt(encoder.tokens_per_image) ** 2 != encoder.tokens_per_image:
+    if run.llm.mrope_section and FixedTokens(encoder.tokens_per_image).token_grid(0) is None:
         raise ValueError(f"llm.mrope_section ({list(run.llm.mrope_section)}) positions an image's tokens on their grid: "
                          f"the encoder's {encoder.tokens_per_image} tokens per image are not a square")
     if encoder.tokens_per_image > run.llm.max_seq_len:
