@@ -18,7 +18,10 @@ Per rank and variant: the peak of `torch.cuda.max_memory_allocated` over the ste
 allocator's peak reservation), the memory held between steps (weights and optimizer state once
 AdamW has stepped), the estimate's terms for the step with the largest one, and measured /
 estimated for both; and what one microbatch's forward pass keeps for the backward pass (the
-bf16 casts and the activations) against the estimate's casts and activations of its tokens.
+bf16 casts and the activations) against the estimate's casts and activations of its tokens
+(data-parallel variants). Per variant, each step's loss (summed over the ranks' parts: the
+pipeline's last stage holds all of it), and its largest relative difference from the first
+variant's: every variant trains the same samples from the same weights, in bf16 compute.
 
     python bench/memory_plan.py --out $OUT/memory_plan.json
     python bench/memory_plan.py --toy --out /tmp/memory_plan.json   # CPU, tiny (CI): estimates only
@@ -73,8 +76,18 @@ GPU = [
     "llm.moe.top_k=4",
     "llm.moe.expert_dim=1408",
 ]
-TOY = [*COMMON, "train.device=cpu", "train.global_batch=8"]
-VARIANTS = {"sharded": ["train.shard_optimizer=true"], "replicated": ["train.shard_optimizer=false"]}
+TOY = [*COMMON, "train.device=cpu", "train.global_batch=8", "llm.n_layers=4"]
+# Two pipeline stages of two layers each (no replica: nothing to shard), four microbatches of the
+# data-parallel variants' four samples each, in 1F1B and in the interleaved schedule (two chunks of
+# one layer a rank): the pipeline's activations and gradients cross between the two processes
+# through host memory (`dyad.parallel.pipeline`, over gloo).
+PIPELINE = ["parallel.llm.dp=1", "parallel.llm.pp=2", "train.microbatches=4", "boundary.prefetch_depth=4"]
+VARIANTS = {
+    "sharded": ["train.shard_optimizer=true"],
+    "replicated": ["train.shard_optimizer=false"],
+    "pp2": PIPELINE,
+    "pp2-interleaved": [*PIPELINE, "parallel.llm.pp_virtual=2"],
+}
 
 
 def resolved(overrides: list[str]):
@@ -98,7 +111,9 @@ def estimates(config, dataset, steps: int) -> dict[int, dict]:
 
 class PlayedEncoder:
     """The encoder's side of one LLM rank's boundary, in host memory: each step's rows sent, and
-    the buffers their gradients come back to, posted before the LLM rank's step."""
+    the buffers their gradients come back to, posted before the LLM rank's step. Every row is the
+    same constant vector, so that every variant's LLM sees the same inputs whichever rank they go
+    to."""
 
     def __init__(self, llm_rank: int, dtype: torch.dtype):
         self.transport = LoopbackTransport()
@@ -110,7 +125,7 @@ class PlayedEncoder:
         for transfer in command.plan.transfers:
             if transfer.dst_rank != self.llm_rank:
                 continue
-            rows_ND = torch.randn(transfer.rows, command.plan.hidden).to(self.dtype)
+            rows_ND = torch.full((transfer.rows, command.plan.hidden), 0.02, dtype=self.dtype)
             forward = MessageTag(space, command.step, transfer.microbatch, Direction.FORWARD, transfer.src_rank,
                                  Phase.TRAIN)
             back = MessageTag(space, command.step, transfer.microbatch, Direction.BACKWARD, self.llm_rank)
@@ -143,19 +158,20 @@ def rank_body(rank: int, overrides: list[str], steps: int, address: str, results
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     built = torch.cuda.memory_allocated() if cuda else 0
-    peaks, resting, started = [], [], time.perf_counter()
+    peaks, resting, losses, started = [], [], [], time.perf_counter()
     for step in range(steps):
         spec = planner.next(step)
         command = step_command(spec, planner.boundary_plan(spec))
         encoder.post(command, worker.transport.address)
-        worker.step(command)
+        result = worker.step(command)
+        losses.append(result.lm_loss_sum)  # this rank's part of the step's loss
         worker.apply(pb.ApplyCommand(step=step, grad_scale=1.0))
         encoder.wait()
         if cuda:
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated())
             resting.append(torch.cuda.memory_allocated())
-    kept, kept_estimate = forward_keeps(worker, command) if cuda else (0, 0)
+    kept, kept_estimate = forward_keeps(worker, command) if cuda and config.parallel.llm.pp == 1 else (0, 0)
     results.put({
         "rank": rank,
         "forward_keeps_bytes": kept,
@@ -163,6 +179,7 @@ def rank_body(rank: int, overrides: list[str], steps: int, address: str, results
         "built_bytes": built,
         "peak_bytes_by_step": peaks,
         "resting_bytes_by_step": resting,
+        "loss_part_by_step": losses,
         "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else 0,
         "seconds": time.perf_counter() - started,
     })
@@ -262,7 +279,12 @@ def main() -> None:
         expected = estimates(config, dataset, args.steps)
         measured = measure(overrides, args.steps)
         ranks = {rank: compare(expected[rank], measured[rank], device == "cuda") for rank in sorted(measured)}
-        results["variants"][name] = {"ranks": ranks}
+        loss = [sum(parts) for parts in zip(*(measured[rank]["loss_part_by_step"] for rank in measured))]
+        first = next(iter(results["variants"].values()), {"loss_by_step": loss})["loss_by_step"]
+        apart = max(abs(a - b) / abs(b) for a, b in zip(loss, first))
+        results["variants"][name] = {"ranks": ranks, "loss_by_step": loss, "loss_apart_from_first_variant": apart}
+        print(f"{name:>10} loss by step {[round(x, 5) for x in loss]} (relative difference from the first variant "
+              f"{apart:.2e})", flush=True)
         for rank, entry in ranks.items():
             line = f"{name:>10} llm rank {rank}: estimate {entry['estimate_gib']['total']:.2f} GiB"
             if device == "cuda":

@@ -23,12 +23,18 @@ this runs in the tests. NCCL ignores tags and runs two ranks' point-to-point ope
 on one stream, where a large send waits for its receive: the schedules do exchange the messages
 between any two ranks in one order on both sides, but whether a send queued ahead of a receive
 stalls (Megatron-LM issues such pairs together, `batch_isend_irecv`) has not been run on GPUs yet.
+
+Over gloo (every pool on CPUs, and several ranks sharing one GPU, where NCCL refuses to run) CUDA
+tensors go through host memory: gloo's point-to-point operations read and write their buffers as
+host memory, so a CUDA output is copied to the host before its send and a receive lands in a host
+buffer that is then copied to the device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -104,12 +110,21 @@ class Pipeline:
         for send, _ in sends:
             send.wait()
 
+    @cached_property
+    def through_host(self) -> bool:
+        """Whether CUDA tensors cross through host memory: the group is gloo's."""
+        return dist.get_backend(self.group) == dist.Backend.GLOO
+
     def _receive(self, buffer: torch.Tensor, stage: int, tag: int) -> torch.Tensor:
-        dist.irecv(buffer, src=self.ranks[stage % self.pp], group=self.group, tag=tag).wait()
-        return buffer
+        staged = self.through_host and buffer.is_cuda
+        landing = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True) if staged else buffer
+        dist.irecv(landing, src=self.ranks[stage % self.pp], group=self.group, tag=tag).wait()
+        return buffer.copy_(landing) if staged else buffer
 
     def _send(self, tensor: torch.Tensor, stage: int, tag: int) -> tuple[dist.Work, torch.Tensor]:
         tensor = tensor.detach().contiguous()
+        if self.through_host and tensor.is_cuda:
+            tensor = tensor.cpu()  # waits for the tensor's kernels: gloo reads the host copy at once
         return dist.isend(tensor, dst=self.ranks[stage % self.pp], group=self.group, tag=tag), tensor
 
 

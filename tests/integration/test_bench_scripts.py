@@ -38,7 +38,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         ("fp8_convergence.py", []),
         ("worker_threads.py", []),
         ("checkpoint_io.py", []),
-        ("memory_plan.py", ["--steps", "2"]),
+        ("memory_plan.py", ["--steps", "2", "--variants", "sharded", "pp2-interleaved"]),
         ("compiled_gradients.py", ["--variants", "eager,all-blocks,moe-eager,dyad-compile"]),
     ],
 )
