@@ -9,6 +9,10 @@ its positions restarting). Reports tokens/s of real tokens and the padding fract
     python bench/packing.py --out $OUT/packing.json     # GPU: Qwen3-MoE's shape at ~1 B active (llm_step.py's)
     python bench/packing.py --toy                       # CPU, tiny (CI)
 
+Packed rows need less memory than right-padded ones of the same samples, so a packed run can take
+more samples a microbatch in the padded run's memory: `--packed-per-microbatch 16 32` adds packed
+runs with that many (each variant's peak memory is reported beside its tokens/s).
+
 Both run eager (or with `--compile`, each block compiled) in bf16 autocast with float32 master weights, fused AdamW, the same microbatches
 (gradients accumulated over them), the same optimizer step. Packed rows attend through the
 model's segments of whole rows (`MoELM(documents_BS=, document_bounds=)`: flash attention's
@@ -79,6 +83,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--samples", type=int, default=64, help="samples a step (GPU)")
     parser.add_argument("--per-microbatch", type=int, default=4, help="samples a microbatch (GPU)")
+    parser.add_argument("--packed-per-microbatch", type=int, nargs="*", default=[],
+                        help="also packed with this many samples a microbatch (the step's samples unchanged)")
     parser.add_argument("--compile", action="store_true", help="GPU: each block compiled (train.compile)")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -91,7 +97,9 @@ def main() -> None:
         lengths = [max(4, n // 32) for n in sample_lengths(samples, 32 * seq_len)]
     result = {**run_header(device), "config": "toy" if device == "cpu" else "qwen3-1b-active", "seq_len": seq_len,
               "samples": samples, "per_microbatch": per_microbatch, "compiled": args.compile and device == "cuda", "real_tokens": sum(lengths), "variants": {}}
-    for name, packed in (("right-padded", False), ("packed", True)):
+    runs = [("right-padded", False, per_microbatch), ("packed", True, per_microbatch)]
+    runs += [(f"packed-{n}-a-microbatch", True, n) for n in args.packed_per_microbatch]
+    for name, packed, per_microbatch in runs:
         torch.manual_seed(0)
         model = MoELM(cfg).to(device)
         if args.compile and device == "cuda":
@@ -115,7 +123,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         seconds = median_ms(step, args.iters, device) / 1e3
         columns = sum(mb["columns"] for mb in microbatches)
-        entry = {"step_s": seconds, "tokens_per_s": real / seconds, "rows": sum(mb["rows"] for mb in microbatches),
+        entry = {"per_microbatch": per_microbatch, "step_s": seconds, "tokens_per_s": real / seconds, "rows": sum(mb["rows"] for mb in microbatches),
                  "columns": columns, "padding_fraction": 1 - real / columns,
                  "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0}
         result["variants"][name] = entry
@@ -124,9 +132,10 @@ def main() -> None:
         del model, optimizer, microbatches
         if device == "cuda":
             torch.cuda.empty_cache()
-    padded, packed = (result["variants"][n]["tokens_per_s"] for n in ("right-padded", "packed"))
-    result["packed_over_padded"] = packed / padded
-    print(f"packed / right-padded tokens/s: {packed / padded:.2f}x")
+    padded = result["variants"]["right-padded"]["tokens_per_s"]
+    result["over_padded"] = {name: entry["tokens_per_s"] / padded for name, entry in result["variants"].items()}
+    result["packed_over_padded"] = result["over_padded"]["packed"]
+    print("over right-padded tokens/s: " + ", ".join(f"{n} {x:.2f}x" for n, x in result["over_padded"].items()))
     write_json(args.out, result)
 
 

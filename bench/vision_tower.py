@@ -14,7 +14,8 @@ as a conversation dataset at native resolution gives them.
     python bench/vision_tower.py --toy                              # CPU, tiny, float32 (CI)
 
 Tokens/s counts the patches the tower attends over. On a GPU dyad's tower also runs with each
-block compiled (`dyad-compiled`, as `train.compile` compiles the encoder pool's).
+block compiled (`dyad-compiled`, as `train.compile` compiles the encoder pool's). `--timeline-dir`
+writes each variant's kernels in order (`bench/kernel_timeline.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import tempfile
 
 import torch
+from kernel_timeline import write_timeline  # beside this script
 from moe_layer import time_interleaved  # beside this script
 from run_info import bench_device, run_header, write_json  # beside this script
 
@@ -43,6 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--toy", action="store_true")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--timeline-dir", help="GPU: each variant's kernels in order, with the idle gaps, are written here")
     parser.add_argument("--out")
     args = parser.parse_args()
     from transformers import Qwen3VLMoeVisionConfig
@@ -89,9 +92,13 @@ def main() -> None:
 
         steps["dyad-compiled"] = step_compiled
     ms = time_interleaved(steps, args.iters, device)
+    timelines = {}
+    if args.timeline_dir and device == "cuda":
+        for name, step in steps.items():
+            timelines[name] = write_timeline(step, f"{args.timeline_dir}/vision_tower_timeline_{name}.txt", steps=1)
     result = {**run_header(device), "tower": shape, "images": len(sizes), "patches": patches,
               "parameters": sum(p.numel() for p in theirs.parameters()),
-              "ms": ms, "patches_per_s": {name: patches / t * 1e3 for name, t in ms.items()}}
+              "ms": ms, "timelines": timelines, "patches_per_s": {name: patches / t * 1e3 for name, t in ms.items()}}
     result["speedup"] = {name: ms["transformers"] / t for name, t in ms.items() if name != "transformers"}
     print(f"{len(sizes)} images, {patches} patches, {result['parameters'] / 1e9:.2f} B parameters, fwd+bwd: "
           + ", ".join(f"{name} {t:.1f} ms" for name, t in ms.items())

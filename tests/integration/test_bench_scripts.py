@@ -25,7 +25,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         ("boundary_bandwidth.py", ["--iters", "2", "--windows", "1", "2"]),
         ("ucx_message_cost.py", ["--iters", "2", "--variants", "perftest,dyad,ucxx-thread-polling+header+hop+event"]),
         ("llm_step.py", ["--iters", "2"]),
-        ("packing.py", ["--iters", "2"]),
+        ("packing.py", ["--iters", "2", "--packed-per-microbatch", "4"]),
         ("hf_load.py", ["--repeats", "1"]),
         ("vision_tower.py", ["--iters", "2"]),
         ("expert_gemms.py", ["--iters", "2"]),
