@@ -41,28 +41,25 @@ SIZES = [(16, 16)] * 8 + [(32, 24), (24, 32), (32, 32), (48, 36), (40, 56), (64,
 TOY_SIZES = [(4, 4), (4, 8), (8, 6)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--toy", action="store_true")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--timeline-dir", help="GPU: each variant's kernels in order, with the idle gaps, are written here")
-    parser.add_argument("--out")
-    args = parser.parse_args()
+def random_towers(shape: dict, dtype: torch.dtype, device: str, copies: int = 1):
+    """transformers' `Qwen3VLMoeVisionModel` of `shape` with random weights (from torch's current
+    seed), and `copies` of dyad's tower loaded from its save by `dyad.hf.load`."""
     from transformers import Qwen3VLMoeVisionConfig
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
-    device = bench_device(args.toy)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    shape, sizes = (TOWER, SIZES) if device == "cuda" else (TOY, TOY_SIZES)
-    torch.manual_seed(0)
     config = Qwen3VLMoeVisionConfig(**shape)
     config._attn_implementation = "sdpa"
     theirs = Qwen3VLMoeVisionModel(config).to(dtype)
     with tempfile.TemporaryDirectory() as directory:
         theirs.save_pretrained(directory)
-        ours = dyad.hf.load(directory, dtype=dtype, device=device)
-        compiled = dyad.hf.load(directory, dtype=dtype, device=device) if device == "cuda" else None
-    theirs = theirs.to(device)
+        ours = [dyad.hf.load(directory, dtype=dtype, device=device) for _ in range(copies)]
+    return theirs.to(device), ours
+
+
+def packed_images(shape: dict, sizes: list[tuple[int, int]], dtype: torch.dtype, device: str):
+    """One packed batch of images of `sizes` (patch rows, columns) as a tower takes it: random
+    pixel_values [patches, X] and grid_thw [images, 3]; and a random upstream gradient for its
+    outputs, a [tokens, out] for the merged tokens and one per DeepStack feature."""
     grid_thw = torch.tensor([(1, h, w) for h, w in sizes], device=device)
     patches = int(grid_thw.prod(1).sum())
     X = shape["in_channels"] * shape["temporal_patch_size"] * shape["patch_size"] ** 2
@@ -70,25 +67,42 @@ def main() -> None:
     tokens = patches // shape["spatial_merge_size"] ** 2
     upstream = [torch.randn(tokens, shape["out_hidden_size"], device=device, dtype=dtype)
                 for _ in range(1 + len(shape["deepstack_visual_indexes"]))]
+    return pixels, grid_thw, upstream
 
-    def backward(merged, deepstack):
-        sum((x.float() * u.float()).sum() for x, u in zip([merged, *deepstack], upstream, strict=True)).backward()
+
+def backward(out, upstream: list[torch.Tensor]) -> None:
+    """Backward from a tower's output (dyad's or transformers': the same field names) with `upstream`."""
+    outputs = [out.pooler_output, *out.deepstack_features]
+    sum((x.float() * u.float()).sum() for x, u in zip(outputs, upstream, strict=True)).backward()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--toy", action="store_true")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--timeline-dir", help="GPU: each variant's kernels in order, with the idle gaps, are written here")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    device = bench_device(args.toy)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shape, sizes = (TOWER, SIZES) if device == "cuda" else (TOY, TOY_SIZES)
+    torch.manual_seed(0)
+    theirs, (ours, *compiled) = random_towers(shape, dtype, device, copies=2 if device == "cuda" else 1)
+    pixels, grid_thw, upstream = packed_images(shape, sizes, dtype, device)
+    patches = pixels.shape[0]
 
     def step_ours():
-        out = ours(pixels, grid_thw)
-        backward(out.pooler_output, out.deepstack_features)
+        backward(ours(pixels, grid_thw), upstream)
 
     def step_theirs():
-        out = theirs(pixels, grid_thw=grid_thw)
-        backward(out.pooler_output, out.deepstack_features)
+        backward(theirs(pixels, grid_thw=grid_thw), upstream)
 
     steps = {"dyad": step_ours, "transformers": step_theirs}
-    if compiled is not None:  # each block compiled, as train.compile does in the encoder pool
-        compile_blocks(compiled.model)
+    if compiled:  # each block compiled, as train.compile does in the encoder pool
+        compile_blocks(compiled[0].model)
 
         def step_compiled():
-            out = compiled(pixels, grid_thw)
-            backward(out.pooler_output, out.deepstack_features)
+            backward(compiled[0](pixels, grid_thw), upstream)
 
         steps["dyad-compiled"] = step_compiled
     ms = time_interleaved(steps, args.iters, device)

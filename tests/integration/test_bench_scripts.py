@@ -28,6 +28,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         ("packing.py", ["--iters", "2", "--packed-per-microbatch", "4"]),
         ("hf_load.py", ["--repeats", "1"]),
         ("vision_tower.py", ["--iters", "2"]),
+        ("encoder_balance.py", ["--iters", "2", "--microbatches", "2"]),
         ("expert_gemms.py", ["--iters", "2"]),
         ("e2e_hetero.py", []),
         ("e2e_hetero.py", ["--set", "train.overlap_grad_reduce=false"]),
