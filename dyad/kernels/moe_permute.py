@@ -56,12 +56,14 @@ def expert_plan(flat_expert_N: torch.Tensor, num_experts: int) -> tuple[torch.Te
 
 
 def _plan_kernel_applies(flat_expert_N: torch.Tensor) -> bool:
+    # Compiling is asked first: a compiled graph never runs the kernel, and asking the row count
+    # there would guard the graph on it (a recompile each time a microbatch crosses the bound).
     return (
-        flat_expert_N.is_cuda
+        not torch.compiler.is_compiling()
+        and flat_expert_N.is_cuda
         and flat_expert_N.dim() == 1
         and flat_expert_N.is_contiguous()
         and flat_expert_N.shape[0] <= _PLAN_MAX_ROWS
-        and not torch.compiler.is_compiling()
         and _kernels() is not None
     )
 
