@@ -200,7 +200,9 @@ def _encoder_ranks(config, spec: StepSpec, plan: BoundaryPlan) -> list[RankMemor
         _, activations = _encoder_in_flight(config, rounds, plan, coords["dp"])
         boundary = estimate.encoder_boundary(plan, rounds, depth, rank=rank, dp_rank=coords["dp"],
                                              frozen="encoder" in config.train.freeze)
-        memory = estimate.Memory(state.weights, pool.casts, state.gradients, state.optimizer, activations, boundary,
+        casts = estimate.casts_in_flight(pool.casts, recompute="encoder" in config.train.recompute,
+                                         passes=estimate.encoder_rounds_in_flight(plan, rounds, depth, coords["dp"]))
+        memory = estimate.Memory(state.weights, casts, state.gradients, state.optimizer, activations, boundary,
                                  state.reduction)
         ranks.append(RankMemory("encoder", rank, _spread(coords, layout.axes()), memory))
     return ranks
@@ -216,13 +218,14 @@ def _llm_ranks(config, dataset, image_tokens: ImageTokens, spec: StepSpec, plan:
         pool = pools[coords["pp"]]
         state = pool.state(train)
         lane = [shape for shape, dp_rank in zip(shapes, spec.llm_dp_ranks) if dp_rank == coords["dp"]]
+        live, recompute = live_passes(layout.pp, coords["pp"], len(lane), layout.pp_virtual), "llm" in train.recompute
         activations = estimate.llm_activations(
             config.llm, layout, estimate.llm_tokens_per_rank(lane, layout),
-            element_size=estimate.ELEMENT_SIZE[train.dtype], recompute="llm" in train.recompute,
-            pp_rank=coords["pp"], live=live_passes(layout.pp, coords["pp"], len(lane), layout.pp_virtual),
+            element_size=estimate.ELEMENT_SIZE[train.dtype], recompute=recompute, pp_rank=coords["pp"], live=live,
         )
         boundary = estimate.llm_boundary(plan, rank, gradients="encoder" not in train.freeze)
-        memory = estimate.Memory(state.weights, pool.casts, state.gradients, state.optimizer, activations, boundary,
+        casts = estimate.casts_in_flight(pool.casts, passes=live, chunks=layout.pp_virtual, recompute=recompute)
+        memory = estimate.Memory(state.weights, casts, state.gradients, state.optimizer, activations, boundary,
                                  state.reduction)
         ranks.append(RankMemory("llm", rank, _spread(coords, layout.attention_axes() | layout.expert_axes()),
                                 memory))

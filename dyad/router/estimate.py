@@ -20,7 +20,10 @@ pass (each term a column of the plan's table):
   trained matrix whose float32 master the sharded optimizer keeps in pieces instead;
 - casts: with bfloat16 compute and no working weights, the bf16 copy autocast makes of each
   matrix the forward pass uses, kept for the backward pass (2 per matrix; with recompute the
-  experts' are made again block by block, and counted all the same);
+  experts' are made again block by block, and counted all the same). Each forward pass makes its
+  own (autocast's cache lasts one pass), so a rank keeps those of every pass it holds: a pipeline
+  rank's live passes, each of one chunk's matrices, and an encoder rank's rounds in flight
+  (`casts_in_flight`);
 - gradients: 4 per trained parameter, at its shape (a working weight's bf16 gradient is added
   into its master's float32 one as it is made: `dyad/kernels/widen.py`); with the optimizer
   sharded too, until the reduction hands each bucket to this rank's pieces;
@@ -317,6 +320,15 @@ def weight_casts(parts: Sequence[Part]) -> int:
     return BF16 * matrices_per_rank(parts)
 
 
+def casts_in_flight(casts: int, *, passes: int = 1, chunks: int = 1, recompute: bool = False) -> int:
+    """Bytes of the casts a rank keeps at once, `casts` those of all its matrices: autocast casts
+    afresh in each forward pass and the pass's graph keeps its casts until its backward, so
+    `passes` passes at once (each of one of `chunks` even chunks of the rank's layers, as
+    `llm_activations` counts them) keep theirs each. With recompute a pass keeps none (the
+    backward casts again, a block at a time): all the matrices' once."""
+    return casts if recompute else passes * casts // chunks
+
+
 def held_layers(llm: LLMConfig, layout: LLMLayout, pp_rank: int | None = None) -> list[int]:
     """The decoder layers a rank holds: all, or (`pp_rank`) those of its pipeline stages."""
     if pp_rank is None:
@@ -393,6 +405,12 @@ def encoder_images_in_flight(plan: BoundaryPlan, rounds: Sequence[int], depth: i
     the work of `depth` consecutive rounds (`rounds[microbatch]`: its index in its LLM
     data-parallel lane), which the encoder encodes before the oldest one's gradient returns."""
     return _window(_per_round(plan, rounds, dp_rank, lambda work: len(work.images)), depth)
+
+
+def encoder_rounds_in_flight(plan: BoundaryPlan, rounds: Sequence[int], depth: int, dp_rank: int) -> int:
+    """The most rounds with work for group `dp_rank` among `depth` consecutive ones: the forward
+    passes its ranks hold at once, as `encoder_images_in_flight` counts their images."""
+    return _window(_per_round(plan, rounds, dp_rank, lambda work: 1), depth)
 
 
 def encoder_tokens_in_flight(plan: BoundaryPlan, rounds: Sequence[int], depth: int, dp_rank: int) -> int:

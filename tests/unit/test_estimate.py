@@ -221,3 +221,69 @@ def test_a_pipeline_ranks_activations_are_its_layers_times_its_live_passes():
     dense_layer, moe_layer, logits = (32 + 12 + 18) * 2, (32 + 12 + 34) * 2, 50 * 4  # LLM: layer 0 dense, 1 MoE
     assert kept == [10 * 2 * dense_layer, 10 * (moe_layer + logits)]
     assert sum(kept) - 10 * dense_layer == estimate.llm_activations(LLM, LLM_LAYOUT, 10, element_size=2, recompute=False)
+
+
+def test_each_forward_pass_keeps_its_own_casts():
+    """What `casts_in_flight` counts: autocast casts a weight afresh in each pass (its cache lasts
+    one autocast context) and the pass's graph keeps the cast for its backward, so two passes
+    whose backward has not run hold two casts of every matrix."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    kept: list[torch.Tensor] = []
+
+    def keep(tensor):
+        kept.append(tensor)
+        return tensor
+
+    losses = []
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses.append(model(torch.randn(3, 8, requires_grad=True)).float().sum())
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    casts = {t.untyped_storage().data_ptr(): t for t in kept  # saved as the matmul takes it: transposed
+             if t.dtype == torch.bfloat16 and any(sorted(t.shape) == sorted(p.shape) for p in matrices)}
+    assert sum(t.nbytes for t in casts.values()) == 2 * estimate.BF16 * sum(p.numel() for p in matrices)
+    assert estimate.casts_in_flight(100, passes=2) == 200
+
+
+def test_a_rank_keeps_the_casts_of_its_live_passes():
+    """A pipeline rank's live passes each keep one chunk's casts; with recompute none are kept,
+    and all the matrices are counted once, as they are cast again in the backward."""
+    assert estimate.casts_in_flight(100) == 100
+    assert estimate.casts_in_flight(100, passes=5, chunks=2) == 250
+    assert estimate.casts_in_flight(100, passes=5, chunks=2, recompute=True) == 100
+
+
+def test_the_plan_counts_each_ranks_casts_by_its_passes():
+    """pp2 under 1F1B: the first stage holds two passes, the last one; interleaved, five and
+    three passes of half a rank's layers. The encoder holds `boundary.prefetch_depth` rounds."""
+    from dyad import config as config_lib
+    from dyad.app.dry_run import rank_memories
+    from dyad.data import make_dataset
+    from dyad.router.steps import StepPlanner
+
+    def casts(overrides):
+        config = config_lib.load(None, ["train.dtype=bfloat16", "train.global_batch=8", "llm.n_layers=4",
+                                        *overrides])
+        dataset = make_dataset(config.data)
+        config = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
+        planner = StepPlanner(config, dataset)
+        spec = planner.next(0)
+        ranks = rank_memories(config, dataset, planner.image_tokens, spec, planner.boundary_plan(spec))
+        layout = config.parallel.llm
+        stages = [estimate.weight_casts(estimate.llm_parts(config.llm, layout, pp_rank=r)) for r in range(layout.pp)]
+        return {(r.pool, r.rank): r.memory.casts for r in ranks}, stages
+
+    pipeline = ["parallel.llm.pp=2", "train.microbatches=4", "boundary.prefetch_depth=4"]
+    one, (first, last) = casts(pipeline)
+    assert first > 0 and last > 0
+    assert (one[("llm", 0)], one[("llm", 1)]) == (2 * first, last)
+    interleaved, (first, last) = casts([*pipeline, "parallel.llm.pp_virtual=2"])
+    assert (interleaved[("llm", 0)], interleaved[("llm", 1)]) == (5 * first // 2, 3 * last // 2)
+    shallow, _ = casts(["train.microbatches=4", "boundary.prefetch_depth=1"])
+    assert one[("encoder", 0)] == 4 * shallow[("encoder", 0)] > 0  # every microbatch has images
+    recomputed, _ = casts([*pipeline, "train.recompute=[llm,encoder]"])
+    assert (recomputed[("llm", 0)], recomputed[("llm", 1)], recomputed[("encoder", 0)]) == (
+        first, last, shallow[("encoder", 0)])
