@@ -25,12 +25,14 @@ variant's: every variant trains the same samples from the same weights, in bf16 
 
     python bench/memory_plan.py --out $OUT/memory_plan.json
     python bench/memory_plan.py --toy --out /tmp/memory_plan.json   # CPU, tiny (CI): estimates only
+    python bench/memory_plan.py --against docs/results/memory_h200/memory_plan.json  # today's estimate, no run
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import socket
 import time
@@ -262,14 +264,38 @@ def compare(estimate: dict, measured: dict, cuda: bool) -> dict:
     }
 
 
+def estimate_against(path: str, out: str | None) -> None:
+    """The current estimate (`dyad plan`'s) of every variant and rank of an earlier GPU run,
+    against the peaks measured there: for an estimate changed since the run."""
+    with open(path) as f:
+        measured = json.load(f)
+    results = {"measured": path, "variants": {}}
+    for name, variant in measured["variants"].items():
+        config, dataset = resolved([*measured["overrides"], *VARIANTS[name]])
+        expected = estimates(config, dataset, measured["steps"])
+        ranks = {}
+        for rank, entry in variant["ranks"].items():
+            total = expected[int(rank)]["total"] / GIB
+            ranks[rank] = {"estimate_gib": total, "peak_allocated_gib": entry["peak_allocated_gib"],
+                           "peak_over_estimate": entry["peak_allocated_gib"] / total}
+            print(f"{name:>15} llm rank {rank}: estimate {total:.2f} GiB, measured peak "
+                  f"{entry['peak_allocated_gib']:.2f} GiB (x{ranks[rank]['peak_over_estimate']:.3f})", flush=True)
+        results["variants"][name] = {"ranks": ranks}
+    write_json(out, results)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--toy", action="store_true", help="CPU, a tiny model: estimates only")
     parser.add_argument("--steps", type=int, default=3, help="steps per variant (the peak needs AdamW's moments: 2+)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides")
+    parser.add_argument("--against", metavar="JSON",
+                        help="no run: today's estimate of each variant of a GPU run's JSON against its measured peaks")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.against:
+        return estimate_against(args.against, args.out)
     device = bench_device(args.toy)
     results = {**run_header(device), "steps": args.steps, "overrides": [*(TOY if args.toy else GPU), *args.set],
                "variants": {}}

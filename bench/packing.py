@@ -103,6 +103,10 @@ def main() -> None:
         torch.manual_seed(0)
         model = MoELM(cfg).to(device)
         if args.compile and device == "cuda":
+            # Each variant its own compilation, as its own run would be: the variants' models share
+            # the blocks' code, and with it dynamo's limit of recompilations (shapes differ by
+            # microbatch).
+            torch._dynamo.reset()
             compile_blocks(model)
         train = argparse.Namespace(weight_decay=0.01, beta1=0.9, beta2=0.95, eps=1e-8, lr=1e-4)
         optimizer = build_optimizer(model, train)
@@ -121,7 +125,14 @@ def main() -> None:
 
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        seconds = median_ms(step, args.iters, device) / 1e3
+        try:
+            seconds = median_ms(step, args.iters, device) / 1e3
+        except torch.OutOfMemoryError:  # too many samples a microbatch for the GPU: the others still run
+            result["variants"][name] = {"per_microbatch": per_microbatch, "out_of_memory": True}
+            print(f"{name:12s} out of GPU memory", flush=True)
+            del model, optimizer, microbatches, step
+            torch.cuda.empty_cache()
+            continue
         columns = sum(mb["columns"] for mb in microbatches)
         entry = {"per_microbatch": per_microbatch, "step_s": seconds, "tokens_per_s": real / seconds, "rows": sum(mb["rows"] for mb in microbatches),
                  "columns": columns, "padding_fraction": 1 - real / columns,
@@ -133,7 +144,8 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.empty_cache()
     padded = result["variants"]["right-padded"]["tokens_per_s"]
-    result["over_padded"] = {name: entry["tokens_per_s"] / padded for name, entry in result["variants"].items()}
+    result["over_padded"] = {name: entry["tokens_per_s"] / padded for name, entry in result["variants"].items()
+                             if "tokens_per_s" in entry}
     result["packed_over_padded"] = result["over_padded"]["packed"]
     print("over right-padded tokens/s: " + ", ".join(f"{n} {x:.2f}x" for n, x in result["over_padded"].items()))
     write_json(args.out, result)
