@@ -3,7 +3,8 @@ mixed sizes (bench/vision_tower.py's `SIZES`: Qwen3-VL's tower, 16 heads of 72),
 ways: flash attention's variable-length kernel over all images at once (`varlen`: what
 `dyad.kernels.varlen_attention` runs), one SDPA call per image with each backend (cuDNN, flash,
 memory-efficient: transformers' non-flash path is the per-image loop), one cuDNN call per group
-of same-size images, and SDPA on a nested (jagged) tensor. Each way's output and input gradients
+of same-size images, SDPA on a nested (jagged) tensor, and cuDNN's attention over all the
+packed images in one call (`cudnn-varlen`: the op SDPA's cuDNN backend runs for a nested tensor). Each way's output and input gradients
 are compared with the first's; time per layer, and times the tower's 27 layers.
 
     python bench/vision_attention.py --out $OUT/vision_attention.json   # on a GPU host
@@ -67,6 +68,15 @@ def jagged(cu, longest):
     return attend
 
 
+def cudnn_varlen(cu, longest, scale):
+    """cuDNN's attention over the packed segments in one call (the op SDPA runs for a jagged
+    nested tensor on its cuDNN backend), its backward the op's own derivative."""
+    def attend(q, k, v):
+        return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, longest, longest, True, 0.0, False,
+                                                       False, scale=scale)[0]
+    return attend
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--toy", action="store_true")
@@ -89,6 +99,7 @@ def main() -> None:
         "efficient-per-image": per_image(lengths, SDPBackend.EFFICIENT_ATTENTION),
         "cudnn-bucketed": bucketed(sizes, lengths, SDPBackend.CUDNN_ATTENTION),
         "jagged": jagged(cu, longest),
+        "cudnn-varlen": cudnn_varlen(cu, longest, head_dim**-0.5),
     }
     result = {**run_header(device), "sizes": sizes, "heads": heads, "head_dim": head_dim, "ways": {}}
     first = None
