@@ -95,7 +95,7 @@ def _models(config, plan: BoundaryPlan) -> list[str]:
         tokens = [image.tokens for work in plan.encoder_work for image in work.images] or [0]
         images = (f"{encoder.native.depth} blocks, native resolution: {min(tokens):,} to {max(tokens):,} tokens "
                   "per image in step 0; " + (f"{llm.deepstack_levels} DeepStack levels cross the boundary with them"
-                                              if llm.deepstack_levels else "its DeepStack mergers held"))
+                                              if llm.reads_deepstack else "its DeepStack mergers held"))
     return [
         "models",
         f"  encoder {tower + projector:>15,} parameters: vision tower {tower:,} ({images}), "
@@ -172,7 +172,7 @@ def _pools(config, pp_rank: int = 0) -> dict[str, _Pool]:
     enc, enc_layout = config.encoder, parallel.encoder
     tower, projector = estimate.encoder_tower_parts(enc, enc_layout), estimate.projector_parts(enc, enc_layout)
     deepstack = estimate.deepstack_parts(enc, enc_layout)
-    read, unread = (deepstack, []) if config.llm.deepstack_levels else ([], deepstack)
+    read, unread = (deepstack, []) if config.llm.reads_deepstack else ([], deepstack)
     encoder_frozen = "encoder" in train.freeze
     trained = [] if encoder_frozen else projector + read + ([] if "vision_tower" in train.freeze else tower)
     held = [part for part in tower + projector + read if part not in trained] + unread

@@ -58,12 +58,12 @@ def heldout_loss(config: RunConfig, dataset, encoder, llm) -> tuple[float, int]:
     processor = image_processor(config.encoder)  # read once, not per batch
     for batch in batches:
         batch = batch.to(device)
-        local = whole_microbatch(batch, dataset.tokenizer.pad_id, multimodal_rope=bool(config.llm.mrope_section))
+        local = whole_microbatch(batch, dataset.tokenizer.pad_id, multimodal_rope=config.llm.multimodal_rope)
         with compute_context(config):
             rows_RD = None
             if batch.image_ids:
                 rows_RD = encode_rows(encoder, dataset, batch.image_ids, device, processor,
-                                      deepstack=config.llm.deepstack_levels > 0)[local.image_rows_Nl]
+                                      deepstack=config.llm.reads_deepstack)[local.image_rows_Nl]
             loss = microbatch_loss(llm, local, rows_RD, global_target_tokens=targets, global_microbatches=len(batches))
         total += float(loss.lm)
     return total, targets
@@ -87,7 +87,7 @@ def _decode_matches(config, dataset, encoder, llm, samples) -> torch.Tensor:
     rows_RD, deepstack = None, None
     if image_ids:
         rows_RD = encode_rows(encoder, dataset, image_ids, device, image_processor(config.encoder),
-                              deepstack=config.llm.deepstack_levels > 0)
+                              deepstack=config.llm.reads_deepstack)
         rows_RD, *deepstack = rows_RD.split(config.llm.dim, dim=1)
     rope_3BS = None
     if config.llm.mrope_section:  # every column past a prompt is text, as the decoded tokens will be

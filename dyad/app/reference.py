@@ -39,13 +39,13 @@ class ReferenceTrainer:
             rows = spec.row_sizes[index] if spec.row_sizes else ()
             batch = collate(self.dataset.tokenizer, samples, self.planner.image_tokens, rows)
             batch = batch.to(self.config.train.device)
-            local = whole_microbatch(batch, self.dataset.tokenizer.pad_id, multimodal_rope=bool(self.config.llm.mrope_section))
+            local = whole_microbatch(batch, self.dataset.tokenizer.pad_id, multimodal_rope=self.config.llm.multimodal_rope)
             with compute_context(self.config):
                 rows_RD = None
                 if batch.image_ids:
                     rows_RD = encode_rows(
                         self.encoder, self.dataset, batch.image_ids, self.config.train.device, self.image_processor,
-                        deepstack=self.config.llm.deepstack_levels > 0,
+                        deepstack=self.config.llm.reads_deepstack,
                     )[local.image_rows_Nl]
                 loss = microbatch_loss(
                     self.llm,

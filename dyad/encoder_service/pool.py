@@ -19,7 +19,7 @@ def _resolve(run, vocab_size: int | None) -> EncoderConfig:
     native = native_tower(run.encoder, channels=run.data.channels)
     if native is not None:
         return _resolve_native(run, native)
-    if run.llm.deepstack_levels:
+    if run.llm.reads_deepstack:
         raise ValueError(f"llm.deepstack_levels ({run.llm.deepstack_levels}) needs DeepStack features from a "
                          "native-resolution tower (encoder.from_hf of a Qwen3-VL checkpoint); this encoder has none")
     encoder = run.encoder
@@ -29,7 +29,7 @@ def _resolve(run, vocab_size: int | None) -> EncoderConfig:
         encoder, out_dim=run.llm.dim, image_size=run.data.image_size, channels=run.data.channels
     )
     image_processor(encoder)  # its images are the size the tower's processor prepares
-    if run.llm.mrope_section and FixedTokens(encoder.tokens_per_image).token_grid(0) is None:
+    if run.llm.multimodal_rope and FixedTokens(encoder.tokens_per_image).token_grid(0) is None:
         raise ValueError(f"llm.mrope_section ({list(run.llm.mrope_section)}) positions an image's tokens on their grid: "
                          f"the encoder's {encoder.tokens_per_image} tokens per image are not a square")
     if encoder.tokens_per_image > run.llm.max_seq_len:

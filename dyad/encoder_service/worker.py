@@ -106,7 +106,7 @@ class EncoderWorker(PoolService):
         """train.freeze "encoder": every parameter; "vision_tower": all but the projector's; and
         the tower's `unread` parts where the LLM takes no DeepStack levels."""
         held, kind = config.train.freeze, tower(config.encoder)
-        unread = kind.unread if config.llm.deepstack_levels == 0 else ()
+        unread = () if config.llm.reads_deepstack else kind.unread
         for name, param in model.named_parameters():
             if ("encoder" in held or ("vision_tower" in held and not name.startswith(kind.projector))
                     or name.startswith(unread)):
@@ -193,7 +193,7 @@ class EncoderWorker(PoolService):
         their gradients too."""
         with compute_context(self.config):
             rows_RD = encode_rows(self.model, self.dataset, work.image_ids, self.device, self.image_processor,
-                                  deepstack=self.config.llm.deepstack_levels > 0)
+                                  deepstack=self.config.llm.reads_deepstack)
         rows_RD = rows_RD.to(boundary_dtype(self.config))
         if rows_RD.shape[0] != work.rows:
             raise RuntimeError(

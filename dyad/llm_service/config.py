@@ -290,6 +290,16 @@ class LLMConfig:
         return self.dim * (1 + self.deepstack_levels)
 
     @property
+    def multimodal_rope(self) -> bool:
+        """Whether positions are (t, h, w) triples: image tokens placed on their grid (mrope_section)."""
+        return bool(self.mrope_section)
+
+    @property
+    def reads_deepstack(self) -> bool:
+        """Whether the LLM adds DeepStack levels, so the encoder sends them beside each merged token."""
+        return self.deepstack_levels > 0
+
+    @property
     def rope_dim(self) -> int:
         """The features of a query or key head that the rotary embedding turns."""
         return self.mla.qk_rope_head_dim if self.attention == "mla" else self.head_dim

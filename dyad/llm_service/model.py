@@ -415,7 +415,7 @@ class MoELM(nn.Module):
             return cos_TDh.view(*shape, -1), sin_TDh.view(*shape, -1)
         if rope_positions_3BS is None:
             return rotary_cos_sin(position_ids_S, *frequencies)
-        if not self.cfg.mrope_section:
+        if not self.cfg.multimodal_rope:
             raise ValueError("rope_positions need a multimodal rotary embedding (llm.mrope_section)")
         if rope_positions_3BS.shape != (3, *shape):
             expected = [3, *shape]

@@ -309,7 +309,7 @@ class LLMWorker(PoolService):
                 cp=self.layout.cp,
                 cp_rank=self.groups.index("cp"),
                 tp=self.layout.tp,
-                multimodal_rope=bool(self.config.llm.mrope_section),
+                multimodal_rope=self.config.llm.multimodal_rope,
             )
             expected = local.image_rows_Nl.numel() if self.splices else 0
             local = local.to(self.device)
