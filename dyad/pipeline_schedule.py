@@ -5,6 +5,15 @@ The 1F1B schedule and its interleaved form (each rank holding several chunks of 
 stages"), as Megatron-LM orders them; and forward passes only, for an evaluation. Stage s is
 chunk s // pp of pipeline rank s % pp (`dyad.layout.LLMLayout.rank_stages`); its forward of a
 microbatch needs stage s - 1's, its backward stage s + 1's.
+
+`exchanges` says what a rank posts to its neighbours, and together with what: before each action
+its input's receive, and with it the previous action's output, whose send waits until then. NCCL
+runs a pair of ranks' point-to-point operations in the order each posts them and a large send
+finishes only once its receive runs, so two neighbours that each post a send before the receive
+that matches the other's send wait for each other for ever (1F1B does that: the first stage sends
+microbatch 1's activations before it takes microbatch 0's gradient, which the second stage sends
+before it takes microbatch 1's activations). Posted as one group, a send and a receive run at
+once (as Megatron-LM's `send_forward_recv_backward`).
 """
 
 from __future__ import annotations
@@ -38,6 +47,63 @@ def schedule(pp: int, pp_rank: int, microbatches: int, chunks: int = 1) -> list[
     for k in range(total - warmup):
         actions += [forwards[warmup + k], backwards[k]]
     return actions + backwards[total - warmup :]
+
+
+@dataclass(frozen=True)
+class Message:
+    """A tensor between neighbouring stages for `microbatch`: stage `src`'s output into stage
+    `dst` = src + 1 (forward), or the gradient of stage `dst`'s output from stage `src` = dst + 1."""
+
+    src: int
+    dst: int
+    microbatch: int
+    forward: bool
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """What a rank posts as one group, before a step of its actions (or after the last): the
+    previous step's outputs sent and this step's inputs received, in the step's order."""
+
+    sends: tuple[Message, ...]
+    receives: tuple[Message, ...]
+
+
+def steps(actions: list[Action], chunks: int = 1) -> list[list[Action]]:
+    """`actions` (a `schedule` or `forward_only`) in the steps a rank exchanges between: one
+    action a step; interleaved (`chunks` > 1), each forward of the steady phase and the backward
+    after it together, as Megatron-LM's interleaved schedule sends and receives both passes'
+    tensors at once (the warm-up's forwards and the cool-down's backwards one a step)."""
+    total = sum(action.forward for action in actions)
+    leading = next((i for i, action in enumerate(actions) if not action.forward), len(actions))
+    warmup = total if chunks == 1 or leading == total else leading - 1
+    steady = range(warmup, warmup + 2 * (total - warmup), 2)
+    grouped, index = [], 0
+    while index < len(actions):
+        size = 2 if index in steady else 1
+        grouped.append(actions[index : index + size])
+        index += size
+    return grouped
+
+
+def exchanges(pp: int, pp_rank: int, actions: list[Action], chunks: int = 1) -> list[Exchange]:
+    """Rank `pp_rank`'s exchanges for `actions` (its `schedule` or `forward_only`): the i-th is
+    posted before the i-th of its `steps`, the last one after the last step (its outputs' sends)."""
+    stages = pp * chunks
+    posted, pending = [], ()
+    for step in steps(actions, chunks):
+        receives, outputs = [], []
+        for action in step:
+            stage, m = action.chunk * pp + pp_rank, action.microbatch
+            if action.forward:
+                receives += [Message(stage - 1, stage, m, True)] if stage > 0 else []
+                outputs += [Message(stage, stage + 1, m, True)] if stage < stages - 1 else []
+            else:
+                receives += [Message(stage + 1, stage, m, False)] if stage < stages - 1 else []
+                outputs += [Message(stage, stage - 1, m, False)] if stage > 0 else []
+        posted.append(Exchange(pending, tuple(receives)))
+        pending = tuple(outputs)
+    return [*posted, Exchange(pending, ())]
 
 
 def forward_only(pp: int, pp_rank: int, microbatches: int, chunks: int = 1) -> list[Action]:

@@ -1,13 +1,24 @@
 """dyad.pipeline_schedule, walked without processes: every rank's actions run to the
 end in some order that respects each rank's order and every dependency (sends never wait,
 receives do), every forward and backward of every stage and microbatch exactly once, the messages
-between two ranks received in the order they are sent, and 1F1B's bound on held activations."""
+between two ranks received in the order they are sent, and 1F1B's bound on held activations; and
+the exchanges the pipeline posts between steps, walked under NCCL's rule that a rank's
+point-to-point operations run in the order it posts them."""
 
 import re
 
 import pytest
 
-from dyad.pipeline_schedule import Action, first_stage_lead, forward_only, schedule
+from dyad.pipeline_schedule import (
+    Action,
+    Exchange,
+    Message,
+    exchanges,
+    first_stage_lead,
+    forward_only,
+    schedule,
+    steps,
+)
 
 SHAPES = [(pp, chunks, m) for pp in (2, 3, 4, 8) for chunks in (1, 2, 3) for m in range(1, 17)
           if chunks == 1 or m % pp == 0]
@@ -111,3 +122,66 @@ def test_forward_only_runs_every_forward_once_without_deadlock(pp, chunks, micro
     assert _walk(pp, chunks, actions)
     sent, received = _messages(pp, chunks, actions)
     assert sent == received
+
+
+def _in_posted_order(pp: int, groups: list[list[list[tuple[str, Message]]]]) -> bool:
+    """Whether every rank gets through its posted groups under NCCL's rule: a rank runs its
+    groups one after another; an operation of the group it runs finishes once its partner (a
+    send's receive, a receive's send) is in the group its peer runs (a large message: nothing
+    is buffered), and the next group starts when all of them have. Stricter than NCCL, which
+    orders only a pair of ranks' operations, not a rank's with all of its peers."""
+    heads, done = [0] * pp, set()
+    moved = True
+    while moved:
+        moved = False
+        for rank in range(pp):
+            while heads[rank] < len(groups[rank]) and all(op in done for op in groups[rank][heads[rank]]):
+                heads[rank] += 1  # an empty group posts nothing
+                moved = True
+            if heads[rank] == len(groups[rank]):
+                continue
+            for kind, message in groups[rank][heads[rank]]:
+                peer = (message.dst if kind == "send" else message.src) % pp
+                partner = ("recv" if kind == "send" else "send", message)
+                if (kind, message) not in done and heads[peer] < len(groups[peer]) and partner in groups[peer][heads[peer]]:
+                    done |= {(kind, message), partner}
+                    moved = True
+    return all(heads[rank] == len(groups[rank]) for rank in range(pp))
+
+
+def _grouped(exchange: Exchange) -> list[list[tuple[str, Message]]]:
+    return [[*(("send", m) for m in exchange.sends), *(("recv", m) for m in exchange.receives)]]
+
+
+def _one_by_one(exchange: Exchange) -> list[list[tuple[str, Message]]]:
+    """Each send alone, then each receive alone: each output posted as soon as it exists."""
+    return [[("send", m)] for m in exchange.sends] + [[("recv", m)] for m in exchange.receives]
+
+
+def _posted(pp, chunks, actions, group) -> list[list[list[tuple[str, Message]]]]:
+    return [[ops for exchange in exchanges(pp, rank, actions[rank], chunks) for ops in group(exchange)]
+            for rank in range(pp)]
+
+
+@pytest.mark.parametrize("pp, chunks, microbatches", SHAPES)
+def test_the_exchanges_finish_in_nccls_posted_order(pp, chunks, microbatches):
+    """Each step's inputs received with the previous step's outputs sent, as one group: every
+    schedule and every forward-only pass get through under NCCL's in-order rule, and every
+    message is sent once and received once."""
+    for actions in ([schedule(pp, rank, microbatches, chunks) for rank in range(pp)],
+                    [forward_only(pp, rank, microbatches, chunks) for rank in range(pp)]):
+        assert all([a for step in steps(actions[rank], chunks) for a in step] == actions[rank] for rank in range(pp))
+        posted = _posted(pp, chunks, actions, _grouped)
+        assert _in_posted_order(pp, posted), (pp, chunks, microbatches)
+        ops = [op for rank in posted for group in rank for op in group]
+        sends, receives = ([m for kind, m in ops if kind == wanted] for wanted in ("send", "recv"))
+        assert len(set(sends)) == len(sends) and sorted(sends, key=repr) == sorted(receives, key=repr)
+
+
+def test_each_output_sent_as_soon_as_it_exists_deadlocks_1f1b_under_nccl():
+    """Why the exchanges group a send with the next receive: posted one by one, the first stage
+    sends microbatch 1's activations before it takes microbatch 0's gradient, which the second
+    stage sends before it takes microbatch 1's activations."""
+    actions = [schedule(2, rank, 4) for rank in range(2)]
+    assert not _in_posted_order(2, _posted(2, 1, actions, _one_by_one))
+    assert _in_posted_order(2, _posted(2, 1, actions, _grouped))
