@@ -30,6 +30,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         ("vision_tower.py", ["--iters", "2"]),
         ("vision_attention.py", ["--iters", "1"]),
         ("encoder_balance.py", ["--iters", "2", "--microbatches", "2"]),
+        ("module_profile.py", []),
         ("expert_gemms.py", ["--iters", "2"]),
         ("e2e_hetero.py", []),
         ("e2e_hetero.py", ["--set", "train.overlap_grad_reduce=false"]),
