@@ -123,33 +123,42 @@ def llm_shapes(max_seq_len: int, device: str) -> list[tuple[int, int]]:
 
 
 def llm_points(config, device: str, iters: int) -> tuple[list[dict], dict]:
-    points, optimizer_point = [], {}
+    points = []
     for depth in profile_depths(config.llm):
         llm = dataclasses.replace(config.llm, n_layers=depth, deepstack_levels=0,
                                   dense_layers=tuple(i for i in config.llm.dense_layers if i < depth))
-        cut = dataclasses.replace(config, llm=llm)
-        model = prepared(build_model(cut, "llm", device, pretrained=False), cut, "llm")
-        for rows, seq_len in llm_shapes(llm.max_seq_len, device):
-            ids = torch.randint(llm.vocab_size, (rows, seq_len), device=device)
-            targets = torch.randint(llm.vocab_size, (rows, seq_len), device=device)
-
-            def step():
-                with compute_context(cut):
-                    logits, aux = model(ids)
-                    loss = model.loss_sum(logits, targets) / ids.numel() + aux
-                loss.backward()
-
-            ms = median_ms(step, iters, device)
-            points.append({"layers": depth, "rows": rows, "seq_len": seq_len, "ms": ms})
-            print(f"llm, {depth} layers: {rows} x {seq_len} tokens fwd+bwd {ms:.2f} ms")
-        optimizer = build_optimizer(model, config.train)  # the gradients of the steps above are there
-        parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        optimizer_point = {"parameters": parameters, "ms": median_ms(optimizer.step, iters, device)}
-        del model, optimizer
+        at_depth, optimizer = depth_points(dataclasses.replace(config, llm=llm), device, iters)
+        points += at_depth
         if device == "cuda":
             torch.cuda.empty_cache()
-    print(f"AdamW: {optimizer_point['parameters']:,} parameters in {optimizer_point['ms']:.2f} ms")
-    return points, optimizer_point
+    print(f"AdamW: {optimizer['parameters']:,} parameters in {optimizer['ms']:.2f} ms")
+    return points, optimizer
+
+
+def depth_points(cut, device: str, iters: int) -> tuple[list[dict], dict]:
+    """The LLM of the config `cut` (its depth cut) at every shape, and its AdamW step."""
+    model = prepared(build_model(cut, "llm", device, pretrained=False), cut, "llm")
+    points = []
+    for rows, seq_len in llm_shapes(cut.llm.max_seq_len, device):
+        ms = median_ms(llm_microbatch(model, cut, rows, seq_len, device), iters, device)
+        points.append({"layers": cut.llm.n_layers, "rows": rows, "seq_len": seq_len, "ms": ms})
+        print(f"llm, {cut.llm.n_layers} layers: {rows} x {seq_len} tokens fwd+bwd {ms:.2f} ms")
+    optimizer = build_optimizer(model, cut.train)  # the gradients of the microbatches above are there
+    parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return points, {"parameters": parameters, "ms": median_ms(optimizer.step, iters, device)}
+
+
+def llm_microbatch(model, config, rows: int, seq_len: int, device: str):
+    ids = torch.randint(config.llm.vocab_size, (rows, seq_len), device=device)
+    targets = torch.randint(config.llm.vocab_size, (rows, seq_len), device=device)
+
+    def step():
+        with compute_context(config):
+            logits, aux = model(ids)
+            loss = model.loss_sum(logits, targets) / ids.numel() + aux
+        loss.backward()
+
+    return step
 
 
 def main() -> None:

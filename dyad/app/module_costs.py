@@ -124,17 +124,24 @@ class ModuleCosts:
     optimizer_ms_per_parameter: float
     patches_of: object  # tokens -> patches of an image, the config's tower's
 
-    def encoder_ms(self, image_tokens: Sequence[int], *, backward: bool = True) -> float:
-        """One call over images of `image_tokens` LLM tokens each."""
+    def encoder_ms(self, image_tokens: Sequence[int], *, backward: bool = True, share: float = 1.0) -> float:
+        """One call over images of `image_tokens` LLM tokens each; `share`: the part of the work
+        that grows with the images one rank does (the per-call part it does whole)."""
         patches = [self.patches_of(t) for t in image_tokens]
         curve = self.encoder if backward else self.encoder_forward
-        return curve(calls=1, patches=sum(patches), squares=sum(p * p for p in patches))
+        return _shared(curve, share, patches=sum(patches), squares=sum(p * p for p in patches))
 
-    def llm_ms(self, row_lengths: Sequence[int], layers: int) -> float:
-        """One microbatch of rows of these lengths through `layers` decoder layers."""
+    def llm_ms(self, row_lengths: Sequence[int], layers: int, *, share: float = 1.0) -> float:
+        """One microbatch of rows of these lengths through `layers` decoder layers; `share` as
+        `encoder_ms`'s."""
         tokens, squares = sum(row_lengths), sum(s * s for s in row_lengths)
-        return (self.llm_rest(calls=1, tokens=tokens)
-                + layers * self.llm_layer(calls=1, tokens=tokens, squares=squares))
+        return (_shared(self.llm_rest, share, tokens=tokens)
+                + layers * _shared(self.llm_layer, share, tokens=tokens, squares=squares))
+
+
+def _shared(curve: Curve, share: float, **features: float) -> float:
+    per_call = curve.coefficients.get("calls", 0.0)
+    return per_call + share * curve(calls=0, **features)
 
 
 def load_profile(path: str | Path, config) -> ModuleCosts:
