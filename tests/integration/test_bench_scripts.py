@@ -186,3 +186,22 @@ def test_the_memory_estimate_stays_within_ten_percent_of_the_peaks_measured_on_t
     for name, variant in variants.items():
         for rank, entry in variant["ranks"].items():
             assert 0.9 <= entry["peak_over_estimate"] <= 1.1, (name, rank, entry)
+
+
+def test_the_toy_module_profile_recommends_a_split_of_two_gpus(tmp_path):
+    """bench/module_profile.py's profile of the digits config, read back by `dyad plan --gpus 2`:
+    every placement of two GPUs is predicted, the pick printed (CPU times: the numbers mean nothing)."""
+    profile = tmp_path / "profile.json"
+    result = subprocess.run([sys.executable, str(BENCH / "module_profile.py"), "--toy", "--out", str(profile)],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = tmp_path / "plan.json"
+    result = subprocess.run([sys.executable, "-m", "dyad.app.cli", "plan", "digits", "--gpus", "2", "--profile",
+                             str(profile), "--device-memory", "80", "--json", str(plan)],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dyad plan --gpus 2: digits on 2 GPUs, predicted from the profile" in result.stdout
+    predicted = json.loads(plan.read_text())["candidates"]
+    assert {c["placement"] for c in predicted} == {"1+1", "colocated", "homogeneous"}
+    assert all(c["tokens_per_s"] > 0 and not c["excluded"] for c in predicted)
+    assert f"the pick, {predicted[0]['placement']}: " in result.stdout
