@@ -261,7 +261,7 @@ def _recommend(args) -> int:
     print(describe(predictions, resolved, costs, args.gpus, args.config or "the default config (digits)",
                    device_memory=memory, memory_source=memory_source, top=args.top))
     if args.json:
-        Path(args.json).write_text(to_json(predictions, args.gpus, costs, memory))
+        Path(args.json).write_text(to_json(predictions, resolved, args.gpus, costs, memory))
     return 0
 
 

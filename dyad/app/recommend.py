@@ -119,11 +119,15 @@ class Candidate:
         split = self.encoder.world_size
         return tuple(range(split)), tuple(range(split, gpus))
 
-    def overrides(self, gpus: int, machine: Machine) -> list[str]:
-        """The config's fields that make this candidate (the device lists where one host holds it)."""
+    def overrides(self, config, gpus: int, machine: Machine) -> list[str]:
+        """The fields that make `config` this candidate (the device lists where one host holds it)."""
         e, m = self.encoder, self.llm
         fields = [f"parallel.encoder.dp={e.dp}", f"parallel.encoder.tp={e.tp}"]
         fields += [f"parallel.llm.{axis}={getattr(m, axis)}" for axis in ("tp", "cp", "dp", "ep", "etp")]
+        if config.parallel.llm.pp > 1:
+            fields += ["parallel.llm.pp=1", "parallel.llm.pp_virtual=1", "parallel.llm.pp_layers=[]"]
+        if config.parallel.sequence_parallel and m.tp == 1:
+            fields.append("parallel.sequence_parallel=false")
         fields.append(f"train.microbatches={self.microbatches}")
         if gpus <= machine.gpus_per_host:
             encoder_devices, llm_devices = self.devices(gpus)
@@ -392,13 +396,12 @@ def describe(predictions: Sequence[Prediction], config, costs: ModuleCosts, gpus
     else:
         lines.append("no candidate can run: every one is excluded (below)")
     if excluded:
-        reasons = Counter(p.excluded.split(":")[0] if p.excluded.startswith("memory") else p.excluded.split(" ")[0]
-                          for p in excluded)
+        reasons = Counter(p.excluded.split(" ")[0].rstrip(":") for p in excluded)  # the field, or "memory"
         lines += ["", f"excluded: {len(excluded)} candidates ("
                   + ", ".join(f"{reason}: {count}" for reason, count in reasons.most_common()) + ")"]
     if runnable:
         pick = runnable[0]
-        lines += ["", f"the pick, {pick.candidate.placement}: " + " ".join(pick.candidate.overrides(gpus, machine))]
+        lines += ["", f"the pick, {pick.candidate.placement}: " + " ".join(pick.candidate.overrides(config, gpus, machine))]
     return "\n".join(lines)
 
 
@@ -421,14 +424,14 @@ def _table(predictions: Sequence[Prediction], gpus: int) -> list[str]:
     return lines
 
 
-def to_json(predictions: Sequence[Prediction], gpus: int, costs: ModuleCosts, device_memory: float | None,
+def to_json(predictions: Sequence[Prediction], config, gpus: int, costs: ModuleCosts, device_memory: float | None,
             machine: Machine = H200) -> str:
     """Every candidate, predicted or excluded, for a later comparison with measured runs."""
     def entry(p: Prediction) -> dict:
         c = p.candidate
         return {"placement": c.placement, "encoder": {"dp": c.encoder.dp, "tp": c.encoder.tp},
                 "llm": {axis: getattr(c.llm, axis) for axis in ("tp", "cp", "dp", "ep", "etp")},
-                "microbatches": c.microbatches, "overrides": c.overrides(gpus, machine), "excluded": p.excluded,
+                "microbatches": c.microbatches, "overrides": c.overrides(config, gpus, machine), "excluded": p.excluded,
                 **({} if p.excluded and not p.step_s else {
                     "encoder_s": p.encoder_s, "llm_s": p.llm_s, "boundary_s": p.boundary_s, "step_s": p.step_s,
                     "tokens_per_s": p.tokens_per_s, "memory_gib": p.memory_gib})}

@@ -158,3 +158,18 @@ def test_the_recommendation_imports_no_torch(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     assert result.stdout.splitlines()[-1] == "exit 0 False", (result.stdout, result.stderr)
+
+
+def test_each_candidates_overrides_make_the_config_that_candidate(tmp_path):
+    """Also from a config with a pipeline and sequence parallelism, which the candidates leave."""
+    base = ["parallel.llm.tp=2", "parallel.sequence_parallel=true", "parallel.llm.pp=2", "train.global_batch=8"]
+    config, dataset = resolved(base)
+    costs = load_profile(synthetic_profile(tmp_path / "profile.json", config, **ENCODER_HEAVY), config)
+    predicted = recommend(config, dataset, costs, 2, device_memory=None)
+    assert predicted and not any(p.excluded for p in predicted)
+    for p in predicted:
+        overrides = p.candidate.overrides(config, 2, Machine())
+        made = config_lib.resolve(config_lib.load(None, [*base, *overrides]), vocab_size=config.llm.vocab_size)
+        assert (made.parallel.encoder, made.parallel.llm) == (p.candidate.encoder, p.candidate.llm)
+        assert made.train.microbatches == p.candidate.microbatches
+        assert made.parallel.sequence_parallel == (p.candidate.llm.tp > 1)
