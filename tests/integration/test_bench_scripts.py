@@ -205,3 +205,27 @@ def test_the_toy_module_profile_recommends_a_split_of_two_gpus(tmp_path):
     assert {c["placement"] for c in predicted} == {"1+1", "colocated", "homogeneous"}
     assert all(c["tokens_per_s"] > 0 and not c["excluded"] for c in predicted)
     assert f"the pick, {predicted[0]['placement']}: " in result.stdout
+
+
+def test_the_module_profile_of_a_native_resolution_tower_is_read_back(tmp_path):
+    """A Qwen3-VL tower's profile: square images of several sizes, each timed, and `dyad plan
+    --gpus 2` reads it for the same config."""
+    pytest.importorskip("transformers")
+    from tests.helpers.native_images import native_conversations, qwen3_vl_checkpoint
+
+    qwen3_vl_checkpoint(tmp_path / "qwen3-vl", weights=False)
+    native_conversations(tmp_path)
+    config = ["data.name=conversations", f"data.path={tmp_path / 'conversations.jsonl'}",
+              f"data.tokenizer={tmp_path / 'tok' / 'tokenizer.json'}", "data.channels=3",
+              f"encoder.from_hf={tmp_path / 'qwen3-vl'}", "train.global_batch=8"]
+    profile = tmp_path / "profile.json"
+    result = subprocess.run([sys.executable, str(BENCH / "module_profile.py"), "--toy", *config, "--out", str(profile)],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    points = json.loads(profile.read_text())["encoder"]["points"]
+    assert len({p["patches_per_image"] for p in points}) >= 3
+    assert all(p["tokens_per_image"] * 4 == p["patches_per_image"] for p in points)  # the 2 x 2 merge
+    result = subprocess.run([sys.executable, "-m", "dyad.app.cli", "plan", "digits", *config, "--gpus", "2",
+                             "--profile", str(profile)], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the pick, " in result.stdout
