@@ -3,6 +3,7 @@
     dyad train   [--config FILE_OR_NAME] [--set key=value ...] [--steps N] [--device cpu|cuda] [--out DIR]
                  [--dry-run]
     dyad plan    [FILE_OR_NAME] [key=value ...] [--device-memory GIB]
+                 [--gpus N --profile PROFILE.json [--top K] [--json PATH]]
     dyad verify  [--config FILE] [--set key=value ...] [--steps N] [--tolerance T]
     dyad eval    CHECKPOINT_OR_RUN_DIR [--config FILE] [--set key=value ...] [--device cpu|cuda]
     dyad router  [--host H] [--port P] [--token-file F] [--join-token-file F] [--tls-cert ...]
@@ -230,9 +231,38 @@ def _dry_run(args, device_memory: float | None = None) -> int:
 
 def cmd_plan(args) -> int:
     """`dyad train --dry-run`'s report, the config and its overrides given as arguments; with
-    --device-memory, warnings of the ranks it would not hold."""
+    --device-memory, warnings of the ranks it would not hold. With --gpus and --profile, the
+    candidate splits of that many GPUs and their layouts instead, by predicted tokens/s."""
     args.set = list(args.overrides)
+    if args.gpus is not None or args.profile is not None:
+        return _recommend(args)
     return _dry_run(args, device_memory=args.device_memory)
+
+
+def _recommend(args) -> int:
+    """Every split of --gpus GPUs between the pools and each pool's layout, predicted from the
+    --profile of the modules (dyad/app/recommend.py); memory against --device-memory, else the
+    profile's GPU's. Torch is not imported."""
+    if args.gpus is None:
+        raise ValueError("--profile needs --gpus N: the GPUs to split between the pools")
+    if args.profile is None:
+        raise ValueError("--gpus needs --profile PROFILE.json (bench/module_profile.py CONFIG writes one on a GPU)")
+    if args.gpus < 1:
+        raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
+    from dyad.app.module_costs import load_profile
+    from dyad.app.recommend import describe, recommend, to_json
+
+    resolved, dataset = _resolved(_checked_config(args, local=True))
+    costs = load_profile(args.profile, resolved)
+    memory, memory_source = args.device_memory, "--device-memory"
+    if memory is None and costs.device_memory_gib:
+        memory, memory_source = costs.device_memory_gib, f"the profile's {costs.device}"
+    predictions = recommend(resolved, dataset, costs, args.gpus, device_memory=memory)
+    print(describe(predictions, resolved, costs, args.gpus, args.config or "the default config (digits)",
+                   device_memory=memory, memory_source=memory_source, top=args.top))
+    if args.json:
+        Path(args.json).write_text(to_json(predictions, resolved, args.gpus, costs, memory))
+    return 0
 
 
 def _committed_and_config(args):
@@ -459,6 +489,14 @@ def _parser() -> argparse.ArgumentParser:
         help="a GPU's memory in GiB (an H100 has 79.6, an H200 140.4): warn of each rank, and each GPU shared by "
         "several, whose estimate exceeds it",
     )
+    plan.add_argument(
+        "--gpus", type=int, metavar="N",
+        help="predict the best split of N GPUs between the pools and each pool's layout (needs --profile)",
+    )
+    plan.add_argument("--profile", metavar="PROFILE.json",
+                      help="each module's time on one GPU, as bench/module_profile.py writes it for this config")
+    plan.add_argument("--top", type=int, default=15, help="with --gpus: candidates listed (0: all; default 15)")
+    plan.add_argument("--json", metavar="PATH", help="with --gpus: every candidate, predicted or excluded, as JSON")
     plan.set_defaults(func=cmd_plan, steps=None, device=None, router=None)
     verify = commands.add_parser("verify", help="check a layout against single-process training")
     _add_job_arguments(verify, default_steps=10)

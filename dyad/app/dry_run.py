@@ -76,9 +76,14 @@ def shortfalls(config, ranks: Sequence[RankMemory], device_memory: float) -> lis
                 f"{_gib(together)} GiB together, {_gib(together - limit)} GiB more than the device's "
                 f"{device_memory:g} GiB"
             )
-    largest = max([r.memory.total for r in ranks]
-                  + [sum(r.memory.total for r in shared) for shared in _shared_gpus(config, ranks).values()])
+    largest = most_on_a_gpu(config, ranks)
     return warnings or [f"every rank fits a device of {device_memory:g} GiB (the most on one: {_gib(largest)} GiB)"]
+
+
+def most_on_a_gpu(config, ranks: Sequence[RankMemory]) -> int:
+    """The largest estimate of one GPU: of a rank, or of the ranks that share one GPU."""
+    return max([r.memory.total for r in ranks]
+               + [sum(r.memory.total for r in shared) for shared in _shared_gpus(config, ranks).values()])
 
 
 def _models(config, plan: BoundaryPlan) -> list[str]:
@@ -149,7 +154,7 @@ def _gpus(parallel) -> str:
 
 
 @dataclass(frozen=True)
-class _Pool:
+class PoolParameters:
     """A pool's parameters on one rank: what trains, what is held, and what autocast casts."""
 
     layout: EncoderLayout | LLMLayout
@@ -162,7 +167,7 @@ class _Pool:
                                      shard_optimizer=train.shard_optimizer)
 
 
-def _pools(config, pp_rank: int = 0) -> dict[str, _Pool]:
+def pool_parameters(config, pp_rank: int = 0) -> dict[str, PoolParameters]:
     """The encoder: nothing trains under train.freeze "encoder", only the projector (with a native
     tower's DeepStack mergers where the LLM reads their levels, else they are held unread) under
     "vision_tower"; what trains is cast (no gradient flows through the rest). The LLM: nothing
@@ -176,11 +181,11 @@ def _pools(config, pp_rank: int = 0) -> dict[str, _Pool]:
     encoder_frozen = "encoder" in train.freeze
     trained = [] if encoder_frozen else projector + read + ([] if "vision_tower" in train.freeze else tower)
     held = [part for part in tower + projector + read if part not in trained] + unread
-    encoder = _Pool(enc_layout, trained, held, estimate.weight_casts(trained) if _casts(train) else 0)
+    encoder = PoolParameters(enc_layout, trained, held, estimate.weight_casts(trained) if _casts(train) else 0)
     parts = estimate.llm_parts(config.llm, parallel.llm, sequence_parallel=parallel.sequence_parallel, pp_rank=pp_rank)
     llm_frozen = "llm" in train.freeze
     casts = _casts(train) and not (llm_frozen and encoder_frozen)
-    llm = _Pool(parallel.llm, [] if llm_frozen else parts, parts if llm_frozen else [],
+    llm = PoolParameters(parallel.llm, [] if llm_frozen else parts, parts if llm_frozen else [],
                 estimate.weight_casts(parts) if casts else 0)
     return {"encoder": encoder, "llm": llm}
 
@@ -191,7 +196,7 @@ def _casts(train) -> bool:
 
 
 def _encoder_ranks(config, spec: StepSpec, plan: BoundaryPlan) -> list[RankMemory]:
-    pool, layout = _pools(config)["encoder"], config.parallel.encoder
+    pool, layout = pool_parameters(config)["encoder"], config.parallel.encoder
     state = pool.state(config.train)
     rounds, depth = _rounds(spec), config.boundary.prefetch_depth
     ranks = []
@@ -210,8 +215,8 @@ def _encoder_ranks(config, spec: StepSpec, plan: BoundaryPlan) -> list[RankMemor
 
 def _llm_ranks(config, dataset, image_tokens: ImageTokens, spec: StepSpec, plan: BoundaryPlan) -> list[RankMemory]:
     layout, train = config.parallel.llm, config.train
-    pools = [_pools(config, pp_rank)["llm"] for pp_rank in range(layout.pp)]
-    shapes = _microbatch_shapes(dataset, image_tokens, spec)
+    pools = [pool_parameters(config, pp_rank)["llm"] for pp_rank in range(layout.pp)]
+    shapes = microbatch_shapes(dataset, image_tokens, spec)
     ranks = []
     for rank in range(layout.world_size):
         coords = layout.coords(rank)
@@ -235,7 +240,7 @@ def _llm_ranks(config, dataset, image_tokens: ImageTokens, spec: StepSpec, plan:
 def _memory(config, dataset, image_tokens: ImageTokens, spec: StepSpec, plan: BoundaryPlan,
             ranks: Sequence[RankMemory]) -> list[str]:
     train, parallel = config.train, config.parallel
-    tokens = estimate.llm_tokens_per_rank(_microbatch_shapes(dataset, image_tokens, spec), parallel.llm)
+    tokens = estimate.llm_tokens_per_rank(microbatch_shapes(dataset, image_tokens, spec), parallel.llm)
     in_flight = max(_encoder_in_flight(config, _rounds(spec), plan, dp)[0] for dp in range(parallel.encoder.dp))
     lines = [
         (f"memory per rank, GiB (an estimate of a step's peak, dyad/router/estimate.py: activations at {train.dtype} "
@@ -255,11 +260,11 @@ def _memory(config, dataset, image_tokens: ImageTokens, spec: StepSpec, plan: Bo
 def _pool_lines(config) -> list[str]:
     """Per pool: the parameters a rank holds, and how its optimizer state is kept."""
     lines = []
-    for name, pool in _pools(config).items():
+    for name, pool in pool_parameters(config).items():
         held = estimate.per_rank(pool.trained + pool.held)
         if name == "llm" and config.parallel.llm.pp > 1:
             stages = [estimate.per_rank(p.trained + p.held)
-                      for p in (_pools(config, r)["llm"] for r in range(config.parallel.llm.pp))]
+                      for p in (pool_parameters(config, r)["llm"] for r in range(config.parallel.llm.pp))]
             held = f"{min(stages):,} to {max(stages):,}"
         if not pool.trained:
             optimizer = "nothing trains"
@@ -364,7 +369,7 @@ def _encoder_in_flight(config, rounds: Sequence[int], plan: BoundaryPlan, dp_ran
                                                recompute=recompute, deepstack_levels=config.llm.deepstack_levels)
 
 
-def _microbatch_shapes(dataset, image_tokens: ImageTokens, spec: StepSpec) -> list[tuple[int, int]]:
+def microbatch_shapes(dataset, image_tokens: ImageTokens, spec: StepSpec) -> list[tuple[int, int]]:
     """Each microbatch's (rows, their padded length): a sample a row, or its packed rows."""
     shapes = []
     for index, ids in enumerate(spec.microbatches):

@@ -23,15 +23,27 @@ from dyad.encoder_service.config import EncoderConfig, Qwen3VLVisionConfig
 def image_cost(encoder: EncoderConfig | Qwen3VLVisionConfig) -> Callable[[int], float]:
     """cost(tokens): the tower's forward multiply-adds for one image of that many LLM tokens (a
     run's native-resolution tower's where `encoder.native` holds one)."""
-    if isinstance(encoder, EncoderConfig) and encoder.native is not None:
-        encoder = encoder.native
-    m = encoder.spatial_merge
-    extra = int(getattr(encoder, "cls_token", False))
+    patches_of = image_patches(encoder)
+    encoder = _tower(encoder)
     D, M, depth = encoder.dim, encoder.mlp_dim if isinstance(encoder, EncoderConfig) else encoder.mlp_hidden, encoder.depth
     per_patch, per_pair = 4 * D * D + 2 * D * M, 2 * D
 
     def cost(tokens: int) -> float:
-        patches = tokens * m * m + extra
+        patches = patches_of(tokens)
         return float(depth * (patches * per_patch + per_pair * patches * patches))
 
     return cost
+
+
+def image_patches(encoder: EncoderConfig | Qwen3VLVisionConfig) -> Callable[[int], int]:
+    """patches(tokens): the positions the tower attends over for one image of that many LLM
+    tokens (the merged squares' patches, and a class token)."""
+    encoder = _tower(encoder)
+    m, extra = encoder.spatial_merge, int(getattr(encoder, "cls_token", False))
+    return lambda tokens: tokens * m * m + extra
+
+
+def _tower(encoder: EncoderConfig | Qwen3VLVisionConfig) -> EncoderConfig | Qwen3VLVisionConfig:
+    if isinstance(encoder, EncoderConfig) and encoder.native is not None:
+        return encoder.native
+    return encoder

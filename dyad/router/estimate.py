@@ -54,6 +54,7 @@ a native tower's (`encoder.native`): the same, and G learned positions, s spatia
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass
@@ -230,6 +231,7 @@ def _merger_parts(name: str, native: Qwen3VLVisionConfig, layout: EncoderLayout,
     ]
 
 
+@functools.cache  # a layout's groups are listed rank by rank, and asked for once per part and rank
 def group_size(layout: EncoderLayout | LLMLayout, group: str) -> int:
     """How many ranks a group of the named kind (`layout.GROUP_NAMES`) holds."""
     return len(layout.groups(group)[0])

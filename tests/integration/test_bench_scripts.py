@@ -30,6 +30,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         ("vision_tower.py", ["--iters", "2"]),
         ("vision_attention.py", ["--iters", "1"]),
         ("encoder_balance.py", ["--iters", "2", "--microbatches", "2"]),
+        ("module_profile.py", []),
         ("expert_gemms.py", ["--iters", "2"]),
         ("e2e_hetero.py", []),
         ("e2e_hetero.py", ["--set", "train.overlap_grad_reduce=false"]),
@@ -185,3 +186,46 @@ def test_the_memory_estimate_stays_within_ten_percent_of_the_peaks_measured_on_t
     for name, variant in variants.items():
         for rank, entry in variant["ranks"].items():
             assert 0.9 <= entry["peak_over_estimate"] <= 1.1, (name, rank, entry)
+
+
+def test_the_toy_module_profile_recommends_a_split_of_two_gpus(tmp_path):
+    """bench/module_profile.py's profile of the digits config, read back by `dyad plan --gpus 2`:
+    every placement of two GPUs is predicted, the pick printed (CPU times: the numbers mean nothing)."""
+    profile = tmp_path / "profile.json"
+    result = subprocess.run([sys.executable, str(BENCH / "module_profile.py"), "--toy", "--out", str(profile)],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = tmp_path / "plan.json"
+    result = subprocess.run([sys.executable, "-m", "dyad.app.cli", "plan", "digits", "--gpus", "2", "--profile",
+                             str(profile), "--device-memory", "80", "--json", str(plan)],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dyad plan --gpus 2: digits on 2 GPUs, predicted from the profile" in result.stdout
+    predicted = json.loads(plan.read_text())["candidates"]
+    assert {c["placement"] for c in predicted} == {"1+1", "colocated", "homogeneous"}
+    assert all(c["tokens_per_s"] > 0 and not c["excluded"] for c in predicted)
+    assert f"the pick, {predicted[0]['placement']}: " in result.stdout
+
+
+def test_the_module_profile_of_a_native_resolution_tower_is_read_back(tmp_path):
+    """A Qwen3-VL tower's profile: square images of several sizes, each timed, and `dyad plan
+    --gpus 2` reads it for the same config."""
+    pytest.importorskip("transformers")
+    from tests.helpers.native_images import native_conversations, qwen3_vl_checkpoint
+
+    qwen3_vl_checkpoint(tmp_path / "qwen3-vl", weights=False)
+    native_conversations(tmp_path)
+    config = ["data.name=conversations", f"data.path={tmp_path / 'conversations.jsonl'}",
+              f"data.tokenizer={tmp_path / 'tok' / 'tokenizer.json'}", "data.channels=3",
+              f"encoder.from_hf={tmp_path / 'qwen3-vl'}", "train.global_batch=8"]
+    profile = tmp_path / "profile.json"
+    result = subprocess.run([sys.executable, str(BENCH / "module_profile.py"), "--toy", *config, "--out", str(profile)],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    points = json.loads(profile.read_text())["encoder"]["points"]
+    assert len({p["patches_per_image"] for p in points}) >= 3
+    assert all(p["tokens_per_image"] * 4 == p["patches_per_image"] for p in points)  # the 2 x 2 merge
+    result = subprocess.run([sys.executable, "-m", "dyad.app.cli", "plan", "digits", *config, "--gpus", "2",
+                             "--profile", str(profile)], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the pick, " in result.stdout
