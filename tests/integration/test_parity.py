@@ -1,6 +1,6 @@
-"""Disaggregated training (router + encoder pool + LLM pool as processes, tensors over UCX)
-reproduces single-process training: same losses, same updated parameters (fp32, 1e-5), for one
-rank per pool and for parallel layouts of both pools."""
+"""Disaggregated training (a router, the encoder pool's and the LLM pool's ranks as processes,
+tensors over UCX) reproduces single-process training: same losses, same updated parameters (fp32,
+1e-5), for one rank per pool and for parallel layouts of both pools."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from dyad import config as config_lib
-from dyad.app.jobs import JobResult, run_job
+from dyad.app.jobs import JobResult
 from dyad.app.verify import compare_with_reference
 from dyad.checkpoint import load_pool_state, saved_ranks
 from dyad.data import make_dataset
 from dyad.router.checkpoints import checkpoint_dir
 from dyad.router.steps import StepPlanner
 from dyad.service import build_model
+from tests.helpers.resilience import run_in_process
 
 TOLERANCE = 1e-5
 STEPS = 6  # three of warm-up and three at the full rate, each compared
@@ -89,7 +90,7 @@ def _config(tmp_path, overrides):
 @pytest.mark.parametrize("case", sorted(LAYOUT_CASES))
 def test_disaggregated_training_matches_single_process(tmp_path, case):
     config = _config(tmp_path, LAYOUT_CASES[case])
-    job = run_job(config, progress=False)
+    job = run_in_process(config)
     assert job.succeeded, job.info.message
     assert len(job.metrics) == STEPS
 
@@ -136,7 +137,7 @@ def _assert_boundary_metrics_follow_the_plans(config, dataset, job: JobResult) -
 def test_comparison_detects_a_different_loss(tmp_path):
     config = _config(tmp_path, ["train.steps=2", "train.global_batch=4"])
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2))
-    job = run_job(config, progress=False)
+    job = run_in_process(config)
     assert job.succeeded, job.info.message
     dataset = make_dataset(config.data)
     resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
