@@ -8,9 +8,9 @@ import dataclasses
 import torch
 
 from dyad import config as config_lib
-from dyad.app.jobs import run_job
 from dyad.app.verify import compare_with_reference
 from dyad.data import make_dataset
+from tests.helpers.resilience import run_in_process
 
 
 def resolved_config(overrides=()):
@@ -34,7 +34,7 @@ def assert_short_run_matches_single_process(overrides, tmp_path):
     checks what it computes)."""
     overrides = ["train.steps=3", "train.warmup_steps=1", "train.global_batch=8", "eval.max_samples=16", *overrides]
     config = dataclasses.replace(config_lib.load(None, overrides), out_dir=str(tmp_path / "run"))
-    job = run_job(config, progress=False)
+    job = run_in_process(config)
     assert job.succeeded, job.info.message
     dataset = make_dataset(config.data)
     resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
