@@ -29,7 +29,6 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         ("hf_load.py", ["--repeats", "1"]),
         ("vision_tower.py", ["--iters", "2"]),
         ("expert_gemms.py", ["--iters", "2"]),
-        ("e2e_hetero.py", []),
         ("e2e_hetero.py", ["--set", "train.overlap_grad_reduce=false"]),
         ("ep_alltoall.py", ["--iters", "2"]),
         ("e2e_8gpu.py", []),
