@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dyad import config as config_lib
 from dyad.app.client import RouterClient
+from dyad.app.jobs import JobResult, run_job
 from dyad.router.auth import Credentials
 from dyad.router.server import serve
 from dyad.wire import pb
@@ -50,6 +51,15 @@ def in_process_router(**options) -> Iterator[tuple[RouterClient, object]]:
         state.wait_idle(60)
         client.close()
         server.stop(grace=None)
+
+
+def run_in_process(config: config_lib.RunConfig) -> JobResult:
+    """`run_job(config)` on an in-process router instead of a local router process: its workers
+    fork from this process's fork server, which imported torch once for the whole session, where
+    each local router starts a fork server of its own (seconds of CPU a run on a 2-core machine).
+    `dyad train` and `dyad verify` run on a local router process in tests/integration/test_train_cli.py."""
+    with in_process_router() as (client, _):
+        return run_job(config, router=client, progress=False)
 
 
 @dataclasses.dataclass

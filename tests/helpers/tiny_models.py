@@ -8,9 +8,9 @@ import dataclasses
 import torch
 
 from dyad import config as config_lib
-from dyad.app.jobs import run_job
 from dyad.app.verify import compare_with_reference
 from dyad.data import make_dataset
+from tests.helpers.resilience import run_in_process
 
 
 def resolved_config(overrides=()):
@@ -29,10 +29,12 @@ def llm_inputs(config, device):
 
 def assert_short_run_matches_single_process(overrides, tmp_path):
     """Three steps of the job under `overrides` against the eager single-process reference
-    (which neither compiles nor recomputes): losses and parameters within 1e-5."""
-    overrides = ["train.steps=3", "train.warmup_steps=1", "train.global_batch=8", *overrides]
+    (which neither compiles nor recomputes): losses and parameters within 1e-5. The final held-out
+    evaluation runs over two batches, not the whole split (tests/integration/test_evaluation.py
+    checks what it computes)."""
+    overrides = ["train.steps=3", "train.warmup_steps=1", "train.global_batch=8", "eval.max_samples=16", *overrides]
     config = dataclasses.replace(config_lib.load(None, overrides), out_dir=str(tmp_path / "run"))
-    job = run_job(config, progress=False)
+    job = run_in_process(config)
     assert job.succeeded, job.info.message
     dataset = make_dataset(config.data)
     resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)

@@ -32,7 +32,6 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
         ("encoder_balance.py", ["--iters", "2", "--microbatches", "2"]),
         ("module_profile.py", []),
         ("expert_gemms.py", ["--iters", "2"]),
-        ("e2e_hetero.py", []),
         ("e2e_hetero.py", ["--set", "train.overlap_grad_reduce=false"]),
         ("ep_alltoall.py", ["--iters", "2"]),
         ("e2e_8gpu.py", []),

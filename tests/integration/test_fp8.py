@@ -318,7 +318,7 @@ def test_a_disaggregated_job_trains_with_llm_fp8(tmp_path):
     import dataclasses
     import math
 
-    from dyad.app.jobs import run_job
+    from tests.helpers.resilience import run_in_process
 
     overrides = [
         "llm.fp8=true",
@@ -334,7 +334,7 @@ def test_a_disaggregated_job_trains_with_llm_fp8(tmp_path):
 
     resolved = config_lib.resolve(config, vocab_size=64)
     assert isinstance(build_model(resolved, "llm", "cpu").layers[0].attention.wq, Fp8Linear)
-    job = run_job(config, progress=False)
+    job = run_in_process(config)
     assert job.succeeded, job.info.message
     losses = [m["loss"] for m in job.metrics]
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)

@@ -11,11 +11,10 @@ import torch
 
 from dyad import config as config_lib
 from dyad.app.evaluate import load_trained
-from dyad.app.jobs import run_job
 from dyad.app.verify import compare_with_reference
 from dyad.data import make_dataset
 from dyad.service import build_model
-from tests.helpers.resilience import BASE
+from tests.helpers.resilience import BASE, run_in_process
 
 MODES = {  # case: (train.freeze, the layouts)
     "encoder": ("encoder", ["parallel.encoder.dp=2", "parallel.llm.tp=2"]),
@@ -39,7 +38,7 @@ def test_a_frozen_part_holds_and_the_rest_trains_as_on_one_device(case, tmp_path
     config = config_lib.load(None, [*BASE, "checkpoint.interval_steps=0", "train.steps=4", "eval.final=false",
                                     f"train.freeze=[{frozen}]", *layouts])
     config = dataclasses.replace(config, out_dir=str(tmp_path))
-    job = run_job(config, progress=False)
+    job = run_in_process(config)
     assert job.succeeded, job.info.message
     dataset = make_dataset(config.data)
     resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)

@@ -20,7 +20,6 @@ import dyad.hf
 from dyad import config as config_lib
 from dyad.app.cli import main
 from dyad.app.evaluate import heldout_loss, load_trained
-from dyad.app.jobs import run_job
 from dyad.app.verify import compare_with_reference
 from dyad.checkpoint import load_pool_state
 from dyad.data import make_dataset
@@ -33,6 +32,7 @@ from dyad.hf_checkpoint import HFCheckpoint
 from dyad.router.steps import StepPlanner
 from dyad.service import build_model
 from tests.helpers.native_images import native_conversations, qwen3_vl_checkpoint
+from tests.helpers.resilience import run_in_process
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test reference (pip install -e '.[test]')")
 
@@ -100,7 +100,7 @@ def test_a_native_resolution_run_matches_single_process(tmp_path, layout):
         assert (config.llm.mrope_section, config.llm.deepstack_levels) == ((8, 4, 4), 1)
     if layout.endswith("packed"):  # some row holds two samples
         assert max(max(sizes) for sizes in StepPlanner(config, dataset).next(0).row_sizes) == 2
-    job = run_job(config, progress=False)
+    job = run_in_process(config)
     assert job.succeeded, job.info.message
     comparison = compare_with_reference(config, dataset, job)
     for step, loss, expected, error in comparison.losses:

@@ -1,6 +1,6 @@
-"""Disaggregated training (router + encoder pool + LLM pool as processes, tensors over UCX)
-reproduces single-process training: same losses, same updated parameters (fp32, 1e-5), for one
-rank per pool and for parallel layouts of both pools."""
+"""Disaggregated training (a router, the encoder pool's and the LLM pool's ranks as processes,
+tensors over UCX) reproduces single-process training: same losses, same updated parameters (fp32,
+1e-5), for one rank per pool and for parallel layouts of both pools."""
 
 from __future__ import annotations
 
@@ -12,16 +12,20 @@ import pytest
 import torch
 
 from dyad import config as config_lib
-from dyad.app.jobs import JobResult, run_job
+from dyad.app.jobs import JobResult
 from dyad.app.verify import compare_with_reference
 from dyad.checkpoint import load_pool_state, saved_ranks
 from dyad.data import make_dataset
 from dyad.router.checkpoints import checkpoint_dir
 from dyad.router.steps import StepPlanner
 from dyad.service import build_model
+from tests.helpers.resilience import run_in_process
 
 TOLERANCE = 1e-5
 STEPS = 6  # three of warm-up and three at the full rate, each compared
+# The run's final held-out evaluation still runs in each layout, over 16 samples, not the whole
+# split's 359: what it computes is checked against one device in tests/integration/test_evaluation.py.
+EVALUATED = "eval.max_samples=16"
 
 VARIABLE_IMAGES = ["data.multi_image_fraction=0.3", "data.text_only_fraction=0.2"]
 
@@ -75,7 +79,7 @@ LAYOUT_CASES = {
 
 
 def _config(tmp_path, overrides):
-    config = config_lib.load(None, [f"train.steps={STEPS}", "train.warmup_steps=3", *overrides])
+    config = config_lib.load(None, [f"train.steps={STEPS}", "train.warmup_steps=3", EVALUATED, *overrides])
     if config.llm.moe.expert_bias:
         # a checkpoint after every step shows the first update move the bias: at these rates it
         # swings back and forth and can end the steps at zero
@@ -86,7 +90,7 @@ def _config(tmp_path, overrides):
 @pytest.mark.parametrize("case", sorted(LAYOUT_CASES))
 def test_disaggregated_training_matches_single_process(tmp_path, case):
     config = _config(tmp_path, LAYOUT_CASES[case])
-    job = run_job(config, progress=False)
+    job = run_in_process(config)
     assert job.succeeded, job.info.message
     assert len(job.metrics) == STEPS
 
@@ -133,7 +137,7 @@ def _assert_boundary_metrics_follow_the_plans(config, dataset, job: JobResult) -
 def test_comparison_detects_a_different_loss(tmp_path):
     config = _config(tmp_path, ["train.steps=2", "train.global_batch=4"])
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2))
-    job = run_job(config, progress=False)
+    job = run_in_process(config)
     assert job.succeeded, job.info.message
     dataset = make_dataset(config.data)
     resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)

@@ -19,7 +19,6 @@ from safetensors.torch import load_file
 import dyad.hf
 from dyad import config as config_lib
 from dyad.app.cli import main
-from dyad.app.jobs import run_job
 from dyad.app.verify import compare_with_reference
 from dyad.checkpoint import load_pool_state
 from dyad.data import FixedTokens, make_dataset
@@ -33,7 +32,7 @@ from dyad.router.steps import StepPlanner
 from dyad.service import build_model
 from dyad.wire import pb
 from tests.helpers.hf_models import digits_tokenizer_in, make_norms_and_biases_matter
-from tests.helpers.resilience import BASE, in_process_router, run_followed
+from tests.helpers.resilience import BASE, in_process_router, run_followed, run_in_process
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test reference (pip install -e '.[test]')")
 
@@ -222,7 +221,7 @@ def test_a_llava_style_whole_from_a_tower_and_an_llm_trains_across_the_pools_as_
         "parallel.llm.ep=2",
     ])
     config = dataclasses.replace(config, out_dir=str(tmp_path / "out"))
-    job = run_job(config, progress=False)
+    job = run_in_process(config)
     assert job.succeeded, job.info.message
     assert job.metrics[0]["lm_loss"] == pytest.approx(_llava_loss(tower, llm, config), rel=1e-5)
     dataset = make_dataset(config.data)
@@ -324,7 +323,7 @@ def test_a_run_from_a_llava_directory_starts_at_transformers_loss_and_trains_as_
         for name, tensor in part.state_dict().items():
             assert torch.equal(reference_state[name], tensor), f"{pool}.{name}"
 
-    job = run_job(config, progress=False)
+    job = run_in_process(config)
     assert job.succeeded, job.info.message
     assert job.metrics[0]["lm_loss"] == pytest.approx(_transformers_llava_loss(llava, config), rel=1e-5)
     comparison = compare_with_reference(resolved, dataset, job)

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from dyad import config as config_lib
-from dyad.app.jobs import run_job
 from dyad.checkpoint import load_pool_state
 from dyad.compile import compile_blocks
 from dyad.kernels.master_weights import master_of, register_accumulated_hook
 from dyad.optim import build_optimizer
 from dyad.service import build_model
 from dyad.working_weights import WorkingWeights, trained_parameters
+from tests.helpers.resilience import run_in_process
 from tests.helpers.tiny_models import llm_inputs, resolved_config
 
 CUDA = torch.cuda.is_available()
@@ -130,7 +130,7 @@ def test_a_bf16_run_with_working_weights_is_the_run_without_bit_for_bit(tmp_path
         overrides = ["train.steps=3", "train.warmup_steps=1", "train.global_batch=8", "train.dtype=bfloat16",
                      f"train.working_weights={flag}", "parallel.encoder.dp=2", "parallel.llm.dp=2"]
         config = dataclasses.replace(config_lib.load(None, overrides), out_dir=str(tmp_path / flag))
-        job = run_job(config, progress=False)
+        job = run_in_process(config)
         assert job.succeeded, job.info.message
         jobs.append(job)
     plain, cast_once = jobs
