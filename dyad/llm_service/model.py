@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dyad.kernels.varlen_attention import varlen_attention
+from dyad.kernels.varlen_attention import flash4_applies, flash4_attention, varlen_attention
 from dyad.llm_service.config import LLMConfig
 from dyad.llm_service.moe import MoELayer, SwiGLU
 from dyad.llm_service.rotary import (
@@ -49,7 +49,8 @@ class CausalAttention(nn.Module):
     """Causal attention over the sequence held here (its positions are 0..S-1 in order); with
     `documents` (packed rows), each token attends only to the earlier tokens of its own sample:
     over their `bounds`, variable-length attention (flash attention's kernel on CUDA: no work
-    across samples), else a mask of the samples. Context parallelism replaces it with attention
+    across samples), else a mask of the samples. Without documents: FlashAttention-4 where
+    flash-attn-4 is installed (Hopper, Blackwell), else SDPA. Context parallelism replaces it with attention
     over the whole group's keys, masked by the positions and documents (`ContextParallelAttention`)."""
 
     def forward(self, q_BHSDh, k_BGSDh, v_BGSDh, positions_S, scale: float | None = None,
@@ -57,6 +58,9 @@ class CausalAttention(nn.Module):
         """`scale`: the softmax's (None: 1 / sqrt(the query head dim)); values may have their own head dim."""
         gqa = q_BHSDh.shape[1] != k_BGSDh.shape[1]
         if documents is None:
+            q_BSHDh, k_BSGDh, v_BSGDv = (x.transpose(1, 2) for x in (q_BHSDh, k_BGSDh, v_BGSDh))
+            if flash4_applies(q_BSHDh, k_BSGDh, v_BSGDv):
+                return flash4_attention(q_BSHDh, k_BSGDh, v_BSGDv, scale=scale, causal=True).transpose(1, 2)
             return F.scaled_dot_product_attention(q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True, scale=scale, enable_gqa=gqa)
         if documents.bounds is not None:
             B, H, S, _ = q_BHSDh.shape
