@@ -39,6 +39,7 @@ from run_info import bench_device, run_header, write_json  # beside this script
 from dyad import inductor_reloads
 from dyad.compile import compile_blocks
 from dyad.kernels.fp8 import compile_quantization
+from dyad.kernels.varlen_attention import FLASH4, flash4_applies
 from dyad.llm_service.config import LLMConfig, MoEConfig
 from dyad.llm_service.fp8 import convert_to_fp8
 from dyad.llm_service.model import MoELM
@@ -92,6 +93,7 @@ class Variant(NamedTuple):
     compiled_blocks: bool = False
     recompute: bool = False  # blocks recompute their activations in the backward pass (dyad/recompute.py)
     working_weights: bool = False  # bf16 copies of the matrices cast once a step (dyad/working_weights.py)
+    flash4: bool = True  # FlashAttention-4 where flash-attn-4 is installed; False: SDPA (cuDNN on an H200)
 
 
 VARIANTS = {  # the global batch is microbatches x sequences sequences of 4,096 tokens
@@ -108,6 +110,10 @@ VARIANTS = {  # the global batch is microbatches x sequences sequences of 4,096 
     "bf16-2mb-x4-compiled-recompute": Variant(2, sequences=4, compiled_blocks=True, recompute=True),
     "bf16-1mb-x8-compiled-recompute": Variant(1, sequences=8, compiled_blocks=True, recompute=True),
     "bf16-1mb-x8-compiled-working-weights": Variant(1, sequences=8, compiled_blocks=True, working_weights=True),
+    "bf16-2mb-x4-compiled-working-weights-sdpa": Variant(2, sequences=4, compiled_blocks=True, working_weights=True,
+                                                         flash4=False),
+    "bf16-1mb-x8-compiled-working-weights-sdpa": Variant(1, sequences=8, compiled_blocks=True, working_weights=True,
+                                                         flash4=False),
     "fp8-8mb": Variant(8, fp8="eager"),
     "fp8c-8mb": Variant(8, fp8="compiled"),
 }
@@ -154,6 +160,7 @@ def make_step(model, optimizer, cfg: LLMConfig, S: int, N: int, variant: Variant
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" or variant.working_weights)
 
     def step():
+        FLASH4["enabled"] = variant.flash4
         for m in range(M):
             with autocast:
                 logits, aux = model(ids[m], rows, positions)
@@ -163,6 +170,13 @@ def make_step(model, optimizer, cfg: LLMConfig, S: int, N: int, variant: Variant
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def attention_kernel(cfg: LLMConfig, device: str, variant: Variant) -> str:
+    """Which kernel the variant's attention runs: "flash4" or "sdpa"."""
+    q, kv = (torch.empty(1, 1, heads, cfg.head_dim, device=device, dtype=torch.bfloat16)
+             for heads in (cfg.n_heads, cfg.n_kv_heads))
+    return "flash4" if variant.flash4 and flash4_applies(q, kv, kv) else "sdpa"
 
 
 def host_share(step, iters: int) -> tuple[float, float]:
@@ -234,7 +248,7 @@ def main() -> None:
         tflops = flops_per_token * tokens / seconds / 1e12
         entry = {
             "microbatches": variant.microbatches, "sequences_per_microbatch": variant.sequences,
-            "fp8": variant.fp8, "step_s": seconds, "tokens_per_step": tokens,
+            "fp8": variant.fp8, "attention": attention_kernel(cfg, device, variant), "step_s": seconds, "tokens_per_step": tokens,
             "tokens_per_s": tokens / seconds, "model_tflops": tflops, "mfu": tflops / PEAK_TFLOPS,
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0,
         }

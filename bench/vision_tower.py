@@ -14,7 +14,9 @@ as a conversation dataset at native resolution gives them.
     python bench/vision_tower.py --toy                              # CPU, tiny, float32 (CI)
 
 Tokens/s counts the patches the tower attends over. On a GPU dyad's tower also runs with each
-block compiled (`dyad-compiled`, as `train.compile` compiles the encoder pool's). `--timeline-dir`
+block compiled (`dyad-compiled`, as `train.compile` compiles the encoder pool's). Where
+flash-attn-4 is installed dyad's attention runs FlashAttention-4, and `dyad-compiled-torch-varlen`
+is the compiled tower on torch's variable-length flash kernel instead. `--timeline-dir`
 writes each variant's kernels in order (`bench/kernel_timeline.py`).
 """
 
@@ -30,6 +32,7 @@ from run_info import bench_device, run_header, write_json  # beside this script
 
 import dyad.hf
 from dyad.compile import compile_blocks
+from dyad.kernels.varlen_attention import FLASH4, flash4_applies
 
 TOWER = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
              temporal_patch_size=2, spatial_merge_size=2, deepstack_visual_indexes=[8, 16, 24],
@@ -87,7 +90,10 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shape, sizes = (TOWER, SIZES) if device == "cuda" else (TOY, TOY_SIZES)
     torch.manual_seed(0)
-    theirs, (ours, *compiled) = random_towers(shape, dtype, device, copies=2 if device == "cuda" else 1)
+    flash4 = device == "cuda" and flash4_applies(*(torch.empty(1, shape["num_heads"], shape["hidden_size"] // shape["num_heads"],
+                                                               device=device, dtype=dtype) for _ in range(3)))
+    copies = 1 if device != "cuda" else 3 if flash4 else 2
+    theirs, (ours, *compiled) = random_towers(shape, dtype, device, copies=copies)
     pixels, grid_thw, upstream = packed_images(shape, sizes, dtype, device)
     patches = pixels.shape[0]
 
@@ -105,12 +111,23 @@ def main() -> None:
             backward(compiled[0](pixels, grid_thw), upstream)
 
         steps["dyad-compiled"] = step_compiled
+    if flash4:  # the same compiled tower on torch's variable-length kernel
+        compile_blocks(compiled[1].model)
+
+        def step_torch_varlen():
+            FLASH4["enabled"] = False
+            try:
+                backward(compiled[1](pixels, grid_thw), upstream)
+            finally:
+                FLASH4["enabled"] = True
+
+        steps["dyad-compiled-torch-varlen"] = step_torch_varlen
     ms = time_interleaved(steps, args.iters, device)
     timelines = {}
     if args.timeline_dir and device == "cuda":
         for name, step in steps.items():
             timelines[name] = write_timeline(step, f"{args.timeline_dir}/vision_tower_timeline_{name}.txt", steps=1)
-    result = {**run_header(device), "tower": shape, "images": len(sizes), "patches": patches,
+    result = {**run_header(device), "tower": shape, "attention": "flash4" if flash4 else "torch-varlen", "images": len(sizes), "patches": patches,
               "parameters": sum(p.numel() for p in theirs.parameters()),
               "ms": ms, "timelines": timelines, "patches_per_s": {name: patches / t * 1e3 for name, t in ms.items()}}
     result["speedup"] = {name: ms["transformers"] / t for name, t in ms.items() if name != "transformers"}
