@@ -8,8 +8,8 @@ Legend: R rows of all segments together, A heads, Dh head dim.
 launch over all segments, each query block reading only its own segment's keys: FlashAttention-4's
 CuTe kernels (`flash-attn-4`, used on Hopper and Blackwell where installed: `pip install
 dyad[flash4]`) or else flash attention's kernel in torch (`torch.nn.attention.varlen`, torch >=
-2.10). FlashAttention-4 takes a head dim that is a multiple of 8 as it is (Qwen3-VL's vision tower:
-72), where torch's kernel computes it padded to a multiple of 32. Elsewhere (the CPU, float32 runs
+2.10). Both compute a head dim such as Qwen3-VL's tower's 72 padded to 96; FlashAttention-4's
+Hopper kernels take 0.6 of the time of torch's there (docs/performance.md). Elsewhere (the CPU, float32 runs
 that check the math) it runs `varlen_attention_reference`: plain SDPA over each segment in turn, as
 transformers' non-flash path computes it. `flash4_attention` is the same kernel for whole causal
 sequences (the LLM's attention without packed samples).
