@@ -39,7 +39,7 @@ from run_info import bench_device, run_header, write_json  # beside this script
 from dyad import inductor_reloads
 from dyad.compile import compile_blocks
 from dyad.kernels.fp8 import compile_quantization
-from dyad.kernels.varlen_attention import FLASH4, flash4_applies
+from dyad.kernels.flash4 import FLASH4, flash4_applies
 from dyad.llm_service.config import LLMConfig, MoEConfig
 from dyad.llm_service.fp8 import convert_to_fp8
 from dyad.llm_service.model import MoELM

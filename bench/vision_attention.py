@@ -28,7 +28,8 @@ from run_info import bench_device, run_header, write_json  # beside this script
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from vision_tower import SIZES, TOY_SIZES  # beside this script
 
-from dyad.kernels.varlen_attention import FLASH4, flash4_applies, flash4_attention, segment_bounds, varlen_attention
+from dyad.kernels.flash4 import FLASH4, flash4_applies, flash4_attention
+from dyad.kernels.varlen_attention import segment_bounds, varlen_attention
 
 DEPTH = 27
 LLM_LAYERS = 16
@@ -137,7 +138,7 @@ def main() -> None:
     ways = {
         "varlen": dyad_varlen(cu, longest, flash4=False),
         "flash4-varlen": dyad_varlen(cu, longest, flash4=True),
-        # the kernel at the head dim as it is, which dyad pads to 96 (dyad/kernels/varlen_attention.py)
+        # the kernel at the head dim as it is, which dyad pads to 96 (dyad/kernels/flash4.py)
         "flash4-varlen-unpadded": lambda q, k, v: torch.ops.dyad.flash4_attention(q, k, v, cu, longest,
                                                                                   head_dim**-0.5, False)[0],
         "cudnn-per-image": per_image(lengths, SDPBackend.CUDNN_ATTENTION),

@@ -32,7 +32,7 @@ from run_info import bench_device, run_header, write_json  # beside this script
 
 import dyad.hf
 from dyad.compile import compile_blocks
-from dyad.kernels.varlen_attention import FLASH4, flash4_applies
+from dyad.kernels.flash4 import FLASH4, flash4_applies
 
 TOWER = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
              temporal_patch_size=2, spatial_merge_size=2, deepstack_visual_indexes=[8, 16, 24],

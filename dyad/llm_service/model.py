@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dyad.kernels.varlen_attention import flash4_applies, flash4_attention, varlen_attention
+from dyad.kernels.flash4 import flash4_applies, flash4_attention
+from dyad.kernels.varlen_attention import varlen_attention
 from dyad.llm_service.config import LLMConfig
 from dyad.llm_service.moe import MoELayer, SwiGLU
 from dyad.llm_service.rotary import (

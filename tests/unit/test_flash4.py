@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from dyad.kernels import flash4
 from dyad.kernels import varlen_attention as varlen
 
 
@@ -15,7 +16,7 @@ def _flash4_here() -> bool:
     if not torch.cuda.is_available():
         return False
     probe = torch.empty(1, 2, 64, device="cuda", dtype=torch.bfloat16)
-    return varlen.flash4_applies(probe, probe, probe)
+    return flash4.flash4_applies(probe, probe, probe)
 
 
 needs_flash4 = pytest.mark.skipif(not _flash4_here(), reason="no CUDA device with flash-attn-4 here (Hopper or "
@@ -37,16 +38,16 @@ def test_the_ops_shapes_as_a_compiled_graph_sees_them():
 
 def test_it_is_not_chosen_off_the_gpu_or_in_float32():
     x = torch.randn(8, 2, 64)
-    assert not varlen.flash4_applies(x, x, x)
+    assert not flash4.flash4_applies(x, x, x)
     if torch.cuda.is_available():
-        assert not varlen.flash4_applies(*(x.cuda(),) * 3)
+        assert not flash4.flash4_applies(*(x.cuda(),) * 3)
 
 
 @needs_flash4
 def test_grouped_heads_with_their_own_value_dim_are_left_to_sdpa():
     q, k, v = (torch.empty(4, n, d, device="cuda", dtype=torch.bfloat16) for n, d in ((8, 192), (2, 192), (2, 128)))
-    assert not varlen.flash4_applies(q, k, v)
-    assert varlen.flash4_applies(q, k[:, :1].expand(4, 8, 192), v[:, :1].expand(4, 8, 128))
+    assert not flash4.flash4_applies(q, k, v)
+    assert flash4.flash4_applies(q, k[:, :1].expand(4, 8, 192), v[:, :1].expand(4, 8, 128))
 
 
 def _compare(attend, reference, shapes, scale=None):
@@ -83,7 +84,7 @@ def test_whole_causal_sequences_match_sdpa(heads, kv_heads, head_dim, value_dim)
         q_, k_, v_ = (x.float().transpose(1, 2) for x in (q, k, v))
         return F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=True).transpose(1, 2).to(q.dtype)
 
-    _compare(lambda q, k, v: varlen.flash4_attention(q, k, v, causal=True), reference,
+    _compare(lambda q, k, v: flash4.flash4_attention(q, k, v, causal=True), reference,
              [(2, 384, heads, head_dim), (2, 384, kv_heads, head_dim), (2, 384, kv_heads, value_dim)])
 
 
