@@ -100,3 +100,29 @@ def test_a_compiled_graph_calls_the_kernels_without_breaking():
     compiled = torch.compile(attend, fullgraph=True)
     _compare(lambda q, k, v: compiled(q, k, v, bounds[0]), lambda q, k, v: attend(q, k, v, bounds[0]),
              [(R, 16, 72), (R, 16, 72), (R, 16, 72)])
+
+
+@needs_flash4
+def test_the_llms_causal_attention_takes_it_and_matches_sdpa(monkeypatch):
+    from dyad.llm_service import model
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return flash4.flash4_attention(*args, **kwargs)
+
+    monkeypatch.setattr(model, "flash4_attention", counted)
+    core = model.CausalAttention()
+
+    def sdpa_only(q, k, v):
+        flash4.FLASH4["enabled"] = False
+        try:
+            return core(q, k, v, positions_S=None)
+        finally:
+            flash4.FLASH4["enabled"] = True
+
+    # [B, heads, S, Dh], as the decoder's attention hands them over
+    _compare(lambda q, k, v: core(q, k, v, positions_S=None), sdpa_only,
+             [(2, 8, 384, 128), (2, 2, 384, 128), (2, 2, 384, 128)])
+    assert len(calls) == 1
