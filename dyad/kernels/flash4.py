@@ -97,7 +97,7 @@ def _flash4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     """(out, lse): the output, and the log-sum-exp of each row's scores ([A, R] over segments,
     [B, A, S] over whole sequences) that the backward pass takes."""
     out, lse, *_ = _flash4_interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True,
-                                             **_flash4_segments(cu_seqlens, longest))
+                                                       **_flash4_segments(cu_seqlens, longest))
     return out, lse
 
 
@@ -113,7 +113,7 @@ def _flash4_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                      lse: torch.Tensor, cu_seqlens: torch.Tensor | None, longest: int, scale: float,
                      causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _flash4_interface()._flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, scale, causal,
-                                           **_flash4_segments(cu_seqlens, longest))
+                                                     **_flash4_segments(cu_seqlens, longest))
     return dq, dk, dv
 
 

@@ -9,9 +9,9 @@ launch over all segments, each query block reading only its own segment's keys: 
 CuTe kernels (`flash-attn-4`, used on Hopper and Blackwell where installed: `pip install
 dyad[flash4]`) or else flash attention's kernel in torch (`torch.nn.attention.varlen`, torch >=
 2.10). Both compute a head dim such as Qwen3-VL's tower's 72 padded to 96; FlashAttention-4's
-Hopper kernels take 0.6 of the time of torch's there (docs/performance.md). Elsewhere (the CPU, float32 runs
-that check the math) it runs `varlen_attention_reference`: plain SDPA over each segment in turn, as
-transformers' non-flash path computes it.
+Hopper kernels take 0.6 of the time of torch's there (docs/performance.md). Elsewhere (the CPU,
+float32 runs that check the math) it runs `varlen_attention_reference`: plain SDPA over each
+segment in turn, as transformers' non-flash path computes it.
 """
 
 from __future__ import annotations

@@ -51,8 +51,9 @@ class CausalAttention(nn.Module):
     `documents` (packed rows), each token attends only to the earlier tokens of its own sample:
     over their `bounds`, variable-length attention (flash attention's kernel on CUDA: no work
     across samples), else a mask of the samples. Without documents: FlashAttention-4 where
-    flash-attn-4 is installed (Hopper, Blackwell), else SDPA. Context parallelism replaces it with attention
-    over the whole group's keys, masked by the positions and documents (`ContextParallelAttention`)."""
+    flash-attn-4 is installed (Hopper, Blackwell), else SDPA. Context parallelism replaces it with
+    attention over the whole group's keys, masked by the positions and documents
+    (`ContextParallelAttention`)."""
 
     def forward(self, q_BHSDh, k_BGSDh, v_BGSDh, positions_S, scale: float | None = None,
                 documents: Documents | None = None):
