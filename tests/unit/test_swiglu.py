@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dyad.kernels import swiglu as swiglu_lib
 from tests.helpers.experts import interleave_gate_up
@@ -95,3 +96,29 @@ def test_cuda_fused_swiglu_of_pairs_is_the_fused_swiglu_of_the_halves(dtype):
     assert "FusedSwiGLUPairs" in type(pairs[2]).__name__, "the fused path did not run"
     assert torch.equal(pairs[0], halves[0])
     assert torch.equal(pairs[1], interleave_gate_up(halves[1], halves[2]))
+
+
+def test_the_pair_ops_shapes_as_a_compiled_graph_sees_them():
+    with FakeTensorMode():
+        h13 = torch.empty(6, 5, 8, dtype=torch.bfloat16)
+        out = torch.ops.dyad.swiglu_pairs(h13)
+        assert (tuple(out.shape), out.dtype) == ((6, 5, 4), torch.bfloat16)
+        assert tuple(torch.ops.dyad.swiglu_pairs_backward(out, h13).shape) == (6, 5, 8)
+
+
+@needs_cuda
+def test_cuda_compiled_swiglu_of_pairs_runs_the_pair_kernels(monkeypatch):
+    """Traced by torch.compile, the pairs' gate and its backward call the pair kernels (as custom
+    ops): bitwise eager's fused results."""
+    calls = []
+    for name in ("_pairs_forward", "_pairs_backward"):
+        kernel = getattr(swiglu_lib, name)
+        monkeypatch.setattr(swiglu_lib, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
+    torch.manual_seed(6)
+    h13 = (torch.randn(1031, 2 * 777, device="cuda") * 4).to(torch.bfloat16)
+    grad = torch.randn(1031, 777, device="cuda").to(torch.bfloat16)
+    eager = _pairs_forward_and_grad(swiglu_lib.swiglu_pairs, h13, grad)
+    calls.clear()
+    compiled = _pairs_forward_and_grad(torch.compile(swiglu_lib.swiglu_pairs, fullgraph=True), h13, grad)
+    assert sorted(calls) == ["_pairs_backward", "_pairs_forward"]
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
