@@ -18,8 +18,7 @@ ops' does: past `_PLAN_MAX_ROWS` the plain ops run.
 import torch
 
 from dyad.kernels.grouped_mm import matmul_dtype
-from dyad.kernels.token_rows import gathered_sum, scaled_scatter_and_dots
-from dyad.kernels.traceable import to_dtype
+from dyad.kernels.token_rows import gathered_sum, scaled_scatter_and_dots, scattered_copies
 from dyad.kernels.triton_modules import triton_module
 
 _PLAN_BLOCK = 4096  # ids per step of a plan program; its scan runs over one block
@@ -126,20 +125,21 @@ class _PermuteRows(torch.autograd.Function):
 
 
 class _GatherCopies(torch.autograd.Function):
-    """x_sorted = x[order // K] in `dtype`. The backward sums each token's K gradient rows in
-    token order (float32 sum, `gathered_sum`) into x's dtype, not by index_add's atomics:
-    deterministic, and several times faster on a GPU when K copies of a token collide."""
+    """x_sorted = x[order // K] in `dtype` (`scattered_copies`: on CUDA each token's row read once
+    and written to its K places). The backward sums each token's K gradient rows in token order
+    (float32 sum, `gathered_sum`) into x's dtype, not by index_add's atomics: deterministic, and
+    several times faster on a GPU when K copies of a token collide."""
 
     @staticmethod
     def forward(ctx, x_TD, sorted_order_N, K, dtype):
-        ctx.save_for_backward(sorted_order_N)
-        ctx.T, ctx.K, ctx.x_dtype = x_TD.shape[0], K, x_TD.dtype
-        return to_dtype(x_TD, dtype).index_select(0, sorted_order_N // K)
+        positions_TK = _positions_TK(sorted_order_N, x_TD.shape[0], K)
+        ctx.save_for_backward(positions_TK)
+        ctx.x_dtype = x_TD.dtype
+        return scattered_copies(x_TD, positions_TK, sorted_order_N, dtype)
 
     @staticmethod
     def backward(ctx, grad_sorted_ND):
-        (sorted_order_N,) = ctx.saved_tensors
-        positions_TK = _positions_TK(sorted_order_N, ctx.T, ctx.K)
+        (positions_TK,) = ctx.saved_tensors
         return gathered_sum(grad_sorted_ND.contiguous(), positions_TK, out_dtype=ctx.x_dtype), None, None, None
 
 

@@ -11,12 +11,19 @@ positions_TK[t, k] is the row (in expert-major order) of assignment t*K + k.
   weighted sum, (grad_rows_ND with grad_rows[pos[t, k]] = w[t, k] * grad[t] rounded to the
   dtype, dots_TK = <rows[pos[t, k]], grad[t]> accumulated in float32 and rounded to the rows'
   dtype, as the bmm that computes them eagerly rounds).
+- `scattered_copies(x_TD, positions_TK, order_N, out_dtype)`: the K copies of each token in
+  expert-major order, rows[pos[t, k]] = x[t] in `out_dtype` (order_N: the flat assignment t*K + k
+  of each row, the inverse of the positions; the reference gathers by it). Exact either way: a
+  copy, or one rounding of each element to `out_dtype`.
 
 Eagerly PyTorch needs a gather of all N rows into token order (N x D written and read again)
 and a batched matmul for each; one Triton program per token here reads each row once and writes
-only the result. The `*_reference` functions are the same math in plain PyTorch (index_select
-and bmm); they run off CUDA, without Triton and in float32 (float32 runs check the math, eager
-against compiled among others, so they keep eager PyTorch's kernels).
+only the result. The copies' gather reads a token's row once for each of its K copies (traced,
+an inductor kernel that also casts each time: 0.56 ms for the 1.07 GB of copies of 32,768
+tokens, top-8, on an H200); the scatter reads it once. The `*_reference` functions are the same
+math in plain PyTorch (index_select and bmm); they run off CUDA, without Triton and in float32
+(float32 runs check the math, eager against compiled among others, so they keep eager PyTorch's
+kernels).
 
 Under torch.compile the Triton kernels run as custom ops (`dyad::gathered_sum`,
 `dyad::scaled_scatter_and_dots`), which the compiler keeps whole in its graph: traced, the
@@ -35,6 +42,7 @@ from dyad.kernels.launch_sizes import next_pow2
 from dyad.kernels.traceable import to_dtype
 
 _BLOCK_D = 1024
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -66,6 +74,10 @@ def scaled_scatter_and_dots_reference(grad_TD, rows_ND, positions_TK, weights_TK
     return grad_rows_ND, dots_TK
 
 
+def scattered_copies_reference(x_TD, positions_TK, order_N, out_dtype):
+    return to_dtype(x_TD, out_dtype).index_select(0, order_N // positions_TK.shape[1])
+
+
 def _order(positions_TK: torch.Tensor) -> torch.Tensor:
     flat_N = torch.arange(positions_TK.numel(), device=positions_TK.device)
     return torch.empty_like(flat_N).scatter_(0, positions_TK.reshape(-1), flat_N)
@@ -94,12 +106,26 @@ def scaled_scatter_and_dots(grad_TD, rows_ND, positions_TK, weights_TK):
     return _scaled_scatter_and_dots_fused(grad_TD, rows_ND, positions_TK, weights_TK)
 
 
+def scattered_copies(x_TD, positions_TK, order_N, out_dtype):
+    # x may be float32 (a float32 residual stream), cast by the kernel; float32 copies: the reference
+    if not (out_dtype in _LOW_PRECISION and x_TD.dtype in (out_dtype, torch.float32)
+            and _kernel_takes(x_TD, positions_TK)):
+        return scattered_copies_reference(x_TD, positions_TK, order_N, out_dtype)
+    if torch.compiler.is_compiling():
+        return _scattered_copies_op(x_TD, positions_TK, out_dtype)
+    return _scattered_copies_fused(x_TD, positions_TK, out_dtype)
+
+
 def _fused_applies(rows_ND: torch.Tensor, positions_TK: torch.Tensor) -> bool:
-    """Where the Triton kernels run; traced, on what the custom ops make contiguous."""
+    """Where the Triton kernels run (float32 rows: see the module docstring)."""
+    return rows_ND.dtype in _LOW_PRECISION and _kernel_takes(rows_ND, positions_TK)
+
+
+def _kernel_takes(rows_ND: torch.Tensor, positions_TK: torch.Tensor) -> bool:
+    """Whether a kernel can take these operands; traced, what the custom ops make contiguous."""
     traced = torch.compiler.is_compiling()
     return (
         rows_ND.is_cuda
-        and rows_ND.dtype in (torch.bfloat16, torch.float16)  # float32: see the module docstring
         and rows_ND.dim() == 2
         and (traced or (rows_ND.is_contiguous() and positions_TK.is_contiguous() and positions_TK.numel() > 0))
         and _HAVE_TRITON  # (not `_kernels()`: a cached function's call would break dynamo's graph)
@@ -134,6 +160,17 @@ def _scaled_scatter_and_dots_fused(grad_TD, rows_ND, positions_TK, weights_TK):
     return grad_rows_ND, dots_TK.to(rows_ND.dtype)
 
 
+def _scattered_copies_fused(x_TD, positions_TK, out_dtype):
+    T, K = positions_TK.shape
+    D = x_TD.shape[1]
+    out_ND = x_TD.new_empty(T * K, D, dtype=out_dtype)
+    if T == 0:
+        return out_ND
+    kernel = _copy_kernel()
+    kernel[(T,)](x_TD, positions_TK, out_ND, D, K=K, K_P2=next_pow2(K), BLOCK_D=_BLOCK_D)
+    return out_ND
+
+
 # What torch.compile calls: custom ops it keeps whole (their autograd is the MoE permutation's
 # autograd.Functions', so none is registered here).
 @torch.library.custom_op("dyad::gathered_sum", mutates_args=())
@@ -158,6 +195,37 @@ def _scaled_scatter_and_dots_op(
 @_scaled_scatter_and_dots_op.register_fake
 def _(grad_TD, rows_ND, positions_TK, weights_TK):
     return rows_ND.new_empty(rows_ND.shape), rows_ND.new_empty(positions_TK.shape)
+
+
+@torch.library.custom_op("dyad::scattered_copies", mutates_args=())
+def _scattered_copies_op(x_TD: torch.Tensor, positions_TK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return _scattered_copies_fused(x_TD.contiguous(), positions_TK.contiguous(), out_dtype)
+
+
+@_scattered_copies_op.register_fake
+def _(x_TD, positions_TK, out_dtype):
+    return x_TD.new_empty(positions_TK.numel(), x_TD.shape[1], dtype=out_dtype)
+
+
+@functools.cache
+def _copy_kernel():
+    """The `scattered_copies` Triton kernel (Triton is there: `_fused_applies` asked)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_rows(x_ptr, pos_ptr, out_ptr, D, K: tl.constexpr, K_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, K_P2)
+        has_k = k < K
+        pos = tl.load(pos_ptr + t * K + k, mask=has_k, other=0).to(tl.int64)
+        for start in range(0, D, BLOCK_D):
+            d = start + tl.arange(0, BLOCK_D)
+            row = tl.load(x_ptr + t * D + d, mask=d < D, other=0.0).to(out_ptr.dtype.element_ty)
+            copies = tl.broadcast_to(row[None, :], (K_P2, BLOCK_D))
+            tl.store(out_ptr + pos[:, None] * D + d[None, :], copies, mask=has_k[:, None] & (d[None, :] < D))
+
+    return copy_rows
 
 
 @functools.cache

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dyad.kernels import token_rows
 
@@ -106,5 +107,73 @@ def test_cuda_compiled_callers_run_the_fused_kernels(monkeypatch):
     calls.clear()
     compiled = torch.compile(both, fullgraph=True)(rows_ND, positions_TK, weights_TK, grad_TD)
     assert sorted(calls) == ["_gathered_sum_fused", "_gathered_sum_fused", "_scaled_scatter_and_dots_fused"]
+    for got, expected in zip(compiled, eager, strict=True):
+        assert torch.equal(got, expected)
+
+
+def _copies_operands(T, K, D, x_dtype):
+    torch.manual_seed(T * K + D)
+    order_N = torch.randperm(T * K, device="cuda")
+    positions_TK = token_rows._order(order_N.view(T, K))  # the inverse of the order: each assignment's row
+    x_TD = torch.randn(T, D, device="cuda").to(x_dtype)
+    return x_TD, positions_TK.view(T, K), order_N
+
+
+def test_the_copies_shapes_as_a_compiled_graph_sees_them():
+    with FakeTensorMode():
+        x_TD, positions_TK = torch.empty(5, 7), torch.empty(5, 3, dtype=torch.long)
+        out = torch.ops.dyad.scattered_copies(x_TD, positions_TK, torch.bfloat16)
+        assert (tuple(out.shape), out.dtype) == ((15, 7), torch.bfloat16)
+
+
+def test_off_cuda_the_copies_are_the_gather():
+    T, K, D = 6, 3, 5
+    order_N = torch.randperm(T * K)
+    x_TD = torch.randn(T, D)
+    positions_TK = token_rows._order(order_N.view(T, K)).view(T, K)
+    copies = token_rows.scattered_copies(x_TD, positions_TK, order_N, torch.float32)
+    for t in range(T):
+        for k in range(K):
+            assert torch.equal(copies[positions_TK[t, k]], x_TD[t])
+
+
+@needs_cuda
+@pytest.mark.parametrize("T,K,D", SHAPES)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_scattered_copies_are_the_reference_gather(T, K, D, x_dtype):
+    """Each copy is the row, rounded once to bf16 where x is float32: bitwise the reference's,
+    eager and compiled (as the custom op)."""
+    x_TD, positions_TK, order_N = _copies_operands(T, K, D, x_dtype)
+    expected = token_rows.scattered_copies_reference(x_TD, positions_TK, order_N, torch.bfloat16)
+    eager = token_rows.scattered_copies(x_TD, positions_TK, order_N, torch.bfloat16)
+    compiled = torch.compile(token_rows.scattered_copies, fullgraph=True)(x_TD, positions_TK, order_N, torch.bfloat16)
+    assert torch.equal(eager, expected) and torch.equal(compiled, expected)
+
+
+@needs_cuda
+def test_cuda_compiled_permutation_copies_through_the_kernel(monkeypatch):
+    """The MoE permutation, traced, scatters the copies with the kernel and gives eager's copies
+    and x's gradient bit for bit."""
+    from dyad.kernels import moe_permute
+
+    calls = []
+    kernel = token_rows._scattered_copies_fused
+    monkeypatch.setattr(token_rows, "_scattered_copies_fused", lambda *a: calls.append(1) or kernel(*a))
+    torch.manual_seed(5)
+    T, K, E, D = 257, 8, 32, 2048
+    x = torch.randn(T, D, device="cuda", requires_grad=True)
+    expert_idx = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
+    upstream = torch.randn(T * K, D, device="cuda").to(torch.bfloat16)
+
+    def copies_and_grad(x_TD):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            x_sorted, _, _ = moe_permute.permute(x_TD, expert_idx, E)
+        return x_sorted, torch.autograd.grad((x_sorted.float() * upstream.float()).sum(), x_TD)[0]
+
+    eager = copies_and_grad(x)
+    assert calls, "eager: the copies did not go through the kernel"
+    calls.clear()
+    compiled = torch.compile(copies_and_grad)(x)
+    assert calls, "compiled: the copies did not go through the kernel"
     for got, expected in zip(compiled, eager, strict=True):
         assert torch.equal(got, expected)
