@@ -36,7 +36,9 @@ from pathlib import Path
 
 from dyad import config as config_lib
 from dyad.app.jobs import run_job
-from dyad.data import FixedTokens, make_dataset
+from dyad.data import make_dataset
+from dyad.encoder_service.hf_config import image_tokens
+from dyad.router.encoder_cost import image_cost
 
 COMMON = [
     "train.device=cuda",
@@ -123,9 +125,16 @@ def layouts_for(global_batch: int, names: list[str] | None = None) -> dict:
 TOY_LAYOUTS = {"toy": (["train.microbatches=2"], 1)}
 
 
-def encoder_flops_per_image(cfg) -> float:
+def encoder_flops_per_image(cfg, tokens: int | None = None) -> float:
     """Forward + backward (x3) of the ViT's matmuls and attention over its patches, and of the
-    projector over the (merged) tokens it sends, per image."""
+    projector over the (merged) tokens it sends, per image; a native-resolution tower
+    (`cfg.native`) by the image's LLM `tokens`: its blocks and attention (`image_cost`'s
+    multiply-adds) and its mergers (the main one and DeepStack's)."""
+    if cfg.native is not None:
+        native = cfg.native
+        merger = native.merged_dim * native.merged_dim + native.merged_dim * native.out_dim
+        mergers = (1 + len(native.deepstack_layers)) * tokens * merger
+        return 6 * (image_cost(cfg)(tokens) + mergers)
     patches = cfg.patches_per_image
     block_params = cfg.depth * (4 * cfg.dim * cfg.dim + 2 * cfg.dim * cfg.mlp_dim)
     projector_params = cfg.merged_dim * cfg.out_dim + cfg.out_dim * cfg.out_dim
@@ -143,8 +152,9 @@ def summarize(config, records: list[dict], gpus: int, skip: int, profiled: int |
     """Medians over the steps after the first `skip` of `records` (the run's step metrics),
     leaving out the `profiled` step (the profiler slows it); each pool's peak memory, the most
     of any rank over all of `records`."""
-    resolved = config_lib.resolve(config, vocab_size=make_dataset(config.data).tokenizer.vocab_size)
     dataset = make_dataset(config.data)
+    resolved = config_lib.resolve(config, vocab_size=dataset.tokenizer.vocab_size)
+    tokens_of = image_tokens(resolved.encoder, dataset)
     samples = {}
     for line in (Path(config.out_dir) / "samples.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -153,12 +163,12 @@ def summarize(config, records: list[dict], gpus: int, skip: int, profiled: int |
     for metrics in records[skip:]:
         if metrics["step"] == profiled:
             continue
-        shapes = [dataset.shape(s, FixedTokens(resolved.encoder.tokens_per_image)) for s in samples[metrics["step"]]]
+        shapes = [dataset.shape(s, tokens_of) for s in samples[metrics["step"]]]
         images = sum(shape.n_images for shape in shapes)
         mean_seq = statistics.mean(shape.seq_len for shape in shapes)
-        flops = images * encoder_flops_per_image(resolved.encoder) + metrics["tokens"] * llm_flops_per_token(
-            resolved.llm, mean_seq
-        )
+        encoder_flops = sum(encoder_flops_per_image(resolved.encoder, tokens_of(image))
+                            for s in samples[metrics["step"]] for image in dataset.sample(s).image_ids)
+        flops = encoder_flops + metrics["tokens"] * llm_flops_per_token(resolved.llm, mean_seq)
         rows.append(
             {
                 "step_s": metrics["step_time_s"],
@@ -188,12 +198,14 @@ def run_layout(
     skip: int,
     work: Path,
     profiled: int | None = None,
+    config_name: str | None = None,
 ) -> dict:
     """One run of the job under `overrides`, summarized over its steps after the first `skip`, or
     {"error": ...}. The run is stopped once `steps` steps are done: it never writes its final
     checkpoint (time, disk, and a full-size gather on every rank that a model needing expert
-    parallelism has no memory for)."""
-    config = config_lib.load(None, [*base, *overrides, f"train.steps={steps + 1}"])
+    parallelism has no memory for). `config_name`: the config the overrides apply to (a file, or
+    one dyad ships; default digits)."""
+    config = config_lib.load(config_name, [*base, *overrides, f"train.steps={steps + 1}"])
     config = dataclasses.replace(config, out_dir=str((work / name.replace(" ", "-")).resolve()))
     job = run_job(config, progress=False, stop_after=steps - 1)
     measured = [m for m in job.metrics if m["step"] < steps]

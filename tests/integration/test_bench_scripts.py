@@ -204,6 +204,33 @@ def test_the_toy_module_profile_recommends_a_split_of_two_gpus(tmp_path):
     assert {c["placement"] for c in predicted} == {"1+1", "colocated", "homogeneous"}
     assert all(c["tokens_per_s"] > 0 and not c["excluded"] for c in predicted)
     assert f"the pick, {predicted[0]['placement']}: " in result.stdout
+    _the_sweep_runs_the_best_predicted_of_each_placement(tmp_path, profile)
+
+
+def _the_sweep_runs_the_best_predicted_of_each_placement(tmp_path, profile):
+    """bench/plan_sweep.py on the same profile: the pick and the best predicted candidate of each
+    placement run for real (CPU times: only the bookkeeping is checked)."""
+    out = tmp_path / "sweep.json"
+    result = subprocess.run([sys.executable, str(BENCH / "plan_sweep.py"), "--toy", "--profile", str(profile),
+                             "--per-placement", "1", "--out", str(out), "--work", str(tmp_path / "runs")],
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sweep = json.loads(out.read_text())
+    runs, check = sweep["runs"], sweep["check"]
+    assert {sweep["predicted"][name]["placement"] for name in runs} == {"1+1", "colocated", "homogeneous"}
+    assert len(runs) == 3
+    predicted = sweep["predicted"]  # fastest predicted first: the pick
+    assert check["pick"] == next(iter(predicted)) and check["pick"] in runs
+    assert [p["tokens_per_s"] for p in predicted.values()] == sorted((p["tokens_per_s"] for p in predicted.values()),
+                                                                      reverse=True)
+    assert all(r["tokens_per_s"] > 0 and r["predicted_tokens_per_s"] > 0 for r in runs.values())
+    tokens = {name: r["tokens_per_s"] for name, r in runs.items()}
+    assert check["best_overall"] == max(tokens, key=tokens.get)
+    homogeneous = tokens[check["best"]["homogeneous"]]
+    heterogeneous = max(tokens[check["best"][kind]] for kind in ("split", "colocated"))
+    assert check["heterogeneous_over_homogeneous"] == pytest.approx(heterogeneous / homogeneous)
+    assert check["pick_over_best"] == pytest.approx(tokens[check["pick"]] / max(tokens.values()))
+    assert check["pick_within"] == (check["pick_over_best"] >= 0.95)
 
 
 def test_the_module_profile_of_a_native_resolution_tower_is_read_back(tmp_path):
