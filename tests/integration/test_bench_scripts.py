@@ -204,17 +204,24 @@ def test_the_toy_module_profile_recommends_a_split_of_two_gpus(tmp_path):
     assert {c["placement"] for c in predicted} == {"1+1", "colocated", "homogeneous"}
     assert all(c["tokens_per_s"] > 0 and not c["excluded"] for c in predicted)
     assert f"the pick, {predicted[0]['placement']}: " in result.stdout
-    _the_sweep_runs_the_best_predicted_of_each_placement(tmp_path, profile)
 
 
-def _the_sweep_runs_the_best_predicted_of_each_placement(tmp_path, profile):
-    """bench/plan_sweep.py on the same profile: the pick and the best predicted candidate of each
-    placement run for real (CPU times: only the bookkeeping is checked)."""
-    out = tmp_path / "sweep.json"
-    result = subprocess.run([sys.executable, str(BENCH / "plan_sweep.py"), "--toy", "--profile", str(profile),
-                             "--per-placement", "1", "--out", str(out), "--work", str(tmp_path / "runs")],
-                            capture_output=True, text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_the_native_moe_workload_is_swept_at_toy_size(tmp_path):
+    """bench/native_moe_workload.py's toy workload (a random Qwen3-VL-MoE, packed conversations
+    with images of several sizes), profiled by bench/module_profile.py and swept by
+    bench/plan_sweep.py: the pick and the best predicted candidate of each placement run for real
+    (CPU times: only the bookkeeping is checked)."""
+    pytest.importorskip("transformers", reason="transformers' config names the checkpoint's tensors")
+    workload = tmp_path / "workload"
+    config = workload / "workload.yaml"
+    profile, out = tmp_path / "profile.json", tmp_path / "sweep.json"
+    for script, args in (("native_moe_workload.py", ["--toy", "--dir", str(workload)]),
+                         ("module_profile.py", [str(config), "--toy", "--out", str(profile)]),
+                         ("plan_sweep.py", [str(config), "--toy", "--profile", str(profile), "--per-placement", "1",
+                                            "--out", str(out), "--work", str(tmp_path / "runs")])):
+        result = subprocess.run([sys.executable, str(BENCH / script), *args],
+                                capture_output=True, text=True, timeout=600, check=False)
+        assert result.returncode == 0, f"{script}: {result.stderr[-3000:]}"
     sweep = json.loads(out.read_text())
     runs, check = sweep["runs"], sweep["check"]
     assert {sweep["predicted"][name]["placement"] for name in runs} == {"1+1", "colocated", "homogeneous"}
@@ -223,7 +230,8 @@ def _the_sweep_runs_the_best_predicted_of_each_placement(tmp_path, profile):
     assert check["pick"] == next(iter(predicted)) and check["pick"] in runs
     assert [p["tokens_per_s"] for p in predicted.values()] == sorted((p["tokens_per_s"] for p in predicted.values()),
                                                                       reverse=True)
-    assert all(r["tokens_per_s"] > 0 and r["predicted_tokens_per_s"] > 0 for r in runs.values())
+    assert all(r["tokens_per_s"] > 0 and r["predicted_tokens_per_s"] > 0 and r["tflops_per_gpu"] > 0
+               and r["images"] > 0 for r in runs.values())
     tokens = {name: r["tokens_per_s"] for name, r in runs.items()}
     assert check["best_overall"] == max(tokens, key=tokens.get)
     homogeneous = tokens[check["best"]["homogeneous"]]
