@@ -6,8 +6,8 @@ packed rows; every GPU script that takes a config takes it.
 - The checkpoint: Qwen3-VL-30B-A3B's vision tower as it is (27 blocks of 1,152, patches of 16,
   the 2 x 2 merger, DeepStack after blocks 8, 16 and 24: 0.54 B parameters), and a Qwen3-MoE LLM
   of its layer shapes scaled to one host (2,048 wide, 32 query and 4 key-value heads of 128, q/k
-  norms, experts of 768 with top-8; 24 layers of 48 experts where it has 48 of 128: 1.4 B active
-  of 6.0 B, the experts' 0.9 B of it). At 16 bytes a parameter trained in bf16 with float32 state (weights, gradients, two
+  norms, experts of 768 with top-8; 24 layers of 48 experts where it has 48 of 128: 1.5 B
+  parameters a token, as `dyad plan` counts them, of 6.0 B). At 16 bytes a parameter trained in bf16 with float32 state (weights, gradients, two
   moments) the LLM alone is 96 GB: one H200 holds it only with its activations spread, so the
   sweeps' LLM layouts take ep >= 2. Weights random (normal, 0.02; norms one, biases zero) in
   bfloat16, sharded with their index, as transformers writes; `config.json` is transformers'
@@ -25,6 +25,7 @@ packed rows; every GPU script that takes a config takes it.
 
     python bench/native_moe_workload.py --dir $OUT/workload            # the GPU host's (about 13 GB)
     python bench/native_moe_workload.py --toy --dir /tmp/workload      # tiny, CPU (CI)
+    python bench/native_moe_workload.py --no-weights --dir /tmp/shapes # all but the weights: dyad plan
     python bench/module_profile.py $OUT/workload/workload.yaml --out $OUT/profile.json
     NCCL_NVLS_ENABLE=0 python bench/plan_sweep.py $OUT/workload/workload.yaml --gpus 8 \\
         --profile $OUT/profile.json --out $OUT/plan_sweep.json --work $OUT/runs
@@ -99,11 +100,15 @@ def random_value(name: str, shape: torch.Size, generator: torch.Generator) -> to
     return (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
 
 
-def write_checkpoint(directory: Path, config, processor: dict) -> int:
-    """Random bfloat16 weights under transformers' names, in shards with their index; the config
-    and the processor's JSON. Returns the bytes written."""
+def write_checkpoint(directory: Path, config, processor: dict, weights: bool = True) -> int:
+    """Random bfloat16 weights under transformers' names, in shards with their index (unless not
+    `weights`); the config and the processor's JSON. Returns the bytes written."""
     import transformers
 
+    config.save_pretrained(directory)
+    (directory / "preprocessor_config.json").write_text(json.dumps(processor))
+    if not weights:
+        return 0
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in transformers.Qwen3VLMoeForConditionalGeneration(config)
                   .state_dict().items()}
@@ -124,8 +129,6 @@ def write_checkpoint(directory: Path, config, processor: dict) -> int:
         print(f"checkpoint: {file} written ({sum(t.nbytes for t in tensors.values()) / 1e9:.2f} GB)", flush=True)
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    config.save_pretrained(directory)
-    (directory / "preprocessor_config.json").write_text(json.dumps(processor))
     return total
 
 
@@ -200,6 +203,8 @@ def main() -> None:
     parser.add_argument("--toy", action="store_true", help="tiny shapes, a few samples, CPU (CI)")
     parser.add_argument("--samples", type=int, help="conversations (default: 4,096; toy 24)")
     parser.add_argument("--images", type=int, help="distinct images (default: 64; toy 4)")
+    parser.add_argument("--no-weights", dest="weights", action="store_false",
+                        help="everything but the weights: enough for `dyad plan`, not to train")
     args = parser.parse_args()
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
@@ -216,7 +221,7 @@ def main() -> None:
     vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
     text = TOY_TEXT if toy else TEXT
     config = hf_config(TOY_VISION if toy else VISION, text, max(vocab, text["vocab_size"]))
-    total = write_checkpoint(directory, config, TOY_PROCESSOR if toy else PROCESSOR)
+    total = write_checkpoint(directory, config, TOY_PROCESSOR if toy else PROCESSOR, args.weights)
     (directory / "workload.yaml").write_text(yaml.safe_dump(run_config(directory, toy), sort_keys=False))
     print(f"{directory}: {samples} conversations over {image_count} images, a {total / 1e9:.2f} GB checkpoint, "
           f"workload.yaml")

@@ -5,6 +5,7 @@ steady throughput before, the resize's cost, and the steady throughput after.
     NCCL_NVLS_ENABLE=0 python bench/resize.py --out $OUT/resize.json --work $OUT/runs
     python bench/resize.py --pools 1+3   # four GPUs: encoder 1 -> 2, LLM 3 -> 2
     python bench/resize.py --pools 1+2 --devices 0,1/1,0   # two GPUs, each shared by a rank of each pool
+    python bench/resize.py --config $OUT/workload/workload.yaml --move 2   # encoder 2 -> 4, LLM 6 -> 4
     python bench/resize.py --toy         # CPU: encoder 1 -> 2 ranks, LLM 2 -> 1 (CI)
 
 How a GPU changes pools. ScalePool resizes one pool's data-parallel degree (`dyad.config.scaled`:
@@ -17,6 +18,9 @@ LLM [2, ..., 7]; after the resize the encoder's third rank runs on GPU 7 and the
 GPUs 2-6. It asks the LLM pool to shrink first and the encoder pool to grow second, back to back:
 both land during the same step and are applied in one restart; should they fall on two step
 boundaries, the GPU is free before the encoder takes it (the JSON counts the restarts).
+
+`--config` resizes another job (bench/native_moe_workload.py's, say: its LLM needs ep 2, which
+divides 6 and 4 but not 5, so `--move 2`: encoder 2 -> 4, LLM 6 -> 4).
 
 Why this LLM: `scaled` keeps ep, and ep must divide the LLM pool at both sizes (6 and 5): only
 ep=1 does. So the LLM is bench/e2e_hetero.py's (2.9 B parameters, 16 experts), which fits one
@@ -47,6 +51,7 @@ from e2e_hetero import TOY, VIT_L_224, run_arguments, summarize, with_compile, w
 
 from dyad import config as config_lib
 from dyad.app.client import RouterClient, local_router
+from dyad.data import make_dataset
 from dyad.wire import as_dict, pb
 
 RESIZE = [*VIT_L_224, *LARGER_ENCODER]
@@ -55,19 +60,20 @@ MIN_MICROBATCHES = 30  # a step's LLM microbatches, at least
 TOY_POOLS = {"encoder": 1, "llm": 2, "move": 1, "microbatches": 1, "global_batch": 8}
 
 
-def gpu_pools(split: str) -> dict:
-    """'2+6' -> the encoder pool on 2 GPUs, the LLM pool on 6, one GPU moving from the LLM to the
-    encoder; the step's LLM microbatches a multiple of both LLM sizes, at least MIN_MICROBATCHES."""
+def gpu_pools(split: str, move: int = 1) -> dict:
+    """'2+6' -> the encoder pool on 2 GPUs, the LLM pool on 6, `move` GPUs moving from the LLM to
+    the encoder; the step's LLM microbatches a multiple of both LLM sizes, at least
+    MIN_MICROBATCHES."""
     pools = parse_pool(split)
-    if pools is None or pools[1] < 2:
-        raise SystemExit(f"--pools: E+L with E >= 1 encoder GPUs and L >= 2 LLM GPUs, got {split!r}")
+    if pools is None or move < 1 or pools[1] <= move:
+        raise SystemExit(f"--pools: E+L with E >= 1 encoder GPUs and L > --move ({move}) LLM GPUs, got {split!r}")
     encoder, llm = pools
-    both = math.lcm(llm, llm - 1)
+    both = math.lcm(llm, llm - move)
     total = both * math.ceil(MIN_MICROBATCHES / both)
     return {
         "encoder": encoder,
         "llm": llm,
-        "move": 1,
+        "move": move,
         "microbatches": total // llm,
         "global_batch": total * SAMPLES_PER_MICROBATCH,
     }
@@ -224,11 +230,16 @@ def print_result(result: dict, pools: dict, notices: list[dict]) -> None:
 def main() -> None:
     parser = run_arguments(steps=18, skip=2)  # skip: at the start and after the resize
     parser.add_argument("--resize-after", type=int, default=7, help="request after this step")
+    parser.add_argument("--config", help="a run config file to resize instead of the ViT job above (e.g. "
+                        "bench/native_moe_workload.py's workload.yaml); its layouts but the pools' dp stay")
     parser.add_argument("--pools", default="2+6", help="E+L: encoder and LLM GPUs before the resize")
+    parser.add_argument("--move", type=int, default=1, help="GPUs moving from the LLM pool to the encoder pool "
+                        "(the LLM's ep must divide both its sizes: 2 for an ep 2 LLM of 6 GPUs)")
     parser.add_argument("--devices", help="ENCODER/LLM GPU lists (rank r on list[r %% len]) instead of "
                         "one GPU a rank, e.g. 0,1/1,0 for --pools 1+2 on two GPUs")
     args = parser.parse_args()
-    base, pools = (TOY, TOY_POOLS) if args.toy else (with_compile(RESIZE, args), gpu_pools(args.pools))
+    workload = [] if args.config else RESIZE
+    base, pools = (TOY, TOY_POOLS) if args.toy else (with_compile(workload, args), gpu_pools(args.pools, args.move))
     base = [*base, *args.set]
     if args.toy:
         args.steps, args.resize_after, args.skip = 7, 2, 1
@@ -239,10 +250,11 @@ def main() -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the router's workers inherit it
     work = Path(args.work or tempfile.mkdtemp(prefix="dyad-resize-"))
     devices = parse_devices(args.devices) if args.devices else device_lists(pools["encoder"], pools["llm"], pools["move"])
-    config = config_lib.load(None, [*base, *pool_overrides(pools, devices), f"train.steps={args.steps}"])
+    config = config_lib.load(args.config, [*base, *pool_overrides(pools, devices), f"train.steps={args.steps}"])
     config = dataclasses.replace(config, out_dir=str((work / "resize").resolve()))
+    resolved = config_lib.resolve(config, vocab_size=make_dataset(config.data).tokenizer.vocab_size)
     for pool, replicas in scale_requests(pools):  # refuse here what the router would
-        config_lib.scaled(config, pool, replicas)
+        config_lib.scaled(resolved, pool, replicas)
     with local_router(work / "resize" / "logs" / "router.log") as client:
         run_id = client.start_run(config_lib.to_yaml(config)).run_id
         timeline = follow_with_resize(client, run_id, args.resize_after, scale_requests(pools))

@@ -241,6 +241,23 @@ def test_the_native_moe_workload_is_swept_at_toy_size(tmp_path):
     assert check["pick_within"] == (check["pick_over_best"] >= 0.95)
 
 
+def test_the_gpu_size_native_moe_workload_plans_on_eight_gpus(tmp_path):
+    """The GPU host's workload (bench/native_moe_workload.py without its 13 GB of weights, fewer
+    samples and images): `dyad plan` resolves its config as a run would, on eight GPUs."""
+    pytest.importorskip("transformers", reason="transformers writes the checkpoint's config")
+    workload = tmp_path / "workload"
+    result = subprocess.run([sys.executable, str(BENCH / "native_moe_workload.py"), "--no-weights", "--samples", "64",
+                             "--images", "6", "--dir", str(workload)],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not list(workload.glob("*.safetensors"))
+    result = subprocess.run([sys.executable, "-m", "dyad.app.cli", "plan", str(workload / "workload.yaml"),
+                             "--device-memory", "141"], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "GPUs: 8 (encoder 2 + llm 6)" in result.stdout, result.stdout[-3000:]
+    assert "27 blocks, native resolution" in result.stdout and "top 8 of 48 experts in 24 of 24 layers" in result.stdout
+
+
 def test_the_module_profile_of_a_native_resolution_tower_is_read_back(tmp_path):
     """A Qwen3-VL tower's profile: square images of several sizes, each timed, and `dyad plan
     --gpus 2` reads it for the same config."""
