@@ -26,9 +26,10 @@ math in plain PyTorch (index_select and bmm); they run off CUDA, without Triton 
 kernels).
 
 Under torch.compile the Triton kernels run as custom ops (`dyad::gathered_sum`,
-`dyad::scaled_scatter_and_dots`), which the compiler keeps whole in its graph: traced, the
-reference's gather and reduction became inductor kernels that moved the rows at a quarter of
-the bandwidth these reach (a compiled LLM step of 32 experts, top-8, spent 79 ms of 640 in them).
+`dyad::scaled_scatter_and_dots`, `dyad::scattered_copies`), which the compiler keeps whole in
+its graph: traced, the reference's gather and reduction became inductor kernels that moved the
+rows at a quarter of the bandwidth these reach (a compiled LLM step of 32 experts, top-8, spent
+79 ms of 640 in them).
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def _(x_TD, positions_TK, out_dtype):
 
 @functools.cache
 def _copy_kernel():
-    """The `scattered_copies` Triton kernel (Triton is there: `_fused_applies` asked)."""
+    """The `scattered_copies` Triton kernel (Triton is there: `_kernel_takes` asked)."""
     import triton
     import triton.language as tl
 
