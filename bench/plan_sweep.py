@@ -14,7 +14,7 @@ candidate that fails (out of memory, say) is reported with its error and counts 
 
     python bench/module_profile.py CONFIG [KEY=VALUE ...] --out $OUT/profile.json          # one GPU
     NCCL_NVLS_ENABLE=0 python bench/plan_sweep.py CONFIG [KEY=VALUE ...] --gpus 8 \\
-        --profile $OUT/profile.json --out $OUT/plan_sweep.json --work $OUT/runs
+        --profile $OUT/profile.json --out $OUT/plan_sweep.json --plot $OUT/plan_sweep.png --work $OUT/runs
     python bench/plan_sweep.py --toy --profile profile.json   # CPU, digits on two ranks (CI)
 
 CONFIG and its overrides as `dyad plan` takes them; they apply to every run (add
@@ -91,6 +91,47 @@ def check(runs: dict[str, dict], kinds: dict[str, str], pick: str, within: float
     return result
 
 
+KIND_COLORS = {"split": "C0", "colocated": "C1", "homogeneous": "C2"}
+
+
+def plot(path: str, runs: dict[str, dict], kinds: dict[str, str], summary: dict, gpus: int) -> None:
+    """Two panels: each run's measured tokens/s (a bar per candidate, colored by placement, the
+    pick outlined, a failed run labelled), and measured against predicted tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(runs)
+    measured = [runs[n].get("tokens_per_s", 0.0) for n in names]
+    fig, (bars, scatter) = plt.subplots(1, 2, figsize=(16, 0.4 * len(names) + 2.5), layout="constrained",
+                                        gridspec_kw={"width_ratios": [3, 2]})
+    colors = [KIND_COLORS[kinds[n]] for n in names]
+    drawn = bars.barh(range(len(names)), measured, color=colors)
+    for bar, name in zip(drawn, names):
+        if name == summary["pick"]:
+            bar.set_edgecolor("black")
+            bar.set_linewidth(2)
+        if "error" in runs[name]:
+            bars.text(0, bar.get_y() + bar.get_height() / 2, " failed", va="center")
+    bars.set_yticks(range(len(names)), names, fontsize=7)
+    bars.invert_yaxis()
+    bars.set_xlabel("measured tokens/s")
+    bars.set_title(f"{gpus} GPUs: each candidate run (outlined: dyad plan's pick)")
+    for kind, color in KIND_COLORS.items():
+        points = [(runs[n]["predicted_tokens_per_s"], runs[n]["tokens_per_s"]) for n in names
+                  if kinds[n] == kind and "error" not in runs[n]]
+        if points:
+            scatter.scatter(*zip(*points), color=color, label=kind)
+    top = max([*measured, *(r["predicted_tokens_per_s"] for r in runs.values())], default=1.0)
+    scatter.plot([0, top], [0, top], color="grey", linewidth=0.8, label="measured = predicted")
+    scatter.set_xlabel("predicted tokens/s")
+    scatter.set_ylabel("measured tokens/s")
+    scatter.legend()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("config", nargs="?", help="a YAML run config, or the NAME of one dyad ships (default: digits)")
@@ -104,6 +145,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the medians")
     parser.add_argument("--work", help="run directories (default: a temporary one)")
     parser.add_argument("--out")
+    parser.add_argument("--plot", help="a PNG of the runs' tokens/s and measured against predicted")
     args = parser.parse_args()
     if args.config and "=" in args.config:  # no config named: the first argument is an override
         args.overrides, args.config = [args.config, *args.overrides], None
@@ -140,6 +182,8 @@ def main() -> None:
                           predicted=predicted, runs=runs, check=summary)
     print_table(runs)
     summary = check(runs, kinds, pick, args.within)
+    if args.plot:
+        plot(args.plot, runs, kinds, summary, gpus)
     for kind, name in summary["best"].items():
         if name:
             print(f"best {kind}: {name}, {runs[name]['tokens_per_s']:.0f} tokens/s "

@@ -218,11 +218,13 @@ def test_the_native_moe_workload_is_swept_at_toy_size(tmp_path):
     for script, args in (("native_moe_workload.py", ["--toy", "--dir", str(workload)]),
                          ("module_profile.py", [str(config), "--toy", "--out", str(profile)]),
                          ("plan_sweep.py", [str(config), "--toy", "--profile", str(profile), "--per-placement", "1",
-                                            "--out", str(out), "--work", str(tmp_path / "runs")])):
+                                            "--out", str(out), "--plot", str(tmp_path / "sweep.png"),
+                                            "--work", str(tmp_path / "runs")])):
         result = subprocess.run([sys.executable, str(BENCH / script), *args],
                                 capture_output=True, text=True, timeout=600, check=False)
         assert result.returncode == 0, f"{script}: {result.stderr[-3000:]}"
     sweep = json.loads(out.read_text())
+    assert (tmp_path / "sweep.png").read_bytes().startswith(b"\x89PNG")
     runs, check = sweep["runs"], sweep["check"]
     assert {sweep["predicted"][name]["placement"] for name in runs} == {"1+1", "colocated", "homogeneous"}
     assert len(runs) == 3
